@@ -1,0 +1,40 @@
+# Tandem. Quick start: `make run`, `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+MODELS_DIR := models
+DEFAULT_GGUF := $(MODELS_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
+THREADS ?= 2
+PROMPT ?= What is the capital of France? Answer in one sentence.
+
+.PHONY: setup run test test-fast bench bench-peers clean
+
+setup: $(STAMP) $(DEFAULT_GGUF)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+$(DEFAULT_GGUF): | $(STAMP)
+	$(BIN)/python -m online.loading.resolve fetch smollm2 --dir $(MODELS_DIR)
+
+run: setup
+	$(BIN)/tandem generate --model smollm2 --chat --prompt "$(PROMPT)" --max-new-tokens 64 --threads $(THREADS)
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+bench: setup
+	$(BIN)/python -m bench.run --threads $(THREADS)
+
+bench-peers: setup
+	bash bench/build_peers.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Offline stage: profile neuron activity, thresholds and MoE routing of a model."""

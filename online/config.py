@@ -1,0 +1,156 @@
+"""ModelConfig: the architecture description every component shares.
+
+One frozen, validated dataclass covers the supported families:
+- ``llama``: Llama, SmolLM2, Mistral, Qwen2 (RMSNorm, RoPE, GQA, gated FFN), including the
+  sparse-activation variants (``hidden_act`` relu / fatrelu / drelu),
+- ``opt``: LayerNorm, learned positions (offset 2), plain ReLU FFN with biases,
+- ``mixtral`` / ``qwen2_moe``: Llama-style attention with top-k routed experts.
+
+Example::
+
+    cfg = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_layers=30, num_heads=9, num_kv_heads=3)
+    cfg.head_dim  # 64
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.errors import TandemError
+
+ARCHS = ("llama", "opt", "mixtral", "qwen2_moe")
+ACTIVATIONS = ("silu", "relu", "gelu", "gelu_tanh", "fatrelu", "drelu")
+ROPE_SCALING_TYPES = ("linear", "llama3", "default")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0  # 0 -> hidden_size // num_heads
+    max_context: int = 2048
+    norm: str = "rms"  # "rms" | "layer"
+    norm_eps: float = 1e-5
+    position: str = "rope"  # "rope" | "learned"
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] = ()  # frozen dict items, e.g. (("rope_type","llama3"),...)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q, k, v
+    attention_out_bias: bool = False  # bias on o_proj
+    mlp_gated: bool = True  # act(gate x) * up x, else act(up x)
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    act_threshold: float = 0.0  # FATReLU threshold
+    sliding_window: int = 0  # 0 -> none
+    # MoE
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()  # layers with experts; empty -> all layers when num_experts > 0
+    # tokens
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    # OPT: learned position offset
+    position_offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_heads, 1))
+        if self.num_experts > 0 and not self.moe_layers:
+            object.__setattr__(self, "moe_layers", tuple(range(self.num_layers)))
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str) -> TandemError:
+            return TandemError(f"invalid model config: {msg}")
+        if self.arch not in ARCHS:
+            raise bad(f"unsupported architecture {self.arch!r} (supported: {', '.join(ARCHS)})")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_context"):
+            if getattr(self, name) <= 0:
+                raise bad(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise bad(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.norm not in ("rms", "layer"):
+            raise bad(f"norm must be 'rms' or 'layer', got {self.norm!r}")
+        if self.position not in ("rope", "learned"):
+            raise bad(f"position must be 'rope' or 'learned', got {self.position!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise bad(f"unsupported activation {self.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})")
+        if self.position == "rope" and self.head_dim % 2:
+            raise bad("rotary embeddings need an even head_dim")
+        scaling = dict(self.rope_scaling)
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in ROPE_SCALING_TYPES:
+            raise bad(f"unsupported rope_scaling {scaling} (supported types: {', '.join(ROPE_SCALING_TYPES)})")
+        if self.num_experts:
+            if not (0 < self.num_experts_per_tok <= self.num_experts):
+                raise bad(f"num_experts_per_tok {self.num_experts_per_tok} not in 1..{self.num_experts}")
+            if self.moe_intermediate_size <= 0:
+                raise bad("moe_intermediate_size must be positive for MoE models")
+            if any(not 0 <= i < self.num_layers for i in self.moe_layers):
+                raise bad("moe_layers out of range")
+        elif self.intermediate_size <= 0:
+            raise bad("intermediate_size must be positive")
+
+    # --- derived -----------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer in self.moe_layers
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        return dict(self.rope_scaling)
+
+    @property
+    def ffn_is_relu_sparse(self) -> bool:
+        """Activations are exact zeros (ReLU-family), so sparsity needs no magnitude threshold."""
+        return self.hidden_act in ("relu", "fatrelu", "drelu")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["rope_scaling"] = dict(self.rope_scaling)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        d["rope_scaling"] = freeze_mapping(d.get("rope_scaling") or {})
+        for key in ("eos_token_ids", "moe_layers"):
+            d[key] = tuple(d.get(key) or ())
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def fingerprint_dict(self) -> dict[str, Any]:
+        """What identifies the architecture (no token ids): used in artifact fingerprints."""
+        d = self.to_dict()
+        for key in ("bos_token_id", "eos_token_ids", "pad_token_id", "max_context"):
+            d.pop(key, None)
+        return d
+
+
+def freeze_mapping(m: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A dict as sorted items (lists become tuples), so it can live in a frozen dataclass."""
+    def freeze(v: Any) -> Any:
+        if isinstance(v, dict):
+            return freeze_mapping(v)
+        if isinstance(v, list):
+            return tuple(freeze(x) for x in v)
+        return v
+    return tuple(sorted((str(k), freeze(v)) for k, v in m.items()))
+
+
+def config_json(cfg: ModelConfig) -> str:
+    return json.dumps(cfg.to_dict(), sort_keys=True)

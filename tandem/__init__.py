@@ -1,0 +1,1 @@
+"""Tandem: shared pieces (CLI entry point, errors, artifact I/O)."""

@@ -1,0 +1,103 @@
+"""Typed, versioned artifacts: ``NAME.safetensors`` (tensors) + ``NAME.json`` (metadata).
+
+Every artifact directory is written atomically: files go to a temporary sibling directory that
+is renamed into place only when complete, so an interrupted run leaves no half artifact.
+
+Example::
+
+    save_artifact(out_dir, "profile", tensors={"freq": freq}, meta={"kind": "profile", ...})
+    tensors, meta = load_artifact(out_dir, "profile", kind="profile", schema_version=1)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .errors import ArtifactError
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def fingerprint(obj: Any) -> str:
+    """Stable short hash of a JSON-serialisable object (sorted keys)."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def save_artifact(out_dir: str | os.PathLike, name: str, tensors: dict[str, torch.Tensor],
+                  meta: dict[str, Any], extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write ``out_dir/name.safetensors`` + ``out_dir/name.json`` (+ extra files) atomically.
+
+    The whole directory is replaced in one rename; files of an older artifact are dropped.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        contiguous = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        save_file(contiguous, str(tmp_dir / f"{name}.safetensors"))
+        (tmp_dir / f"{name}.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        for fname, data in (extra_files or {}).items():
+            (tmp_dir / fname).write_bytes(data)
+        old_dir = None
+        if out_dir.exists():
+            old_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
+            os.replace(out_dir, old_dir / "x")
+        os.replace(tmp_dir, out_dir)
+        if old_dir is not None:
+            shutil.rmtree(old_dir, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def load_artifact(art_dir: str | os.PathLike, name: str, kind: str,
+                  schema_version: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Load and validate an artifact pair; every problem is an ArtifactError with one clear line."""
+    art_dir = Path(art_dir)
+    meta_path, tensor_path = art_dir / f"{name}.json", art_dir / f"{name}.safetensors"
+    if not art_dir.is_dir():
+        raise ArtifactError(f"{kind} directory not found: {art_dir}")
+    if not meta_path.is_file() or not tensor_path.is_file():
+        raise ArtifactError(f"{art_dir} is not a {kind} artifact (expected {name}.json and {name}.safetensors)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"corrupted {kind} metadata {meta_path}: {e}") from None
+    if not isinstance(meta, dict) or meta.get("kind") != kind:
+        raise ArtifactError(f"{meta_path} is not a {kind} artifact (kind={meta.get('kind') if isinstance(meta, dict) else None!r})")
+    if meta.get("schema_version") != schema_version:
+        raise ArtifactError(f"{meta_path} has schema version {meta.get('schema_version')}, this Tandem reads {schema_version}; rebuild it")
+    try:
+        tensors = load_file(str(tensor_path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ArtifactError(f"corrupted {kind} tensors {tensor_path}: {str(e).splitlines()[0]}") from None
+    return tensors, meta
