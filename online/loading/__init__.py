@@ -1,0 +1,27 @@
+"""Model loading: GGUF files and Hugging Face folders -> Checkpoint (canonical tensor names)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tandem.errors import TandemError
+from .checkpoint import Checkpoint, model_fingerprint
+
+
+def load_checkpoint(model: str | Path) -> Checkpoint:
+    """Load ``model`` (alias such as "smollm2", a .gguf file, or a Hugging Face folder).
+
+    Example::
+
+        ckpt = load_checkpoint("smollm2")
+        ckpt.config.num_layers  # 30
+    """
+    from .resolve import resolve_model_path
+    path = resolve_model_path(str(model))
+    if path.is_dir():
+        from .hf_loader import load_hf_folder
+        return load_hf_folder(path)
+    from .gguf_loader import load_gguf
+    return load_gguf(path)
+
+
+__all__ = ["Checkpoint", "TandemError", "load_checkpoint", "model_fingerprint"]

@@ -1,0 +1,37 @@
+"""Tandem's engine: prefill and decode timings, repeated runs in one process."""
+from __future__ import annotations
+
+import argparse
+import time
+
+from bench.prompt import BENCH_PROMPT
+from bench.systems.common import emit
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--plan", default=None)
+    args = ap.parse_args()
+    from online import Engine
+    t0 = time.perf_counter()
+    engine = Engine.load(args.model, threads=args.threads, plan=args.plan)
+    load_s = time.perf_counter() - t0
+    prompt_ids = engine.tokenizer.encode(BENCH_PROMPT)
+    engine.generate(prompt_ids, max_new_tokens=8, ignore_eos=True)  # warm-up
+    prefill, decode = [], []
+    for _ in range(args.runs):
+        out = engine.generate(prompt_ids, max_new_tokens=args.decode_tokens, ignore_eos=True)
+        prefill.append(out.stats["prefill_tokens_per_s"])
+        decode.append(out.stats["decode_tokens_per_s"])
+    emit({"system": "tandem-dense" if not args.plan else "tandem-plan", "prompt_tokens": len(prompt_ids),
+          "decode_tokens": args.decode_tokens, "prefill_tok_s": prefill, "decode_tok_s": decode,
+          "load_s": round(load_s, 2), "weight_bytes_per_token": engine.weight_bytes_per_token,
+          "bytes_moved_per_token": out.stats.get("bytes_moved_per_token", 0)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""CLI subcommands of the online stage: ``tandem generate`` and ``tandem perplexity``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tandem.errors import TandemError
+
+
+def add_parsers(sub) -> None:
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("--model", required=True, help="alias (smollm2), .gguf file or Hugging Face folder")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user message (chat template)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    add_engine_arguments(gen)
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.set_defaults(handler=run_generate)
+
+    ppl = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
+    ppl.add_argument("--model", required=True)
+    ppl.add_argument("--text-file", required=True)
+    ppl.add_argument("--window", type=int, default=512, help="tokens per window")
+    ppl.add_argument("--stride", type=int, default=256, help="tokens between window starts")
+    add_engine_arguments(ppl)
+    ppl.add_argument("--json", action="store_true")
+    ppl.set_defaults(handler=run_perplexity)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.add_argument("--plan", default=None, help="plan directory from `tandem plan` / `tandem prepare`")
+    p.add_argument("--context", type=int, default=None, help="context length (default: the model's)")
+
+
+def load_engine(args):
+    from online import Engine
+    return Engine.load(args.model, threads=args.threads, plan=args.plan, context_length=args.context)
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise TandemError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise TandemError("--prompt-ids is empty")
+    return ids
+
+
+def run_generate(args) -> int:
+    if args.prompt is not None and not args.prompt:
+        raise TandemError("prompt is empty")
+    if args.prompt_ids is not None and args.chat:
+        raise TandemError("--chat needs --prompt text, not --prompt-ids")
+    prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    from online.sampling import SamplingParams
+    SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()))  # validate before loading
+    engine = load_engine(args)
+    prompt = prompt_ids if prompt_ids is not None else (
+        [{"role": "user", "content": args.prompt}] if args.chat else args.prompt)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.seed, stop=args.stop)
+    if args.json:
+        result = engine.generate(prompt, **kwargs)
+        out = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+               "model": engine.model_id, **result.stats}
+        print(json.dumps(out))
+        return 0
+    stream = engine.stream(prompt, **kwargs)
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    result = stream.result
+    if engine.tokenizer is None:
+        sys.stdout.write(",".join(map(str, result.token_ids)))
+    s = result.stats
+    sys.stdout.write("\n")
+    sys.stderr.write(f"[{s['prompt_tokens']} prompt tokens, {s['generated_tokens']} generated, "
+                     f"ttft {s['ttft_s'] * 1000:.0f} ms, prefill {s['prefill_tokens_per_s']:.1f} tok/s, "
+                     f"decode {s['decode_tokens_per_s']:.1f} tok/s, finish: {result.finish_reason}]\n")
+    return 0
+
+
+def run_perplexity(args) -> int:
+    path = Path(args.text_file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TandemError(f"text file not found: {path}") from None
+    except (UnicodeDecodeError, OSError) as e:
+        raise TandemError(f"cannot read {path}: {e}") from None
+    if args.window < 2 or args.stride < 1:
+        raise TandemError("--window must be >= 2 and --stride >= 1")
+    engine = load_engine(args)
+    ids = engine.encode_prompt_for_scoring(text)
+    ppl, scored = engine.perplexity(ids, window_tokens=args.window, stride_tokens=args.stride)
+    if args.json:
+        print(json.dumps({"perplexity": ppl, "tokens": scored, "model": engine.model_id}))
+    else:
+        print(f"perplexity {ppl:.4f} over {scored} tokens")
+    return 0

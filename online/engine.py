@@ -1,0 +1,249 @@
+"""Engine: the Python generation API.
+
+Example::
+
+    from online import Engine
+    engine = Engine.load("smollm2", threads=2)
+    out = engine.generate([{"role": "user", "content": "Hi!"}], max_new_tokens=32)
+    print(out.text, out.stats["decode_tokens_per_s"])
+    for piece in engine.stream("Once upon a time", max_new_tokens=16):
+        print(piece, end="")
+    logits = engine.logits([1, 2, 3])  # [3, vocab] float32
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from tandem.errors import TandemError
+from .config import ModelConfig
+from .execution import DenseExecutor
+from .generate import LoopTimings, prefill, token_loop
+from .kv_cache import KVCache
+from .loading import load_checkpoint
+from .model.build import build_model
+from .sampling import SamplingParams
+
+KV_CAPACITY_ROUND_TOKENS = 256
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated ids (prompt excluded)
+    prompt_tokens: int
+    finish_reason: str  # "stop" | "length"
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class TextStream:
+    """Iterator of text pieces; ``.result`` holds the GenerationResult once exhausted; ``close()`` stops early."""
+
+    def __init__(self, pieces: Iterator[str], holder: dict) -> None:
+        self._pieces = pieces
+        self._holder = holder
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._holder.get("result")
+
+    def close(self) -> None:
+        self._pieces.close()
+
+
+class Engine:
+    def __init__(self, model, executor, tokenizer, cfg: ModelConfig, model_path: Path, model_id: str,
+                 model_fingerprint: str, threads: int | None, context_length: int | None = None) -> None:
+        self.model = model
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.config = cfg
+        self.model_path = model_path
+        self.model_id = model_id
+        self.model_fingerprint = model_fingerprint
+        self.threads = threads
+        self.max_context = min(context_length or cfg.max_context, cfg.max_context)
+        eos = set(cfg.eos_token_ids)
+        if tokenizer is not None:
+            eos |= set(tokenizer.eos_token_ids)
+        self.eos_token_ids = eos
+        self._cache: KVCache | None = None
+
+    @classmethod
+    def load(cls, model: str | Path, threads: int | None = None, plan: str | Path | None = None,
+             context_length: int | None = None) -> "Engine":
+        """Load a model: alias ("smollm2"), a .gguf file or a Hugging Face folder."""
+        if threads is not None:
+            if threads < 1:
+                raise TandemError(f"threads must be >= 1, got {threads}")
+            torch.set_num_threads(threads)
+        if plan is not None:
+            raise TandemError("plan-driven execution is not available in this build yet")
+        ckpt = load_checkpoint(model)
+        fingerprint = ckpt.fingerprint
+        tokenizer, cfg = ckpt.tokenizer, ckpt.config
+        net, ffn_layers = build_model(ckpt)
+        executor = DenseExecutor(cfg, ffn_layers)
+        return cls(net, executor, tokenizer, cfg, ckpt.source_path, ckpt.model_id, fingerprint, threads, context_length)
+
+    # --- prompts ---------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise TandemError("prompt is empty")
+            ids = self._require_tokenizer().encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self._require_tokenizer().encode_chat(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, list) and not prompt:
+            raise TandemError("prompt is empty")
+        else:
+            raise TandemError("prompt must be a string, a list of chat messages or a list of token ids")
+        if not ids:
+            raise TandemError("prompt is empty after tokenization")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise TandemError(f"token id {bad[0]} is out of range for vocabulary size {self.config.vocab_size}")
+        if len(ids) >= self.max_context:
+            raise TandemError(f"prompt has {len(ids)} tokens, the context holds {self.max_context}")
+        return ids
+
+    def encode_prompt_for_scoring(self, text: str) -> list[int]:
+        """Tokenize a whole text for perplexity (no context limit: windows are cut later)."""
+        if not text.strip():
+            raise TandemError("text is empty")
+        return self._require_tokenizer().encode(text, add_special_tokens=True)
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise TandemError(f"model {self.model_id} has no tokenizer; pass token ids instead of text")
+        return self.tokenizer
+
+    def _kv_cache(self, n_tokens: int) -> KVCache:
+        needed = min(self.max_context, math.ceil(n_tokens / KV_CAPACITY_ROUND_TOKENS) * KV_CAPACITY_ROUND_TOKENS)
+        if self._cache is None or self._cache.capacity_tokens < needed:
+            self._cache = None
+            self._cache = KVCache(self.config, needed)
+        return self._cache
+
+    # --- generation ------------------------------------------------------------------------
+    def generate(self, prompt: str | list, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
+                 ignore_eos: bool = False) -> GenerationResult:
+        stream = self.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                             top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, prompt: str | list, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
+               ignore_eos: bool = False) -> TextStream:
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                top_p=top_p, seed=seed, stop=tuple(stop or ()))
+        prompt_ids = self.encode_prompt(prompt)
+        holder: dict = {}
+        eos_ids = set() if ignore_eos else self.eos_token_ids
+        return TextStream(self._pieces(prompt_ids, params, eos_ids, holder), holder)
+
+    def _pieces(self, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int], holder: dict) -> Iterator[str]:
+        cache = self._kv_cache(len(prompt_ids) + params.max_new_tokens)
+        timings = LoopTimings()
+        generated: list[int] = []
+        emitted = 0
+        text, finish = "", "length"
+        hold_back = max((len(s) for s in params.stop), default=1) - 1
+        for event in token_loop(self.model, self.executor, cache, prompt_ids, params, eos_ids,
+                                self.max_context, timings):
+            if event.finish_reason == "stop":
+                finish = "stop"
+                break
+            generated.append(event.token_id)
+            if event.finish_reason == "length":
+                finish = "length"
+            if self.tokenizer is None:
+                continue
+            text = self.tokenizer.decode(generated)
+            cut = min((text.find(s) for s in params.stop if s in text), default=-1)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+                if cut > emitted:
+                    yield text[emitted:cut]
+                emitted = len(text)
+                break
+            safe = len(text) - hold_back
+            while safe > emitted and text[safe - 1] == "\ufffd":  # incomplete UTF-8 sequence
+                safe -= 1
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+        if timings.end_s == 0.0:
+            timings.end_s = time.perf_counter()
+        if len(text) > emitted:
+            yield text[emitted:]
+        holder["result"] = GenerationResult(text=text, token_ids=generated, prompt_tokens=len(prompt_ids),
+                                            finish_reason=finish, stats=self._stats(prompt_ids, generated, timings))
+
+    def _stats(self, prompt_ids: list[int], generated: list[int], t: LoopTimings) -> dict[str, Any]:
+        first = t.first_token_s or t.end_s
+        decode_s = max(t.end_s - first, 1e-9)
+        return {
+            "prompt_tokens": len(prompt_ids),
+            "generated_tokens": len(generated),
+            "ttft_s": round(first - t.start_s, 6),
+            "prefill_tokens_per_s": round(len(prompt_ids) / max(first - t.start_s, 1e-9), 3),
+            "decode_tokens_per_s": round(t.decode_steps / decode_s, 3) if t.decode_steps else 0.0,
+            "total_s": round(t.end_s - t.start_s, 6),
+            "bytes_moved_per_token": 0,
+            "weight_bytes_per_token": self.weight_bytes_per_token,
+            "threads": torch.get_num_threads(),
+        }
+
+    @property
+    def weight_bytes_per_token(self) -> int:
+        """Weight bytes read per decoded token (attention + FFN + output head; embeddings: one row)."""
+        attn = sum(p.numel() * p.element_size() for name, p in self.model.named_parameters()
+                   if name.startswith("layers."))
+        head = self.model.lm_head.weight
+        return attn + self.executor.ffn_nbytes + head.numel() * head.element_size()
+
+    # --- scoring ---------------------------------------------------------------------------
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 logits [T, vocab] for a 1-D list of token ids (a fresh context)."""
+        ids = self.encode_prompt(list(token_ids)) if token_ids else self.encode_prompt([])
+        cache = self._kv_cache(len(ids))
+        return prefill(self.model, self.executor, cache, ids, all_logits=True).float()
+
+    def perplexity(self, token_ids: list[int], window_tokens: int = 512, stride_tokens: int = 256) -> tuple[float, int]:
+        """Sliding-window perplexity; returns (perplexity, number of scored tokens)."""
+        if len(token_ids) < 2:
+            raise TandemError("need at least 2 tokens to compute perplexity")
+        window_tokens = min(window_tokens, self.max_context - 1)
+        stride_tokens = min(stride_tokens, window_tokens)
+        nll, scored, prev_end = 0.0, 0, 0
+        for begin in range(0, len(token_ids), stride_tokens):
+            end = min(begin + window_tokens, len(token_ids))
+            window = token_ids[begin:end]
+            logits = self.logits(window)  # [W, vocab]
+            n_new = end - max(prev_end, begin + 1)
+            targets = torch.tensor(window[-n_new:])
+            logp = F.log_softmax(logits[-n_new - 1:-1].double(), dim=-1)
+            nll -= float(logp.gather(1, targets[:, None]).sum())
+            scored += n_new
+            prev_end = end
+            if end == len(token_ids):
+                break
+        return math.exp(nll / scored), scored

@@ -1,0 +1,87 @@
+"""DenseExecutor: exact FFN and MoE computation, the reference every other executor matches.
+
+Example::
+
+    executor = DenseExecutor(cfg, extract_ffn_weights(cfg, tensors))
+    y = executor.forward(layer=3, x=x)  # x [T, d] (normalized FFN input) -> [T, d]
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from .activations import activate, gated_hidden
+from .weights import FFNWeights, MoELayerWeights
+
+
+def ffn_hidden(cfg: ModelConfig, w: FFNWeights, x: torch.Tensor) -> torch.Tensor:
+    """h [T, F]: the input of the down projection."""
+    up = F.linear(x, w.up, w.up_bias)  # [T, F]
+    if w.gate is None:
+        return activate(cfg.hidden_act, up, cfg.act_threshold)
+    gate = F.linear(x, w.gate, w.gate_bias)  # [T, F]
+    return gated_hidden(cfg.hidden_act, gate, up, cfg.act_threshold)
+
+
+def ffn_down(w: FFNWeights, h: torch.Tensor) -> torch.Tensor:
+    return F.linear(h, w.down, w.down_bias)  # [T, d]
+
+
+def route(cfg: ModelConfig, moe: MoELayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k routing: (expert ids [T, k], weights [T, k], router logits [T, E])."""
+    logits = F.linear(x, moe.router)  # [T, E]
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, expert_ids = probs.topk(cfg.num_experts_per_tok, dim=-1)  # [T, k]
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return expert_ids, weights.to(x.dtype), logits
+
+
+def shared_expert_out(cfg: ModelConfig, moe: MoELayerWeights, x: torch.Tensor) -> torch.Tensor:
+    y = ffn_down(moe.shared_expert, ffn_hidden(cfg, moe.shared_expert, x))  # [T, d]
+    return torch.sigmoid(F.linear(x, moe.shared_expert_gate)) * y
+
+
+class DenseExecutor:
+    """Computes every neuron and every selected expert exactly (float32)."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[FFNWeights | MoELayerWeights]) -> None:
+        self.cfg = cfg
+        self.layers = layers
+
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        weights = self.layers[layer]
+        if isinstance(weights, MoELayerWeights):
+            return self.moe_forward(layer, x)
+        return ffn_down(weights, ffn_hidden(self.cfg, weights, x))
+
+    def expert_forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        w = self.layers[layer].experts[expert]
+        return ffn_down(w, ffn_hidden(self.cfg, w, x))
+
+    def moe_forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        moe = self.layers[layer]
+        expert_ids, weights, _ = route(self.cfg, moe, x)  # [T, k]
+        out = torch.zeros_like(x)  # [T, d]
+        for expert in expert_ids.unique().tolist():
+            token_idx, slot = torch.where(expert_ids == expert)
+            y = self.expert_forward(layer, expert, x[token_idx])  # [n, d]
+            out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
+        if moe.shared_expert is not None:
+            out = out + shared_expert_out(self.cfg, moe, x)
+        return out
+
+    def output_logits(self, x: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, lm_head_weight)  # [T, vocab]
+
+    @property
+    def ffn_nbytes(self) -> int:
+        total = 0
+        for w in self.layers:
+            if isinstance(w, MoELayerWeights):
+                total += sum(e.nbytes for e in w.experts) + w.router.numel() * 4
+                total += w.shared_expert.nbytes if w.shared_expert is not None else 0
+            else:
+                total += w.nbytes
+        return total

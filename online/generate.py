@@ -1,0 +1,71 @@
+"""The generation loop as small functions: ``prefill`` and ``decode_one_token``."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .kv_cache import KVCache
+from .sampling import SamplingParams, make_generator, sample_next
+
+PREFILL_CHUNK_TOKENS = 512
+
+
+@torch.inference_mode()
+def prefill(model, executor, cache: KVCache, token_ids: list[int], start_pos: int = 0,
+            all_logits: bool = False) -> torch.Tensor:
+    """Run the prompt through the model in chunks; logits of the last position [vocab] (or all [T, vocab])."""
+    outputs = []
+    for begin in range(0, len(token_ids), PREFILL_CHUNK_TOKENS):
+        chunk = torch.tensor(token_ids[begin: begin + PREFILL_CHUNK_TOKENS], dtype=torch.long)
+        outputs.append(model(chunk, start_pos + begin, cache, executor, all_logits=all_logits))
+    return torch.cat(outputs) if all_logits else outputs[-1][-1]
+
+
+@torch.inference_mode()
+def decode_one_token(model, executor, cache: KVCache, token_id: int, pos: int) -> torch.Tensor:
+    """One decode step at position ``pos``: logits [vocab]."""
+    return model(torch.tensor([token_id], dtype=torch.long), pos, cache, executor)[-1]
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    finish_reason: str | None  # None while running; "stop" (EOS) | "length"
+
+
+@dataclass
+class LoopTimings:
+    start_s: float = 0.0
+    first_token_s: float = 0.0
+    end_s: float = 0.0
+    decode_steps: int = 0
+
+
+def token_loop(model, executor, cache: KVCache, prompt_ids: list[int], params: SamplingParams,
+               eos_ids: set[int], max_total_tokens: int, timings: LoopTimings) -> Iterator[TokenEvent]:
+    """Yield sampled tokens one by one until EOS, max_new_tokens or the context is full."""
+    generator = make_generator(params)
+    timings.start_s = time.perf_counter()
+    logits = prefill(model, executor, cache, prompt_ids)
+    pos = len(prompt_ids)
+    budget = min(params.max_new_tokens, max_total_tokens - pos)
+    for step in range(budget):
+        token = sample_next(logits, params, generator)
+        if step == 0:
+            timings.first_token_s = time.perf_counter()
+        if token in eos_ids:
+            timings.end_s = time.perf_counter()
+            yield TokenEvent(token, "stop")
+            return
+        last = step == budget - 1
+        if last:
+            timings.end_s = time.perf_counter()
+        yield TokenEvent(token, "length" if last else None)
+        if last:
+            return
+        logits = decode_one_token(model, executor, cache, token, pos)
+        timings.decode_steps += 1
+        pos += 1

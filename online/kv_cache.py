@@ -1,0 +1,34 @@
+"""Preallocated KV cache: one [n_kv_heads, capacity, head_dim] buffer pair per layer."""
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+class KVCache:
+    """Fixed-capacity key/value storage for one sequence.
+
+    Example::
+
+        cache = KVCache(cfg, capacity_tokens=512)
+        k_all, v_all = cache.write(layer=0, start=0, k=k, v=v)  # views over positions [0, start+T)
+    """
+
+    def __init__(self, cfg: ModelConfig, capacity_tokens: int, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.capacity_tokens = capacity_tokens
+        shape = (cfg.num_layers, cfg.num_kv_heads, capacity_tokens, cfg.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # [L, KV, C, hd]
+        self.values = torch.zeros(shape, device=device, dtype=dtype)  # [L, KV, C, hd]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [T, KV, hd] at positions start.. and return all keys/values so far [KV, S, hd]."""
+        end = start + k.shape[0]
+        self.keys[layer, :, start:end] = k.transpose(0, 1)
+        self.values[layer, :, start:end] = v.transpose(0, 1)
+        return self.keys[layer, :, :end], self.values[layer, :, :end]

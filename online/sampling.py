@@ -1,0 +1,68 @@
+"""Sampling parameters and next-token selection (greedy, temperature, top-k, top-p)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tandem.errors import TandemError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Validated decoding settings. temperature 0 means greedy.
+
+    Example::
+
+        params = SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9, seed=1)
+    """
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> TandemError:
+            return TandemError(f"invalid sampling value: {msg}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise bad(f"seed must be a non-negative integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(params: SamplingParams) -> torch.Generator:
+    gen = torch.Generator()
+    gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+    return gen
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """logits [vocab] -> token id."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scores = logits.float() / params.temperature  # [vocab]
+    if params.top_k and params.top_k < scores.shape[0]:
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
+        drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= params.top_p  # keep the first token always
+        scores = scores.scatter(0, order[drop], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

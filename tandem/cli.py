@@ -1,0 +1,74 @@
+"""The ``tandem`` command: one entry point, subcommands registered by each component.
+
+Every user error prints one line (``error: ...``) and exits with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from .errors import TandemError
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"error: {self.prog}: {message}\n")
+        sys.exit(2)
+
+
+COMPONENT_PARSERS = [  # (module, function registering its subcommands)
+    ("online.cli", "add_parsers"),
+    ("offline.cli", "add_parsers"),
+    ("predictors.cli", "add_parsers"),
+    ("placement.cli", "add_parsers"),
+    ("online.prepare_cli", "add_parsers"),
+    ("online.server.cli", "add_serve_parser"),
+]
+
+
+def _registrars() -> list[Callable]:
+    registrars = []
+    for module, function in COMPONENT_PARSERS:
+        try:
+            mod = __import__(module, fromlist=[function])
+        except ModuleNotFoundError as e:
+            if e.name and module.startswith(e.name):
+                continue  # component not present in this build
+            raise
+        if hasattr(mod, function):
+            registrars.append(getattr(mod, function))
+    return registrars
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineArgumentParser(prog="tandem", description="Heterogeneous CPU-GPU LLM inference engine.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineArgumentParser)
+    for register in _registrars():
+        register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None) or getattr(args, "func", None)
+    if handler is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(handler(args) or 0)
+    except TandemError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("error: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

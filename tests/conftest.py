@@ -1,0 +1,95 @@
+"""Shared fixtures: tiny random models built from transformers' config classes, the real default model."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+TINY_COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   max_position_embeddings=128)
+
+
+def tiny_hf_model(kind: str):
+    """A tiny random transformers model of the given kind (llama, llama-relu, opt, mixtral, qwen2_moe, ...)."""
+    import transformers as tf
+    torch.manual_seed(0)
+    if kind == "opt":
+        cfg = tf.OPTConfig(ffn_dim=128, word_embed_proj_dim=64, **TINY_COMMON)
+        return tf.OPTForCausalLM(cfg)
+    if kind == "mixtral":
+        cfg = tf.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                               intermediate_size=48, **TINY_COMMON)
+        return tf.MixtralForCausalLM(cfg)
+    if kind == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                                intermediate_size=96, **TINY_COMMON)
+        return tf.Qwen2MoeForCausalLM(cfg)
+    if kind == "qwen2":
+        cfg = tf.Qwen2Config(num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True, **TINY_COMMON)
+        return tf.Qwen2ForCausalLM(cfg)
+    if kind == "mistral":
+        cfg = tf.MistralConfig(num_key_value_heads=2, intermediate_size=128, sliding_window=16, **TINY_COMMON)
+        return tf.MistralForCausalLM(cfg)
+    acts = {"llama": "silu", "llama-relu": "relu"}
+    if kind in acts:
+        cfg = tf.LlamaConfig(num_key_value_heads=2, intermediate_size=128, hidden_act=acts[kind],
+                             rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 32},
+                             **TINY_COMMON)
+        return tf.LlamaForCausalLM(cfg)
+    raise ValueError(kind)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: kind -> (folder with config.json + model.safetensors, the transformers model)."""
+    made: dict[str, tuple[Path, object]] = {}
+
+    def make(kind: str):
+        if kind not in made:
+            model = tiny_hf_model(kind).eval()
+            folder = tmp_path_factory.mktemp(f"tiny-{kind}")
+            model.save_pretrained(folder)
+            made[kind] = (folder, model)
+        return made[kind]
+    return make
+
+
+def default_gguf_path() -> Path:
+    from online.loading.resolve import resolve_model_path
+    return resolve_model_path("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_path):
+    from online import Engine
+    return Engine.load(str(smollm2_path))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """transformers' own load of the same GGUF (float32); ~30 s, so once per session."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
