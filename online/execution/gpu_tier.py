@@ -1,0 +1,69 @@
+"""The GPU tier: a device plus a byte budget that every placed tensor is charged against.
+
+On a machine with CUDA the tier lives on the GPU; otherwise (or with ``device="cpu"``) it runs on
+the CPU with the same code path and the same budget accounting, so hybrid logic is testable anywhere.
+
+Example::
+
+    tier = GpuTier.create(budget_bytes=2 << 30)          # "cuda" when available, else "cpu"
+    if tier.can_allocate(w.numel() * w.element_size()):
+        w_gpu = tier.allocate("layers.3.hot_up", w)      # copied to the tier's device, bytes charged
+    tier.used_bytes, tier.peak_bytes
+"""
+from __future__ import annotations
+
+import torch
+
+from tandem.errors import TandemError
+
+
+class GpuTier:
+    def __init__(self, device: torch.device, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise TandemError(f"GPU budget must be >= 0 bytes, got {budget_bytes}")
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self.peak_bytes = 0
+        self.bytes_copied = 0  # host -> tier traffic, for bytes_moved_per_token
+        self._owned: dict[str, int] = {}
+
+    @classmethod
+    def create(cls, budget_bytes: int, device: str | None = None) -> "GpuTier":
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise TandemError("--gpu-device cuda requested but no CUDA device is available")
+        if device not in ("cpu",) and not device.startswith("cuda"):
+            raise TandemError(f"unknown GPU-tier device {device!r} (use 'cuda' or 'cpu')")
+        return cls(torch.device(device), budget_bytes)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def free_bytes(self) -> int:
+        return self.budget_bytes - self.used_bytes
+
+    def can_allocate(self, nbytes: int) -> bool:
+        return self.used_bytes + nbytes <= self.budget_bytes
+
+    def allocate(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Place ``tensor`` on the tier under ``name``; refuse if it would exceed the budget."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if name in self._owned:
+            raise TandemError(f"GPU tier already holds {name}")
+        if not self.can_allocate(nbytes):
+            raise TandemError(f"GPU budget exceeded placing {name}: {nbytes} bytes needed, "
+                              f"{self.free_bytes} of {self.budget_bytes} free")
+        self._owned[name] = nbytes
+        self.used_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        if tensor.device != self.device:
+            self.bytes_copied += nbytes
+            return tensor.to(self.device, non_blocking=self.is_cuda)
+        return tensor.clone()
+
+    def release(self, name: str) -> None:
+        self.used_bytes -= self._owned.pop(name)

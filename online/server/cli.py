@@ -1,0 +1,109 @@
+"""``tandem serve``: load a model and serve the OpenAI-compatible API with uvicorn.
+
+Example::
+
+    parser = argparse.ArgumentParser(); subparsers = parser.add_subparsers(dest="command")
+    add_serve_parser(subparsers)
+    args = parser.parse_args(["serve", "--model", "smollm2"])
+    run_serve(args)  # blocks until Ctrl+C; returns the exit code
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import sys
+
+from tandem.errors import TandemError
+
+API_KEY_ENV = "TANDEM_API_KEY"
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``serve`` sub-command (its ``func`` default is :func:`run_serve`)."""
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, "
+                    "/v1/models, /health, /metrics.")
+    p.add_argument("--model", required=True, help="model alias (e.g. smollm2), .gguf file or Hugging Face folder")
+    p.add_argument("--plan", default=None, help="placement plan from `tandem plan` (hybrid CPU/GPU execution)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV} if set)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for the engine (default: all cores)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; more get 429 (default 64)")
+    p.add_argument("--request-timeout", type=float, default=300.0,
+                   help="seconds a request may wait and generate in total (default 300)")
+    p.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's id)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def _validate(args: argparse.Namespace) -> str | None:
+    if not 1 <= args.port <= 65535:
+        raise TandemError(f"--port must be between 1 and 65535, got {args.port}")
+    if args.max_queue < 1:
+        raise TandemError(f"--max-queue must be at least 1, got {args.max_queue}")
+    if not args.request_timeout > 0:
+        raise TandemError(f"--request-timeout must be positive, got {args.request_timeout}")
+    if args.threads is not None and args.threads < 1:
+        raise TandemError(f"--threads must be at least 1, got {args.threads}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if api_key is not None and not api_key.strip():
+        raise TandemError("--api-key must not be empty")
+    return api_key
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Open the listening socket up front so a busy port is a one-line error, not a traceback."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise TandemError(f"cannot resolve --host {host!r}: {exc.strerror}") from None
+    family, kind, proto, _name, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise TandemError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the engine, bind the socket and serve until interrupted. Returns the exit code."""
+    api_key = _validate(args)
+    sock = _bind(args.host, args.port)
+    try:
+        import uvicorn
+
+        from online import Engine
+        from online.server.app import create_app
+
+        engine = Engine.load(args.model, threads=args.threads, plan=args.plan)
+        app = create_app(engine, api_key=api_key, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
+                         served_model_name=args.served_model_name)
+        if api_key is None and not _is_loopback(args.host):
+            print(f"warning: serving on {args.host} without --api-key: anyone who can reach this port can use it",
+                  file=sys.stderr)
+        shown_host = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"serving {engine.model_id} at http://{shown_host}:{args.port}/v1 (Ctrl+C to stop)", file=sys.stderr)
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0

@@ -1,0 +1,227 @@
+"""Request models of the OpenAI-compatible API, with strict validation.
+
+Every field is type-checked without coercion (``"5"`` is not an int). A failed check becomes an
+:class:`ApiError` (HTTP 400, OpenAI error body) through :func:`parse_request`.
+
+Example::
+
+    req = parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    req.chat_messages()  # [{"role": "user", "content": "hi"}]
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_STOP_STRINGS = 16
+MAX_SEED = 2**63 - 1
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _check_utf8(text: str, what: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid Unicode (lone surrogate escape)") from None
+    return text
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: str
+    content: Any = None
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, role: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"unsupported role {role!r} (supported: {', '.join(ROLES)})")
+        return "system" if role == "developer" else role
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, content: Any) -> str:
+        if content is None:
+            return ""
+        if isinstance(content, str):
+            return _check_utf8(content, "content")
+        if isinstance(content, list):  # [{"type": "text", "text": "..."}, ...]
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
+                texts.append(_check_utf8(part["text"], "content"))
+            return "\n".join(texts)
+        raise ValueError("content must be a string or a list of text parts")
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # extension; -1 or 0 = disabled
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: Any = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int = 1
+    logprobs: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop: Any) -> list[str] | None:
+        if stop is None:
+            return None
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return [_check_utf8(s, "stop") for s in stops] or None
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: Any) -> None:
+        if value not in (None, False, 0):
+            raise ValueError("logprobs are not supported")
+        return None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, value: float | None) -> None:
+        if value not in (None, 0.0):
+            raise ValueError("presence and frequency penalties are not supported")
+        return None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, options: dict[str, Any] | None) -> dict[str, Any] | None:
+        if options is not None and not isinstance(options.get("include_usage", False), bool):
+            raise ValueError("stream_options.include_usage must be a boolean")
+        return options
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling(self) -> dict[str, Any]:
+        """Keyword arguments for ``Engine.stream`` (besides prompt and max_new_tokens)."""
+        return {
+            "temperature": 1.0 if self.temperature is None else float(self.temperature),
+            "top_k": max(self.top_k or 0, 0),
+            "top_p": 1.0 if self.top_p is None else float(self.top_p),
+            "seed": self.seed,
+            "stop": self.stop,
+        }
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not messages:
+            raise ValueError("messages must contain at least one message")
+        return messages
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Any
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, prompt: Any) -> str | list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return _check_utf8(prompt, "prompt")
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return prompt  # token ids, range-checked by the engine
+        raise ValueError("prompt must be a non-empty string, a list of one string, or a list of token ids")
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, best_of: int | None) -> None:
+        if best_of not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return None
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, suffix: str | None) -> None:
+        if suffix:
+            raise ValueError("suffix is not supported")
+        return None
+
+
+def parse_request(model: type[BaseModel], payload: Any) -> Any:
+    """Validate a decoded JSON payload; raise :class:`ApiError` (400) naming the first bad field."""
+    if not isinstance(payload, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        loc = [str(p) for p in err.get("loc", ())]
+        param = ".".join(loc) or None
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if err.get("type") == "missing":
+            msg = "field required"
+        raise ApiError(400, f"{param}: {msg}" if param else msg, param=param) from None
