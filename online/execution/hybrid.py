@@ -1,0 +1,233 @@
+"""HybridExecutor: plan-driven FFN execution split between the GPU tier and sparse CPU kernels.
+
+Per dense FFN layer the plan names hot neurons; their gate/up rows and down columns are copied,
+compacted, onto the GPU tier (charged against its byte budget) and computed there densely. The
+remaining (cold) neurons stay on the CPU in a packed format and are computed sparsely:
+- ReLU-family layers: exact zeros are skipped (|h| > 0),
+- layers with a useful predictor: only the predicted-active gate/up rows are computed,
+- other (SwiGLU) layers: gate and up in full, then only the down rows whose |h| passes the
+  profile's threshold (the exact path).
+The two partial outputs are added. MoE layers use the dense expert path (see online/experts/).
+
+Example::
+
+    executor = HybridExecutor.build(cfg, ffn_layers, tier, settings, gpu_neurons=[...], thresholds=[...])
+    y = executor.forward(layer, x)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..kernels.ffn import QuantizedFFN, QuantizedLinear
+from .activations import gated_hidden, activate
+from .dense import DenseExecutor
+from .gpu_tier import GpuTier
+from .weights import FFNWeights, MoELayerWeights
+
+WEIGHT_FORMATS = ("fp32", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class ExecutionSettings:
+    """How the online stage executes. ``sparse=False`` computes every neuron (exact)."""
+    weight_format: str = "int8"
+    sparse: bool = True
+    threads: int = 2
+    gpu_device: str | None = None  # None: CUDA when present, else the CPU
+
+    def __post_init__(self) -> None:
+        from tandem.errors import TandemError
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise TandemError(f"unknown weight format {self.weight_format!r} (choose from {', '.join(WEIGHT_FORMATS)})")
+        if self.threads < 1:
+            raise TandemError(f"threads must be >= 1, got {self.threads}")
+
+
+@dataclass
+class GpuPart:
+    neurons: torch.Tensor  # [n_hot] int64 (CPU), original neuron ids
+    up: torch.Tensor  # [n_hot, d] on the tier
+    down: torch.Tensor  # [d, n_hot] on the tier
+    gate: torch.Tensor | None = None  # [n_hot, d]
+    up_bias: torch.Tensor | None = None
+    gate_bias: torch.Tensor | None = None
+
+
+@dataclass
+class LayerSplit:
+    gpu: GpuPart | None
+    cpu: QuantizedFFN | None
+    cpu_neurons: torch.Tensor  # [n_cold] int64
+    threshold: float  # |h| threshold for the CPU exact path (0: skip exact zeros only)
+    down_bias: torch.Tensor | None = None  # [d], added once
+    predictor: object | None = None  # callable x [T, d] -> active cold-local indices
+
+
+@dataclass
+class ExecutionCounters:
+    ffn_neurons_total: int = 0
+    ffn_neurons_active: int = 0
+    bytes_moved: int = 0
+    predictor_s: float = 0.0
+    ffn_s: float = 0.0
+
+    def snapshot(self) -> dict:
+        return dict(self.__dict__)
+
+
+class HybridExecutor(DenseExecutor):
+    def __init__(self, cfg: ModelConfig, layers: list, splits: list[LayerSplit | None], tier: GpuTier,
+                 settings: ExecutionSettings, head: QuantizedLinear | None) -> None:
+        super().__init__(cfg, layers)
+        self.splits = splits
+        self.tier = tier
+        self.settings = settings
+        self.head = head
+        self.counters = ExecutionCounters()
+
+    # --- construction ------------------------------------------------------------------------
+    @classmethod
+    def build(cls, cfg: ModelConfig, ffn_layers: list, tier: GpuTier, settings: ExecutionSettings,
+              gpu_neurons: list[torch.Tensor | None] | None = None, thresholds: list[float] | None = None,
+              predictors: list | None = None, head_weight: torch.Tensor | None = None,
+              raw: dict | None = None) -> "HybridExecutor":
+        """Split every dense FFN layer; float FFN weights are released once packed."""
+        splits: list[LayerSplit | None] = []
+        layers = list(ffn_layers)
+        for i, w in enumerate(ffn_layers):
+            if isinstance(w, MoELayerWeights):
+                splits.append(None)
+                continue
+            hot = gpu_neurons[i] if gpu_neurons is not None and gpu_neurons[i] is not None else torch.zeros(0, dtype=torch.long)
+            threshold = float(thresholds[i]) if thresholds is not None and settings.sparse else -1.0
+            if threshold < 0 and settings.sparse and cfg.ffn_is_relu_sparse:
+                threshold = 0.0
+            predictor = predictors[i] if predictors is not None and settings.sparse else None
+            splits.append(_split_layer(cfg, i, w, hot, threshold, predictor, tier, settings, raw or {}))
+            layers[i] = None  # the packed copies are the weights now
+        head = None
+        if head_weight is not None:
+            head = _pack_head(head_weight, settings, (raw or {}).get("lm_head.weight")
+                              or ((raw or {}).get("model.embed_tokens.weight") if cfg.tie_word_embeddings else None))
+        return cls(cfg, layers, splits, tier, settings, head)
+
+    # --- execution ---------------------------------------------------------------------------
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        split = self.splits[layer]
+        if split is None:
+            return self.moe_forward(layer, x)
+        start = time.perf_counter()
+        n_tokens = x.shape[0]
+        y = None
+        if split.gpu is not None:
+            y = self._gpu_forward(split.gpu, x)
+        if split.cpu is not None:
+            y_cpu = self._cpu_forward(split, x)
+            y = y_cpu if y is None else y + y_cpu
+        if split.down_bias is not None:
+            y = y + split.down_bias
+        self.counters.ffn_neurons_total += n_tokens * self._n_neurons(split)
+        self.counters.ffn_s += time.perf_counter() - start
+        return y
+
+    def _n_neurons(self, split: LayerSplit) -> int:
+        return split.cpu_neurons.numel() + (split.gpu.neurons.numel() if split.gpu is not None else 0)
+
+    def _gpu_forward(self, part: GpuPart, x: torch.Tensor) -> torch.Tensor:
+        x_tier = x.to(self.tier.device, non_blocking=True)
+        up = F.linear(x_tier, part.up, part.up_bias)  # [T, n_hot]
+        if part.gate is None:
+            h = activate(self.cfg.hidden_act, up, self.cfg.act_threshold)
+        else:
+            h = gated_hidden(self.cfg.hidden_act, F.linear(x_tier, part.gate, part.gate_bias), up, self.cfg.act_threshold)
+        y = F.linear(h, part.down)  # [T, d]
+        self.counters.ffn_neurons_active += h.shape[0] * h.shape[1]
+        if self.tier.is_cuda:
+            self.counters.bytes_moved += x.numel() * x.element_size() + y.numel() * y.element_size()
+            return y.to("cpu")
+        return y
+
+    def _cpu_forward(self, split: LayerSplit, x: torch.Tensor) -> torch.Tensor:
+        if split.predictor is not None:
+            t0 = time.perf_counter()
+            active = split.predictor(x)  # [n_active] cold-local indices
+            self.counters.predictor_s += time.perf_counter() - t0
+            self.counters.ffn_neurons_active += x.shape[0] * int(active.numel())
+            return split.cpu.forward_predicted(x, active)
+        if split.threshold < 0:
+            self.counters.ffn_neurons_active += x.shape[0] * split.cpu.n_neurons
+            return split.cpu.forward_dense(x)
+        y, active = split.cpu.forward_sparse(x, split.threshold)
+        self.counters.ffn_neurons_active += active
+        return y
+
+    def output_logits(self, x: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        if self.head is None:
+            return F.linear(x, lm_head_weight)
+        return self.head.forward(x)
+
+    @property
+    def ffn_nbytes(self) -> int:
+        total = 0
+        for i, split in enumerate(self.splits):
+            if split is None:
+                w = self.layers[i]
+                total += sum(e.nbytes for e in w.experts) + w.router.numel() * 4
+                total += w.shared_expert.nbytes if w.shared_expert is not None else 0
+                continue
+            if split.cpu is not None:
+                total += split.cpu.nbytes
+            if split.gpu is not None:
+                g = split.gpu
+                total += sum(t.numel() * t.element_size() for t in (g.up, g.down, g.gate) if t is not None)
+        return total
+
+    @property
+    def head_nbytes(self) -> int | None:
+        return None if self.head is None else self.head.nbytes
+
+
+def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor, threshold: float,
+                 predictor, tier: GpuTier, settings: ExecutionSettings, raw: dict) -> LayerSplit:
+    n_ff = w.n_neurons
+    hot = hot.to(torch.long).sort().values
+    cold_mask = torch.ones(n_ff, dtype=torch.bool)
+    cold_mask[hot] = False
+    cold = torch.nonzero(cold_mask).flatten()
+    gpu = None
+    if hot.numel():
+        def put(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else tier.allocate(f"layers.{layer}.{name}", t.contiguous())
+        gpu = GpuPart(neurons=hot, up=put("hot_up", w.up[hot]), down=put("hot_down", w.down[:, hot]),
+                      gate=put("hot_gate", None if w.gate is None else w.gate[hot]),
+                      up_bias=put("hot_up_bias", None if w.up_bias is None else w.up_bias[hot]),
+                      gate_bias=put("hot_gate_bias", None if w.gate_bias is None else w.gate_bias[hot]))
+    cpu = None
+    if cold.numel():
+        kw = dict(act=cfg.hidden_act, act_threshold=cfg.act_threshold, threads=settings.threads)
+        prefix = f"model.layers.{layer}.mlp"
+        up_raw, gate_raw, down_raw = (raw.get(f"{prefix}.{n}_proj.weight") for n in ("up", "gate", "down"))
+        all_cold = cold.numel() == n_ff
+        if (all_cold and settings.weight_format == "int4" and up_raw is not None and down_raw is not None
+                and up_raw.qtype in ("Q4_0", "Q4_1") and w.up_bias is None and w.gate_bias is None):
+            cpu = QuantizedFFN.from_gguf(up_raw, down_raw, gate_raw, down_fmt="int8", **kw)
+        else:
+            cpu = QuantizedFFN.from_float(
+                up=w.up[cold], down=w.down[:, cold], gate=None if w.gate is None else w.gate[cold],
+                fmt=settings.weight_format, down_fmt=None if settings.weight_format == "fp32" else "int8",
+                up_bias=None if w.up_bias is None else w.up_bias[cold].numpy(),
+                gate_bias=None if w.gate_bias is None else w.gate_bias[cold].numpy(), **kw)
+    return LayerSplit(gpu=gpu, cpu=cpu, cpu_neurons=cold, threshold=threshold,
+                      down_bias=w.down_bias, predictor=predictor)
+
+
+def _pack_head(weight: torch.Tensor, settings: ExecutionSettings, raw_blocks) -> QuantizedLinear:
+    """The output layer, packed: GGUF Q8_0 blocks are used exactly for int8 and int4 plans."""
+    if raw_blocks is not None and settings.weight_format != "fp32" and raw_blocks.qtype == "Q8_0":
+        return QuantizedLinear.from_gguf(raw_blocks, threads=settings.threads)
+    return QuantizedLinear.from_float(weight, fmt=settings.weight_format, threads=settings.threads)

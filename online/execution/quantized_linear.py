@@ -1,0 +1,58 @@
+"""Swap-in quantized linear layers for attention projections (gpt-fast style).
+
+Example::
+
+    quantize_attention(model, fmt="int8", threads=2)   # q/k/v/o become QuantizedLinearModule
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels.ffn import QuantizedLinear
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class QuantizedLinearModule(nn.Module):
+    def __init__(self, linear: QuantizedLinear) -> None:
+        super().__init__()
+        self.linear = linear
+        self.out_features, self.in_features = linear.out_features, linear.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear.forward(x)
+
+    @property
+    def nbytes(self) -> int:
+        return self.linear.nbytes
+
+
+def quantize_attention(model, fmt: str, threads: int, raw: dict | None = None) -> int:
+    """Replace every attention projection by a packed one; returns the packed bytes.
+
+    GGUF raw blocks are used as they are when their type is the requested family
+    (Q8_0 for int8, Q4_0/Q4_1 for int4), so no float round trip happens.
+    """
+    total = 0
+    raw = raw or {}
+    for i, block in enumerate(model.layers):
+        attn = block.self_attn
+        for name in ATTENTION_PROJECTIONS:
+            lin: nn.Linear = getattr(attn, name)
+            blocks = raw.get(f"model.layers.{i}.self_attn.{name}.weight")
+            if blocks is not None and _matches(blocks.qtype, fmt):
+                packed = QuantizedLinear.from_gguf(blocks, bias=_np(lin.bias), threads=threads)
+            else:
+                packed = QuantizedLinear.from_float(lin.weight, fmt=fmt, bias=_np(lin.bias), threads=threads)
+            setattr(attn, name, QuantizedLinearModule(packed))
+            total += packed.nbytes
+    return total
+
+
+def _np(bias):
+    return None if bias is None else bias.detach().float().numpy()
+
+
+def _matches(qtype: str, fmt: str) -> bool:
+    return (fmt == "int8" and qtype == "Q8_0") or (fmt == "int4" and qtype in ("Q4_0", "Q4_1"))

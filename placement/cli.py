@@ -1,0 +1,221 @@
+"""CLI commands: ``tandem plan``, ``tandem show-plan``, ``tandem probe``.
+
+``add_parsers(subparsers)`` registers them; each parser's default ``handler`` takes the parsed
+arguments and returns an exit code (TandemError propagates to the main CLI, which prints it).
+
+Example::
+
+    tandem plan --model smollm2 --profile profiles/M/profile --hardware rtx4090 --gpu-budget 64MiB
+    tandem show-plan profiles/M/plan-rtx4090-64MiB --plot split.png
+    tandem probe --out this-machine.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from tandem.errors import ArtifactError, TandemError
+
+from .budget import format_bytes, parse_bytes
+from .hardware import PRESETS, load_hardware, save_hardware
+from .plan import Plan, load_plan, read_plan, save_plan
+from .predictor_info import load_predictor_info, no_predictors
+from .settings import GGUF_BYTES_PER_WEIGHT, WEIGHT_FORMATS, PlanSettings, resolve_bytes_per_weight
+
+
+def add_parsers(subparsers: Any) -> None:
+    plan = subparsers.add_parser("plan", help="decide what lives on the GPU (ILP over the modeled decode time)")
+    plan.add_argument("--model", required=True, help="model name, GGUF file or Hugging Face folder")
+    plan.add_argument("--profile", required=True, help="profile directory from `tandem profile`")
+    plan.add_argument("--predictors", help="predictor directory from `tandem train-predictors` (default: exact path)")
+    plan.add_argument("--hardware", required=True, help=f"preset ({', '.join(PRESETS)}) or a JSON file from `tandem probe`")
+    plan.add_argument("--gpu-budget", help="GPU memory the plan may use, e.g. 2GiB, 512MiB, 0 (default: 90%% of the GPU)")
+    plan.add_argument("--out", help="plan directory (default: profiles/<model-id>/plan-<hardware>-<budget>/)")
+    plan.add_argument("--replan", action="store_true", help="plan again even if a plan exists at --out")
+    plan.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit in seconds (default 30)")
+    plan.add_argument("--weight-format", default="auto",
+                      help=f"weights' format on the GPU/CPU tiers: auto (from the checkpoint), {', '.join(WEIGHT_FORMATS)}, or bytes per weight")
+    plan.add_argument("--context", type=int, help="KV cache context in tokens (default: min(model context, 2048))")
+    plan.add_argument("--neurons-per-chunk", type=int, default=64)
+    plan.add_argument("--min-gpu-neurons", type=int, default=128, help="a layer puts at least this many neurons on the GPU, or none")
+    plan.set_defaults(handler=cmd_plan)
+
+    show = subparsers.add_parser("show-plan", help="summarise a plan (modeled times, GPU bytes, per-layer split)")
+    show.add_argument("plan_dir", help="plan directory")
+    show.add_argument("--plot", help="write the per-layer split as a PNG")
+    show.set_defaults(handler=cmd_show_plan)
+
+    probe = subparsers.add_parser("probe", help="measure this machine's bandwidths and matmul rates")
+    probe.add_argument("--out", help="write the hardware profile JSON here (default: print it)")
+    probe.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    probe.add_argument("--name", default="probed", help="profile name (default: probed)")
+    probe.set_defaults(handler=cmd_probe)
+
+
+def checkpoint_bytes_per_weight(checkpoint: Any) -> float:
+    """Size-weighted bytes per weight of the checkpoint's layer matrices (fp16 when unknown)."""
+    total_weights, total_bytes = 0, 0.0
+    for name, qtype in (checkpoint.quant_types or {}).items():
+        if ".layers." not in name or not name.endswith(".weight") or qtype.upper() not in GGUF_BYTES_PER_WEIGHT:
+            continue
+        tensor = checkpoint.tensors.get(name)
+        if tensor is None or tensor.dim() != 2:
+            continue
+        total_weights += tensor.numel()
+        total_bytes += tensor.numel() * GGUF_BYTES_PER_WEIGHT[qtype.upper()]
+    return total_bytes / total_weights if total_weights else WEIGHT_FORMATS["fp16"]
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from online.loading import load_checkpoint  # lazily: loading pulls in the model readers
+    from offline.profile_artifact import load_profile
+    from .planner import check_budget, default_gpu_budget, make_plan
+    from .ilp import SolverSettings
+
+    hardware = load_hardware(args.hardware)
+    budget = default_gpu_budget(hardware) if args.gpu_budget is None else parse_bytes(args.gpu_budget)
+    checkpoint = load_checkpoint(args.model)
+    config = checkpoint.config
+    profile = load_profile(args.profile, expected_model_fingerprint=checkpoint.fingerprint)
+    predictors = load_predictor_info(args.predictors, config.num_layers) if args.predictors else no_predictors(config.num_layers)
+    bytes_per_weight = (checkpoint_bytes_per_weight(checkpoint) if args.weight_format == "auto"
+                        else resolve_bytes_per_weight(_number_or_name(args.weight_format)))
+    settings = PlanSettings(bytes_per_weight=bytes_per_weight,
+                            context_tokens=args.context or min(config.max_context, 2048),
+                            neurons_per_chunk=args.neurons_per_chunk, min_gpu_neurons_per_layer=args.min_gpu_neurons)
+    check_budget(config, hardware, budget, settings)
+    out = Path(args.out) if args.out else Path("profiles") / checkpoint.model_id / f"plan-{hardware.name}-{format_bytes(budget)}"
+    if (out / "plan.json").exists() and not args.replan:
+        try:
+            plan = load_plan(out, model_fingerprint=checkpoint.fingerprint, profile_fingerprint=profile.fingerprint,
+                             predictors_fingerprint=predictors.fingerprint, hardware=hardware,
+                             gpu_budget_bytes=budget, settings=settings)
+        except ArtifactError as e:
+            raise TandemError(f"refusing to overwrite: {e}") from None
+        print(f"reusing the plan in {out} (same model, profile, predictors, hardware, budget and settings)")
+        print(_headline(plan))
+        return 0
+    plan = make_plan(config, model_fingerprint=checkpoint.fingerprint, model_id=checkpoint.model_id, profile=profile,
+                     hardware=hardware, gpu_budget_bytes=budget, predictors=predictors, settings=settings,
+                     solver=SolverSettings(time_limit_s=args.time_limit))
+    try:
+        save_plan(plan, out)
+    except OSError as e:
+        raise TandemError(f"cannot write the plan to {out}: {e.strerror or e}") from None
+    print(f"plan written to {out}")
+    print(_headline(plan))
+    return 0
+
+
+def _number_or_name(text: str) -> str | float:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _headline(plan: Plan) -> str:
+    solver, modeled = plan.solver, plan.modeled
+    gap = "unknown" if solver.get("gap_rel") is None else f"{100 * solver['gap_rel']:.2f}%"
+    if solver.get("gap_rel") is not None and solver["status"] == "optimal":
+        gap = f"<= {gap}"
+    better = solver.get("improvement_over_greedy")
+    versus = "" if better is None else f"; {100 * better:.1f}% faster than greedy (modeled)"
+    return (f"solver: {solver['status']}, gap {gap}, kept {solver['chosen']}{versus}\n"
+            f"GPU: {format_bytes(plan.gpu_bytes)} of {format_bytes(plan.gpu_budget_bytes)} used; "
+            f"modeled {modeled['tokens_per_s']:.2f} tok/s vs llama.cpp-style layer offload {modeled['layer_offload_tokens_per_s']:.2f} "
+            f"(modeled {modeled['speedup_vs_layer_offload']:.2f}x)")
+
+
+def format_plan_summary(plan: Plan) -> str:
+    """The `show-plan` text: fingerprints, solver, GPU bytes by kind, per-layer split, modeled tokens/s."""
+    modeled, cfg = plan.modeled, plan.model_config
+    lines = [f"model {plan.model_id} (fingerprint {plan.model_fingerprint}), profile {plan.profile_fingerprint}, "
+             f"predictors {plan.predictors_fingerprint}",
+             f"hardware {plan.hardware.name} (fingerprint {plan.hardware.fingerprint}), GPU budget "
+             f"{format_bytes(plan.gpu_budget_bytes)} ({plan.gpu_budget_bytes} bytes), "
+             f"{plan.settings.bytes_per_weight:g} bytes/weight, context {plan.settings.context_tokens}",
+             f"chunks of {plan.solver['neurons_per_chunk']} neurons"
+             + (" (coarsened for the model's size)" if plan.solver.get("chunks_coarsened") else "")
+             + f", solved in {plan.solver['solve_time_s']:.1f}s",
+             _headline(plan), "", "GPU bytes by kind:"]
+    for kind, num_bytes in plan.gpu_bytes_by_kind.items():
+        if num_bytes:
+            lines.append(f"  {kind:<18} {format_bytes(num_bytes):>10}")
+    lines += [f"  {'total':<18} {format_bytes(plan.gpu_bytes):>10}", "",
+              "per layer (times modeled, microseconds per token):",
+              "  layer  attn  gpu neurons   act. on GPU   attn_us  ffn_gpu_us  ffn_cpu_us  sync_us  total_us"]
+    width = cfg.get("intermediate_size", 0)
+    for layer in plan.layers:
+        neurons = (f"{layer['experts_pinned']}p+{layer['expert_cache_slots']}s exp" if layer["is_moe"]
+                   else f"{layer['gpu_neurons']}/{width}")
+        lines.append(f"  {layer['index']:>5}  {'GPU' if layer['attention_on_gpu'] else 'CPU':>4}  {neurons:>11}"
+                     f"  {100 * layer['gpu_activation_share']:>11.1f}%  {1e6 * layer['attention_s']:>8.1f}"
+                     f"  {1e6 * layer['ffn_gpu_s']:>10.1f}  {1e6 * layer['ffn_cpu_s']:>10.1f}"
+                     f"  {1e6 * layer['sync_s']:>7.1f}  {1e6 * layer['total_s']:>8.1f}")
+    lines += ["", f"output head on {'GPU' if plan.output_head_on_gpu else 'CPU'}: {1e3 * modeled['output_head_s']:.3f} ms (modeled)", "",
+              "tokens/s (modeled, batch 1 decode):"]
+    offload_label = f"llama.cpp-style layer offload ({modeled['layer_offload_gpu_layers']} layers on GPU)"
+    for label, value in (("this plan", modeled["tokens_per_s"]), (offload_label, modeled["layer_offload_tokens_per_s"]),
+                         ("all-CPU, dense", modeled["all_cpu_dense_tokens_per_s"]),
+                         ("all-CPU, sparse (this engine)", modeled["all_cpu_sparse_tokens_per_s"])):
+        lines.append(f"  {label:<48} {value:10.2f}")
+    return "\n".join(lines)
+
+
+def plot_plan(plan: Plan, out_path: str | Path) -> Path:
+    """Per-layer modeled time split (attention, FFN on GPU vs CPU, sync) and GPU activation share."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    index = [layer["index"] for layer in plan.layers]
+    us = lambda key: [1e6 * layer[key] for layer in plan.layers]  # noqa: E731
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 0.25 * len(index)), 7), sharex=True)
+    width = 0.4
+    top.bar([i - width / 2 for i in index], us("ffn_gpu_s"), width, label="FFN on GPU", color="tab:green")
+    top.bar([i + width / 2 for i in index], us("ffn_cpu_s"), width, label="FFN on CPU", color="tab:blue")
+    top.plot(index, us("attention_s"), "k.", label="attention")
+    top.plot(index, us("sync_s"), "r_", label="sync")
+    top.set_ylabel("modeled µs per token")
+    top.set_title(f"{plan.model_id} on {plan.hardware.name}, budget {format_bytes(plan.gpu_budget_bytes)} (modeled)")
+    top.legend(fontsize=8, loc="upper right", framealpha=0.9)
+    bottom.bar(index, [100 * layer["gpu_activation_share"] for layer in plan.layers], color="tab:green")
+    bottom.set_ylabel("activation mass on GPU (%)")
+    bottom.set_xlabel("layer")
+    bottom.set_ylim(0, 100)
+    fig.tight_layout()
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fig.savefig(out_path, dpi=110)
+    except OSError as e:
+        raise TandemError(f"cannot write plot {out_path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+    return out_path
+
+
+def cmd_show_plan(args: argparse.Namespace) -> int:
+    plan = read_plan(args.plan_dir)
+    print(f"plan {args.plan_dir}")
+    print(format_plan_summary(plan))
+    if args.plot:
+        print(f"plot written to {plot_plan(plan, args.plot)}")
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from .probe import probe_machine
+
+    hardware = probe_machine(threads=args.threads, name=args.name)
+    if args.out:
+        try:
+            save_hardware(hardware, args.out)
+        except OSError as e:
+            raise TandemError(f"cannot write {args.out}: {e.strerror or e}") from None
+        print(f"hardware profile written to {args.out} (use it with --hardware {args.out})")
+    print(json.dumps(hardware.to_dict(), indent=2))
+    return 0
