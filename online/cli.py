@@ -40,11 +40,23 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     p.add_argument("--plan", default=None, help="plan directory from `tandem plan` / `tandem prepare`")
     p.add_argument("--context", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--weight-format", choices=("fp32", "int8", "int4"), default=None,
+                   help="packed CPU weights (default: float32 without a plan, int8 with one)")
+    p.add_argument("--gpu-budget", default=None, help="GPU-tier budget, e.g. 2GiB (must fit the plan)")
+    p.add_argument("--gpu-device", choices=("cuda", "cpu"), default=None,
+                   help="where the GPU tier runs (default: cuda when present, else cpu)")
+    p.add_argument("--no-sparse", action="store_true", help="compute every FFN neuron (exact)")
 
 
 def load_engine(args):
     from online import Engine
-    return Engine.load(args.model, threads=args.threads, plan=args.plan, context_length=args.context)
+    budget = None
+    if args.gpu_budget is not None:
+        from placement.budget import parse_bytes
+        budget = parse_bytes(args.gpu_budget)
+    return Engine.load(args.model, threads=args.threads, plan=args.plan, context_length=args.context,
+                       weight_format=args.weight_format, gpu_budget_bytes=budget, gpu_device=args.gpu_device,
+                       sparse=not args.no_sparse)
 
 
 def parse_prompt_ids(text: str) -> list[int]:

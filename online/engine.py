@@ -80,23 +80,51 @@ class Engine:
             eos |= set(tokenizer.eos_token_ids)
         self.eos_token_ids = eos
         self._cache: KVCache | None = None
+        self.plan_info = None
 
     @classmethod
     def load(cls, model: str | Path, threads: int | None = None, plan: str | Path | None = None,
-             context_length: int | None = None) -> "Engine":
-        """Load a model: alias ("smollm2"), a .gguf file or a Hugging Face folder."""
+             context_length: int | None = None, weight_format: str | None = None,
+             gpu_budget_bytes: int | None = None, gpu_device: str | None = None,
+             sparse: bool = True) -> "Engine":
+        """Load a model: alias ("smollm2"), a .gguf file or a Hugging Face folder.
+
+        Without ``plan`` and ``weight_format`` the runtime is dense float32 (the reference). With a
+        plan (``tandem plan`` / ``tandem prepare``) FFNs run hybrid and sparse as planned, with packed
+        weights (``weight_format``: int8 by default; int4 reads GGUF Q4 blocks as they are).
+        """
+        if threads is not None and threads < 1:
+            raise TandemError(f"threads must be >= 1, got {threads}")
         if threads is not None:
-            if threads < 1:
-                raise TandemError(f"threads must be >= 1, got {threads}")
             torch.set_num_threads(threads)
-        if plan is not None:
-            raise TandemError("plan-driven execution is not available in this build yet")
+        if plan is None and gpu_budget_bytes is not None:
+            raise TandemError("--gpu-budget needs --plan")
         ckpt = load_checkpoint(model)
         fingerprint = ckpt.fingerprint
-        tokenizer, cfg = ckpt.tokenizer, ckpt.config
+        tokenizer, cfg, raw = ckpt.tokenizer, ckpt.config, ckpt.raw
         net, ffn_layers = build_model(ckpt)
-        executor = DenseExecutor(cfg, ffn_layers)
-        return cls(net, executor, tokenizer, cfg, ckpt.source_path, ckpt.model_id, fingerprint, threads, context_length)
+        plan_info = None
+        if plan is None and weight_format is None:
+            executor = DenseExecutor(cfg, ffn_layers)
+        else:
+            from .execution.hybrid import ExecutionSettings, HybridExecutor
+            from .execution.quantized_linear import quantize_attention
+            settings = ExecutionSettings(weight_format=weight_format or "int8", sparse=sparse,
+                                         threads=threads or torch.get_num_threads(), gpu_device=gpu_device)
+            if plan is not None:
+                from .plan_runtime import build_plan_executor
+                executor, plan_info = build_plan_executor(plan, cfg, ffn_layers, fingerprint, settings,
+                                                          head_weight=net.lm_head.weight, raw=raw,
+                                                          gpu_budget_bytes=gpu_budget_bytes)
+            else:
+                from .execution.gpu_tier import GpuTier
+                executor = HybridExecutor.build(cfg, ffn_layers, GpuTier.create(0, "cpu"), settings,
+                                                head_weight=net.lm_head.weight, raw=raw)
+            if settings.weight_format != "fp32":
+                quantize_attention(net, settings.weight_format, settings.threads, raw)
+        engine = cls(net, executor, tokenizer, cfg, ckpt.source_path, ckpt.model_id, fingerprint, threads, context_length)
+        engine.plan_info = plan_info
+        return engine
 
     # --- prompts ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list) -> list[int]:
@@ -162,6 +190,8 @@ class Engine:
     def _pieces(self, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int], holder: dict) -> Iterator[str]:
         cache = self._kv_cache(len(prompt_ids) + params.max_new_tokens)
         timings = LoopTimings()
+        counters = getattr(self.executor, "counters", None)
+        before = counters.snapshot() if counters is not None else None
         generated: list[int] = []
         emitted = 0
         text, finish = "", "length"
@@ -195,12 +225,13 @@ class Engine:
         if len(text) > emitted:
             yield text[emitted:]
         holder["result"] = GenerationResult(text=text, token_ids=generated, prompt_tokens=len(prompt_ids),
-                                            finish_reason=finish, stats=self._stats(prompt_ids, generated, timings))
+                                            finish_reason=finish, stats=self._stats(prompt_ids, generated, timings, before))
 
-    def _stats(self, prompt_ids: list[int], generated: list[int], t: LoopTimings) -> dict[str, Any]:
+    def _stats(self, prompt_ids: list[int], generated: list[int], t: LoopTimings,
+               before: dict | None = None) -> dict[str, Any]:
         first = t.first_token_s or t.end_s
         decode_s = max(t.end_s - first, 1e-9)
-        return {
+        stats = {
             "prompt_tokens": len(prompt_ids),
             "generated_tokens": len(generated),
             "ttft_s": round(first - t.start_s, 6),
@@ -211,14 +242,28 @@ class Engine:
             "weight_bytes_per_token": self.weight_bytes_per_token,
             "threads": torch.get_num_threads(),
         }
+        if before is not None:
+            now = self.executor.counters.snapshot()
+            delta = {k: now[k] - before[k] for k in now}
+            steps = len(prompt_ids) + max(t.decode_steps, 0)
+            total = max(delta["ffn_neurons_total"], 1)
+            stats["ffn_sparsity"] = round(1.0 - delta["ffn_neurons_active"] / total, 4)
+            stats["bytes_moved_per_token"] = int(delta["bytes_moved"] / max(steps, 1))
+            stats["predictor_time_share"] = round(delta["predictor_s"] / max(t.end_s - t.start_s, 1e-9), 4)
+            stats["weight_format"] = self.executor.settings.weight_format
+        if self.plan_info is not None:
+            stats["plan"] = str(self.plan_info.plan_dir)
+        return stats
 
     @property
     def weight_bytes_per_token(self) -> int:
         """Weight bytes read per decoded token (attention + FFN + output head; embeddings: one row)."""
         attn = sum(p.numel() * p.element_size() for name, p in self.model.named_parameters()
                    if name.startswith("layers."))
+        attn = sum(getattr(m, "nbytes", 0) for m in self.model.modules()) or attn
         head = self.model.lm_head.weight
-        return attn + self.executor.ffn_nbytes + head.numel() * head.element_size()
+        head_bytes = getattr(self.executor, "head_nbytes", None) or head.numel() * head.element_size()
+        return attn + self.executor.ffn_nbytes + head_bytes
 
     # --- scoring ---------------------------------------------------------------------------
     def logits(self, token_ids: list[int]) -> torch.Tensor:

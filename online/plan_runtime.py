@@ -1,0 +1,76 @@
+"""Turn a plan directory (plus its profile and predictors) into a HybridExecutor.
+
+Layout written by ``tandem prepare``: ``profiles/<model-id>/{profile, predictors, plan-<hw>-<budget>}``;
+a plan finds its profile and predictors beside it unless they are given explicitly. Every artifact's
+fingerprint is checked against the model and against what the plan was made from.
+
+Example::
+
+    executor, info = build_plan_executor(plan_dir, cfg, ffn_layers, ckpt_fingerprint, settings,
+                                         head_weight=model.lm_head.weight, raw=ckpt.raw)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.errors import TandemError
+from .execution.gpu_tier import GpuTier
+from .execution.hybrid import ExecutionSettings, HybridExecutor
+
+
+@dataclass(frozen=True)
+class PlanInfo:
+    plan_dir: Path
+    profile_dir: Path | None
+    predictors_dir: Path | None
+    hardware: str
+    gpu_budget_bytes: int
+    gpu_bytes_planned: int
+    modeled_tokens_per_s: float | None
+
+
+def _sibling(plan_dir: Path, explicit: str | Path | None, name: str) -> Path | None:
+    if explicit is not None:
+        return Path(explicit)
+    candidate = plan_dir.resolve().parent / name
+    return candidate if candidate.is_dir() else None
+
+
+def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_fingerprint: str,
+                        settings: ExecutionSettings, head_weight=None, raw: dict | None = None,
+                        gpu_budget_bytes: int | None = None, profile_dir: str | Path | None = None,
+                        predictors_dir: str | Path | None = None) -> tuple[HybridExecutor, PlanInfo]:
+    from offline.profile_artifact import load_profile
+    from placement.plan import load_plan, read_plan
+    plan_dir = Path(plan_dir)
+    plan = read_plan(plan_dir)
+    if gpu_budget_bytes is not None and gpu_budget_bytes < plan.gpu_bytes:
+        raise TandemError(f"--gpu-budget {gpu_budget_bytes} bytes is smaller than the plan in {plan_dir} needs "
+                          f"({plan.gpu_bytes} bytes on the GPU tier); plan again with this budget")
+    profile_path = _sibling(plan_dir, profile_dir, "profile")
+    if profile_path is None:
+        raise TandemError(f"no profile found for the plan in {plan_dir} (expected {plan_dir.resolve().parent / 'profile'}); "
+                          "pass the profile directory explicitly")
+    profile = load_profile(profile_path, expected_model_fingerprint=model_fingerprint)
+    predictors = None
+    predictors_path = _sibling(plan_dir, predictors_dir, "predictors")
+    predictors_fingerprint = "none"
+    if plan.predictors_fingerprint != "none":
+        if predictors_path is None:
+            raise TandemError(f"the plan in {plan_dir} was made with predictors, but none were found beside it")
+        from predictors.runtime import load_runtime_predictors
+        predictors, predictors_fingerprint = load_runtime_predictors(predictors_path, model_fingerprint,
+                                                                     profile.fingerprint)
+    plan = load_plan(plan_dir, model_fingerprint=model_fingerprint, profile_fingerprint=profile.fingerprint,
+                     predictors_fingerprint=predictors_fingerprint,
+                     gpu_budget_bytes=gpu_budget_bytes if gpu_budget_bytes is not None else plan.gpu_budget_bytes)
+    tier = GpuTier.create(plan.gpu_budget_bytes, settings.gpu_device)
+    thresholds = [float(t) for t in profile.thresholds.tolist()]
+    gpu_neurons = [plan.gpu_neurons(i) if not cfg.is_moe_layer(i) else None for i in range(cfg.num_layers)]
+    executor = HybridExecutor.build(cfg, ffn_layers, tier, settings, gpu_neurons=gpu_neurons, thresholds=thresholds,
+                                    predictors=predictors, head_weight=head_weight, raw=raw)
+    info = PlanInfo(plan_dir=plan_dir, profile_dir=profile_path, predictors_dir=predictors_path if predictors else None,
+                    hardware=plan.hardware.name, gpu_budget_bytes=plan.gpu_budget_bytes, gpu_bytes_planned=plan.gpu_bytes,
+                    modeled_tokens_per_s=plan.modeled.get("tokens_per_s"))
+    return executor, info
