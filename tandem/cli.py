@@ -5,8 +5,13 @@ Every user error prints one line (``error: ...``) and exits with code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable
+
+# OpenMP threads that spin while waiting starve each other (and numba's) on a busy machine:
+# measured 7x slower profiling windows with spinning threads on 2 shared cores. Set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .errors import TandemError
 

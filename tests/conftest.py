@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: no spinning OpenMP threads (see tandem/cli.py)
+
 import pytest
 import torch
 
