@@ -21,14 +21,20 @@ PEER_PYTHON = BENCH_DIR / "peers" / "venv" / "bin" / "python"
 PARTS = ["dense.md", "hybrid.md", "kernels.md", "moe.md", "modeled_powerinfer.md", "modeled_moe.md"]
 
 
-def run_system(cmd: list[str], env_extra: dict[str, str] | None = None) -> dict | None:
-    env = dict(os.environ, PYTHONPATH=str(REPO), **(env_extra or {}))
+def run_records(cmd: list[str]) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("BENCH_JSON "):
-            return json.loads(line[len("BENCH_JSON "):])
-    sys.stderr.write(f"benchmark command failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}\n")
-    return None
+    records = [json.loads(line[len("BENCH_JSON "):]) for line in proc.stdout.splitlines()
+               if line.startswith("BENCH_JSON ")]
+    if not records:
+        sys.stderr.write(f"benchmark command failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}\n")
+    return records
+
+
+def run_system(cmd: list[str]) -> dict | None:
+    records = run_records(cmd)
+    return records[0] if records else None
 
 
 def machine_line() -> str:
@@ -59,20 +65,27 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--skip-hybrid", action="store_true")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from online.loading.resolve import resolve_model_path
     gguf = str(resolve_model_path("smollm2"))
     common = ["--threads", str(args.threads), "--runs", str(args.runs), "--decode-tokens", str(args.decode_tokens)]
-    records = [run_system([sys.executable, "-m", "bench.systems.tandem_dense", *common])]
+    tandem = [sys.executable, "-m", "bench.systems.tandem_dense", *common]
+    records = [run_system(tandem)]
+    peers = []
     if not args.skip_transformers:
-        records.append(run_system([sys.executable, "-m", "bench.systems.transformers_fp32", "--gguf", gguf, *common]))
+        peers.append(run_system([sys.executable, "-m", "bench.systems.transformers_fp32", "--gguf", gguf, *common]))
     if PEER_PYTHON.is_file():
-        records.append(run_system([str(PEER_PYTHON), str(BENCH_DIR / "systems" / "llamacpp.py"), "--gguf", gguf, *common]))
-    records = [r for r in records if r]
+        peers.append(run_system([str(PEER_PYTHON), str(BENCH_DIR / "systems" / "llamacpp.py"), "--gguf", gguf, *common]))
+    peers = [r for r in peers if r]
+    records = [r for r in records if r] + peers
     write_dense_table(records, args)
+    if not args.skip_hybrid:
+        from bench.hybrid_report import run_hybrid
+        run_hybrid(args, tandem, peers, run_system, run_records)
     assemble_results()
-    print((BENCH_DIR / "dense.md").read_text())
+    print((BENCH_DIR / "RESULTS.md").read_text())
 
 
 def write_dense_table(records: list[dict], args) -> None:

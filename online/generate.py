@@ -45,11 +45,27 @@ class LoopTimings:
 
 
 def token_loop(model, executor, cache: KVCache, prompt_ids: list[int], params: SamplingParams,
-               eos_ids: set[int], max_total_tokens: int, timings: LoopTimings) -> Iterator[TokenEvent]:
-    """Yield sampled tokens one by one until EOS, max_new_tokens or the context is full."""
+               eos_ids: set[int], max_total_tokens: int, timings: LoopTimings,
+               decode_threads: int | None = None) -> Iterator[TokenEvent]:
+    """Yield sampled tokens one by one until EOS, max_new_tokens or the context is full.
+
+    ``decode_threads``: torch's thread count while decoding (1 when numba kernels do the parallel
+    work: two OpenMP pools alternating on few cores stall each other); prefill keeps the default.
+    """
+    prefill_threads = torch.get_num_threads()
+    try:
+        yield from _token_loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_tokens, timings,
+                               decode_threads)
+    finally:
+        torch.set_num_threads(prefill_threads)
+
+
+def _token_loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_tokens, timings, decode_threads):
     generator = make_generator(params)
     timings.start_s = time.perf_counter()
     logits = prefill(model, executor, cache, prompt_ids)
+    if decode_threads is not None:
+        torch.set_num_threads(decode_threads)
     pos = len(prompt_ids)
     budget = min(params.max_new_tokens, max_total_tokens - pos)
     for step in range(budget):

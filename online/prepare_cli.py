@@ -88,6 +88,9 @@ def run_prepare(args) -> int:
                  "--out", str(plan_dir)] + (["--gpu-budget", str(budget)] if budget is not None else [])
     if predictors_dir is not None:
         plan_argv += ["--predictors", str(predictors_dir)]
+    if (plan_dir / "plan.json").is_file() and not _plan_matches(plan_dir, fingerprint, profile_dir):
+        print(f"[prepare] the plan in {plan_dir} is stale (its profile or model changed): planning again")
+        plan_argv.append("--replan")
     _step(plan_argv)
     print(f"[prepare] plan ready: {plan_dir}")
     print(f"run: tandem generate --model {args.model} --plan {plan_dir} --prompt \"...\"")
@@ -103,4 +106,16 @@ def _predictors_valid(path: Path, fingerprint: str, profile_dir: Path) -> bool:
         load_predictors(path, expected_model_fingerprint=fingerprint, expected_profile_fingerprint=profile.fingerprint)
         return True
     except (ArtifactError, TandemError, ImportError):
+        return False
+
+
+def _plan_matches(plan_dir: Path, fingerprint: str, profile_dir: Path) -> bool:
+    from placement.plan import load_plan
+    profile = _valid_profile(profile_dir, fingerprint)
+    if profile is None:
+        return False
+    try:
+        load_plan(plan_dir, model_fingerprint=fingerprint, profile_fingerprint=profile.fingerprint)
+        return True
+    except (ArtifactError, TandemError):
         return False

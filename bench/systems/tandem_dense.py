@@ -15,10 +15,12 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--plan", default=None)
+    ap.add_argument("--weight-format", default=None)
+    ap.add_argument("--name", default="tandem dense fp32")
     args = ap.parse_args()
     from online import Engine
     t0 = time.perf_counter()
-    engine = Engine.load(args.model, threads=args.threads, plan=args.plan)
+    engine = Engine.load(args.model, threads=args.threads, plan=args.plan, weight_format=args.weight_format)
     load_s = time.perf_counter() - t0
     prompt_ids = engine.tokenizer.encode(BENCH_PROMPT)
     engine.generate(prompt_ids, max_new_tokens=8, ignore_eos=True)  # warm-up
@@ -27,7 +29,7 @@ def main() -> None:
         out = engine.generate(prompt_ids, max_new_tokens=args.decode_tokens, ignore_eos=True)
         prefill.append(out.stats["prefill_tokens_per_s"])
         decode.append(out.stats["decode_tokens_per_s"])
-    emit({"system": "tandem-dense" if not args.plan else "tandem-plan", "prompt_tokens": len(prompt_ids),
+    emit({"system": args.name, "prompt_tokens": len(prompt_ids), "ffn_sparsity": out.stats.get("ffn_sparsity"),
           "decode_tokens": args.decode_tokens, "prefill_tok_s": prefill, "decode_tok_s": decode,
           "load_s": round(load_s, 2), "weight_bytes_per_token": engine.weight_bytes_per_token,
           "bytes_moved_per_token": out.stats.get("bytes_moved_per_token", 0)})

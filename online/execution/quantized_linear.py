@@ -6,10 +6,14 @@ Example::
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
+from tandem.errors import TandemError
+
 from ..kernels.ffn import QuantizedLinear
+from ..kernels.quantize import concat_rows
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -38,15 +42,27 @@ def quantize_attention(model, fmt: str, threads: int, raw: dict | None = None) -
     raw = raw or {}
     for i, block in enumerate(model.layers):
         attn = block.self_attn
+        packed = {}
         for name in ATTENTION_PROJECTIONS:
             lin: nn.Linear = getattr(attn, name)
             blocks = raw.get(f"model.layers.{i}.self_attn.{name}.weight")
             if blocks is not None and _matches(blocks.qtype, fmt):
-                packed = QuantizedLinear.from_gguf(blocks, bias=_np(lin.bias), threads=threads)
+                packed[name] = QuantizedLinear.from_gguf(blocks, bias=_np(lin.bias), threads=threads)
             else:
-                packed = QuantizedLinear.from_float(lin.weight, fmt=fmt, bias=_np(lin.bias), threads=threads)
-            setattr(attn, name, QuantizedLinearModule(packed))
-            total += packed.nbytes
+                packed[name] = QuantizedLinear.from_float(lin.weight, fmt=fmt, bias=_np(lin.bias), threads=threads)
+        attn.o_proj = QuantizedLinearModule(packed["o_proj"])
+        qkv = [packed[n] for n in ("q_proj", "k_proj", "v_proj")]
+        try:  # one fused projection (one kernel call) when the three share a format
+            weight = concat_rows([p.weight for p in qkv])
+            bias = None
+            if any(p.bias.size for p in qkv):
+                bias = np.concatenate([p.bias if p.bias.size else np.zeros(p.out_features, np.float32) for p in qkv])
+            attn.qkv_proj = QuantizedLinearModule(QuantizedLinear(weight, bias=bias, threads=threads))
+            del attn.q_proj, attn.k_proj, attn.v_proj
+        except TandemError:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                setattr(attn, name, QuantizedLinearModule(packed[name]))
+        total += sum(p.nbytes for p in packed.values())
     return total
 
 

@@ -45,13 +45,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.attention_out_bias)
+        self.qkv_proj: nn.Module | None = None  # a fused q/k/v projection swapped in by quantization
+        self.qkv_split = (q_out, kv_out, kv_out)
 
     def forward(self, x: torch.Tensor, layer: int, start_pos: int, cache: KVCache,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n_tokens = x.shape[0]
-        q = self.q_proj(x).view(n_tokens, self.n_heads, self.head_dim)  # [T, H, hd]
-        k = self.k_proj(x).view(n_tokens, self.n_kv_heads, self.head_dim)  # [T, KV, hd]
-        v = self.v_proj(x).view(n_tokens, self.n_kv_heads, self.head_dim)  # [T, KV, hd]
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)  # [T, q_out], [T, kv_out], [T, kv_out]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(n_tokens, self.n_heads, self.head_dim)  # [T, H, hd]
+        k = k.reshape(n_tokens, self.n_kv_heads, self.head_dim)  # [T, KV, hd]
+        v = v.reshape(n_tokens, self.n_kv_heads, self.head_dim)  # [T, KV, hd]
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.write(layer, start_pos, k, v)  # [KV, S, hd]

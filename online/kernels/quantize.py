@@ -1,0 +1,296 @@
+"""Packed weight formats for the CPU kernels, and conversions from float and from GGUF blocks.
+
+Every format is a frozen dataclass over numpy arrays, ``[out_features, in_features]`` logically:
+
+- ``Fp32Weight``: float32 ``w``.
+- ``Int8Weight``: int8 ``q`` + float32 per-output-row ``scale`` (symmetric): w = scale[r] * q.
+- ``BlockInt8Weight``: int8 ``q`` + float32 ``scale [out, in/32]`` (GGUF Q8_0, kept exactly).
+- ``Int4Weight``: groups of ``group_size`` (32 or 64) along the input dim; ``packed uint8 [out, in/2]``:
+  inside group g, byte j holds element g*G + j in its low nibble and element g*G + G/2 + j in its
+  high nibble (GGUF Q4_0/Q4_1 order for G = 32); w = scale[r, g] * q + minimum[r, g], q in 0..15.
+
+GGUF blocks convert without a float round trip: Q8_0 -> BlockInt8Weight, Q4_1 -> Int4Weight
+(d, m as scale, minimum), Q4_0 -> Int4Weight (minimum = -8 d); F32/F16/BF16 -> Fp32Weight.
+
+Example::
+
+    w8 = quantize_int8(w)                    # w: float32 [1536, 576]
+    w4 = quantize_int4(w, group_size=32)
+    w4.nbytes, w4.dequantize().shape          # 663552, (1536, 576)
+    wq = weight_from_gguf(raw.data, raw.qtype, raw.shape)   # online.loading.checkpoint.RawQuantTensor
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+
+from tandem.errors import TandemError
+
+# Kernel format codes (cpu_numba dispatches on these).
+KIND_F32, KIND_I8, KIND_I8B, KIND_I4 = 0, 1, 2, 3
+Q8_BLOCK = 32  # Q8_0 block size (BlockInt8Weight)
+INT4_GROUP_SIZES = (32, 64)
+
+
+def _dummy() -> np.ndarray:
+    """Placeholder for an unused kernel field (writable: numba compiles read-only arrays separately)."""
+    return np.zeros((1, 1), dtype=np.float32)
+
+
+def _writable(a: np.ndarray) -> np.ndarray:
+    return a if a.flags.writeable else a.copy()
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise TandemError(msg)
+
+
+def _f32_2d(a: Any, name: str) -> np.ndarray:
+    a = np.asarray(a)
+    _check(a.ndim == 2, f"{name} must be 2-D [out, in], got shape {list(a.shape)}")
+    _check(np.issubdtype(a.dtype, np.floating), f"{name} must be floating point, got {a.dtype}")
+    out = np.ascontiguousarray(a, dtype=np.float32)
+    _check(bool(np.isfinite(out).all()), f"{name} contains NaN or infinity")
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class Fp32Weight:
+    w: np.ndarray  # float32 [out, in]
+
+    def __post_init__(self) -> None:
+        _check(self.w.dtype == np.float32 and self.w.ndim == 2 and self.w.flags.c_contiguous,
+               "Fp32Weight needs a C-contiguous float32 [out, in] array")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.w.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes
+
+    def dequantize(self) -> np.ndarray:
+        return self.w
+
+    def kernel_args(self) -> tuple:
+        return (KIND_F32, _writable(self.w).view(np.uint8), _dummy(), _dummy(), 1)
+
+
+@dataclass(frozen=True, eq=False)
+class Int8Weight:
+    q: np.ndarray  # int8 [out, in]
+    scale: np.ndarray  # float32 [out]
+
+    def __post_init__(self) -> None:
+        _check(self.q.dtype == np.int8 and self.q.ndim == 2 and self.q.flags.c_contiguous,
+               "Int8Weight.q must be C-contiguous int8 [out, in]")
+        _check(self.scale.dtype == np.float32 and self.scale.shape == (self.q.shape[0],),
+               f"Int8Weight.scale must be float32 [{self.q.shape[0]}]")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+    def dequantize(self) -> np.ndarray:
+        return self.q.astype(np.float32) * self.scale[:, None]  # [out, in]
+
+    def kernel_args(self) -> tuple:
+        return (KIND_I8, _writable(self.q).view(np.uint8), _writable(self.scale).reshape(-1, 1), _dummy(), 1)
+
+
+@dataclass(frozen=True, eq=False)
+class BlockInt8Weight:
+    q: np.ndarray  # int8 [out, in]
+    scale: np.ndarray  # float32 [out, in / 32]
+
+    def __post_init__(self) -> None:
+        _check(self.q.dtype == np.int8 and self.q.ndim == 2 and self.q.flags.c_contiguous,
+               "BlockInt8Weight.q must be C-contiguous int8 [out, in]")
+        rows, cols = self.q.shape
+        _check(cols % Q8_BLOCK == 0, f"BlockInt8Weight needs in_features divisible by {Q8_BLOCK}, got {cols}")
+        _check(self.scale.dtype == np.float32 and self.scale.shape == (rows, cols // Q8_BLOCK)
+               and self.scale.flags.c_contiguous, f"BlockInt8Weight.scale must be float32 [{rows}, {cols // Q8_BLOCK}]")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+    def dequantize(self) -> np.ndarray:
+        rows, cols = self.q.shape
+        w = self.q.reshape(rows, -1, Q8_BLOCK).astype(np.float32) * self.scale[:, :, None]
+        return w.reshape(rows, cols)
+
+    def kernel_args(self) -> tuple:
+        return (KIND_I8B, _writable(self.q).view(np.uint8), _writable(self.scale), _dummy(), Q8_BLOCK)
+
+
+@dataclass(frozen=True, eq=False)
+class Int4Weight:
+    packed: np.ndarray  # uint8 [out, in / 2], nibble order described in the module docstring
+    scale: np.ndarray  # float32 [out, in / group_size]
+    minimum: np.ndarray  # float32 [out, in / group_size]
+    group_size: int = 32
+
+    def __post_init__(self) -> None:
+        _check(self.group_size in INT4_GROUP_SIZES, f"int4 group size must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
+        _check(self.packed.dtype == np.uint8 and self.packed.ndim == 2 and self.packed.flags.c_contiguous,
+               "Int4Weight.packed must be C-contiguous uint8 [out, in/2]")
+        rows, cols = self.packed.shape[0], self.packed.shape[1] * 2
+        _check(cols % self.group_size == 0, f"Int4Weight needs in_features divisible by {self.group_size}, got {cols}")
+        groups = (rows, cols // self.group_size)
+        for name in ("scale", "minimum"):
+            a = getattr(self, name)
+            _check(a.dtype == np.float32 and a.shape == groups and a.flags.c_contiguous,
+                   f"Int4Weight.{name} must be C-contiguous float32 {list(groups)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale.nbytes + self.minimum.nbytes
+
+    def codes(self) -> np.ndarray:
+        """The 4-bit values q as uint8 [out, in] in logical order."""
+        rows, cols = self.shape
+        p = self.packed.reshape(rows, cols // self.group_size, self.group_size // 2)  # [out, groups, G/2]
+        q = np.concatenate([p & np.uint8(15), p >> np.uint8(4)], axis=-1)  # [out, groups, G]
+        return q.reshape(rows, cols)
+
+    def dequantize(self) -> np.ndarray:
+        rows, cols = self.shape
+        q = self.codes().reshape(rows, -1, self.group_size).astype(np.float32)
+        w = q * self.scale[:, :, None] + self.minimum[:, :, None]  # [out, groups, G]
+        return w.reshape(rows, cols)
+
+    def kernel_args(self) -> tuple:
+        return (KIND_I4, _writable(self.packed), _writable(self.scale), _writable(self.minimum), self.group_size)
+
+
+Weight = Union[Fp32Weight, Int8Weight, BlockInt8Weight, Int4Weight]
+FORMATS = ("fp32", "int8", "int4")
+
+
+def quantize_int8(w: Any) -> Int8Weight:
+    """Symmetric per-output-row int8: scale = max|w[r]| / 127."""
+    w = _f32_2d(w, "weight")
+    amax = np.abs(w).max(axis=1)  # [out]
+    scale = (amax / 127.0).astype(np.float32)
+    inv = np.where(scale > 0, 1.0 / np.where(scale > 0, scale, 1.0), 0.0).astype(np.float32)
+    q = np.clip(np.rint(w * inv[:, None]), -127, 127).astype(np.int8)
+    return Int8Weight(q=q, scale=scale)
+
+
+def pack_int4(q: np.ndarray, group_size: int) -> np.ndarray:
+    """Values 0..15 uint8 [out, in] (logical order) -> packed uint8 [out, in/2] in the kernel layout."""
+    rows, cols = q.shape
+    g = q.reshape(rows, cols // group_size, group_size).astype(np.uint8)  # [out, groups, G]
+    half = group_size // 2
+    packed = g[..., :half] | (g[..., half:] << np.uint8(4))  # [out, groups, G/2]
+    return np.ascontiguousarray(packed.reshape(rows, cols // 2))
+
+
+def quantize_int4(w: Any, group_size: int = 32) -> Int4Weight:
+    """Asymmetric int4 per group along the input dim (Q4_1 style): w ~ scale * q + minimum."""
+    _check(group_size in INT4_GROUP_SIZES, f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    w = _f32_2d(w, "weight")
+    rows, cols = w.shape
+    _check(cols % group_size == 0, f"int4 needs in_features divisible by {group_size}, got {cols}")
+    g = w.reshape(rows, cols // group_size, group_size)  # [out, groups, G]
+    lo, hi = g.min(axis=-1), g.max(axis=-1)  # [out, groups]
+    scale = ((hi - lo) / 15.0).astype(np.float32)
+    inv = np.where(scale > 0, 1.0 / np.where(scale > 0, scale, 1.0), 0.0).astype(np.float32)
+    q = np.clip(np.rint((g - lo[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
+    return Int4Weight(packed=pack_int4(q.reshape(rows, cols), group_size), scale=scale,
+                      minimum=np.ascontiguousarray(lo, dtype=np.float32), group_size=group_size)
+
+
+def quantize(w: Any, fmt: str, group_size: int = 32) -> Weight:
+    """Float [out, in] -> the given format ("fp32" | "int8" | "int4")."""
+    if fmt == "fp32":
+        return Fp32Weight(_f32_2d(w, "weight"))
+    if fmt == "int8":
+        return quantize_int8(w)
+    if fmt == "int4":
+        return quantize_int4(w, group_size)
+    raise TandemError(f"unknown weight format {fmt!r} (choose from {', '.join(FORMATS)})")
+
+
+def _scales(a: Any, shape: tuple[int, int], name: str) -> np.ndarray:
+    a = np.asarray(a)
+    _check(a.shape == shape, f"{name} must have shape {list(shape)}, got {list(a.shape)}")
+    return np.ascontiguousarray(a, dtype=np.float32)  # float16 -> float32 is exact
+
+
+def int8_from_q8_0(d: Any, q: Any) -> BlockInt8Weight:
+    """GGUF Q8_0 fields (``d`` f16 [out, in/32], ``q`` int8 [out, in]) -> BlockInt8Weight, exactly."""
+    q = np.ascontiguousarray(q)
+    _check(q.dtype == np.int8 and q.ndim == 2, "Q8_0 quants must be int8 [out, in]")
+    _check(q.shape[1] % Q8_BLOCK == 0, f"Q8_0 needs in_features divisible by {Q8_BLOCK}")
+    return BlockInt8Weight(q=q, scale=_scales(d, (q.shape[0], q.shape[1] // Q8_BLOCK), "Q8_0 scales"))
+
+
+def _codes(q: Any) -> np.ndarray:
+    q = np.asarray(q)
+    _check(q.ndim == 2 and q.shape[1] % 32 == 0, "Q4 quants must be [out, in] with in divisible by 32")
+    _check(q.dtype == np.uint8 and int(q.max(initial=0)) < 16, "Q4 quants must be uint8 values 0..15")
+    return q
+
+
+def int4_from_q4_1(d: Any, m: Any, q: Any) -> Int4Weight:
+    """GGUF Q4_1 fields (``d``, ``m`` f16 [out, in/32], ``q`` uint8 0..15 [out, in]): w = d q + m, exactly."""
+    q = _codes(q)
+    groups = (q.shape[0], q.shape[1] // 32)
+    return Int4Weight(packed=pack_int4(q, 32), scale=_scales(d, groups, "Q4_1 scales"),
+                      minimum=_scales(m, groups, "Q4_1 minimums"), group_size=32)
+
+
+def int4_from_q4_0(d: Any, q: Any) -> Int4Weight:
+    """GGUF Q4_0 fields (``d`` f16 [out, in/32], ``q`` uint8 0..15 [out, in]): w = d (q - 8), exactly."""
+    q = _codes(q)
+    scale = _scales(d, (q.shape[0], q.shape[1] // 32), "Q4_0 scales")
+    return Int4Weight(packed=pack_int4(q, 32), scale=scale, minimum=(-8.0 * scale).astype(np.float32), group_size=32)
+
+
+def concat_rows(weights: list[Weight]) -> Weight:
+    """Stack weights of one format along the output dim (e.g. q, k, v -> one projection, one call)."""
+    _check(len(weights) > 0, "concat_rows needs at least one weight")
+    first = weights[0]
+    same = all(type(w) is type(first) and w.shape[1] == first.shape[1]
+               and getattr(w, "group_size", 0) == getattr(first, "group_size", 0) for w in weights)
+    _check(same, "concat_rows needs weights of one format, group size and input width")
+    fields = {}
+    for name in first.__dataclass_fields__:
+        value = getattr(first, name)
+        fields[name] = (np.ascontiguousarray(np.concatenate([getattr(w, name) for w in weights], axis=0))
+                        if isinstance(value, np.ndarray) else value)
+    return type(first)(**fields)
+
+
+def weight_from_gguf(data: np.ndarray, qtype: Any, shape: tuple[int, ...]) -> Weight:
+    """A GGUF tensor's raw bytes -> packed weight without a float round trip (Q8_0/Q4_0/Q4_1)."""
+    from online.loading import quants
+
+    qtype = quants.qtype_name(qtype)
+    shape = tuple(int(s) for s in shape)
+    _check(len(shape) == 2, f"expected a 2-D weight, got shape {list(shape)}")
+    if qtype == "Q8_0":
+        return int8_from_q8_0(*quants.split_q8_0(data, shape))
+    if qtype == "Q4_1":
+        return int4_from_q4_1(*quants.split_q4_1(data, shape))
+    if qtype == "Q4_0":
+        return int4_from_q4_0(*quants.split_q4_0(data, shape))
+    return Fp32Weight(quants.dequantize(data, qtype, shape))
