@@ -1,4 +1,5 @@
 # Tandem. Quick start: `make run`, `make test`.
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -21,8 +22,12 @@ $(STAMP): pyproject.toml
 $(DEFAULT_GGUF): | $(STAMP)
 	$(BIN)/python -m online.loading.resolve fetch smollm2 --dir $(MODELS_DIR)
 
+# The whole pipeline on the default model: profile + plan for this machine (reused when valid), then
+# hybrid sparse + quantized generation from the plan.
 run: setup
-	$(BIN)/tandem generate --model smollm2 --chat --prompt "$(PROMPT)" --max-new-tokens 64 --threads $(THREADS)
+	@set -eo pipefail; $(BIN)/tandem prepare --model smollm2 --threads $(THREADS) | tee .prepare.log; \
+	plan=$$(sed -n 's/^\[prepare\] plan ready: //p' .prepare.log); rm -f .prepare.log; \
+	$(BIN)/tandem generate --model smollm2 --plan "$$plan" --chat --prompt "$(PROMPT)" --max-new-tokens 64 --threads $(THREADS)
 
 test: setup
 	$(BIN)/python -m pytest -q tests

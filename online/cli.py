@@ -22,6 +22,7 @@ def add_parsers(sub) -> None:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     add_engine_arguments(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(handler=run_generate)
@@ -46,6 +47,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-device", choices=("cuda", "cpu"), default=None,
                    help="where the GPU tier runs (default: cuda when present, else cpu)")
     p.add_argument("--no-sparse", action="store_true", help="compute every FFN neuron (exact)")
+    p.add_argument("--expert-slots", type=int, default=None, metavar="N",
+                   help="MoE: expert cache slots per layer on the GPU tier (overrides the plan's; works without one)")
+    p.add_argument("--no-prefetch", action="store_true", help="MoE: no speculative prefetch of the next layer's experts")
 
 
 def load_engine(args):
@@ -56,7 +60,7 @@ def load_engine(args):
         budget = parse_bytes(args.gpu_budget)
     return Engine.load(args.model, threads=args.threads, plan=args.plan, context_length=args.context,
                        weight_format=args.weight_format, gpu_budget_bytes=budget, gpu_device=args.gpu_device,
-                       sparse=not args.no_sparse)
+                       sparse=not args.no_sparse, expert_slots=args.expert_slots, prefetch=not args.no_prefetch)
 
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -82,7 +86,7 @@ def run_generate(args) -> int:
     prompt = prompt_ids if prompt_ids is not None else (
         [{"role": "user", "content": args.prompt}] if args.chat else args.prompt)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, seed=args.seed, stop=args.stop)
+                  top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     if args.json:
         result = engine.generate(prompt, **kwargs)
         out = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,

@@ -81,45 +81,67 @@ class Engine:
         self.eos_token_ids = eos
         self._cache: KVCache | None = None
         self.plan_info = None
+        # numba kernels parallelise decode themselves; torch then runs its small ops on one thread
+        self.decode_threads = 1 if hasattr(executor, "settings") else None
 
     @classmethod
     def load(cls, model: str | Path, threads: int | None = None, plan: str | Path | None = None,
              context_length: int | None = None, weight_format: str | None = None,
              gpu_budget_bytes: int | None = None, gpu_device: str | None = None,
-             sparse: bool = True) -> "Engine":
+             sparse: bool = True, expert_slots: int | None = None, prefetch: bool = True) -> "Engine":
         """Load a model: alias ("smollm2"), a .gguf file or a Hugging Face folder.
 
         Without ``plan`` and ``weight_format`` the runtime is dense float32 (the reference). With a
         plan (``tandem plan`` / ``tandem prepare``) FFNs run hybrid and sparse as planned, with packed
         weights (``weight_format``: int8 by default; int4 reads GGUF Q4 blocks as they are).
+        MoE models get an expert cache on the GPU tier: the plan's slots and pinned experts, or
+        ``expert_slots`` per layer (which overrides the plan, and works without one: float32 experts
+        unless ``weight_format`` says otherwise); ``prefetch`` speculatively loads the next layer's experts.
         """
         if threads is not None and threads < 1:
             raise TandemError(f"threads must be >= 1, got {threads}")
         if threads is not None:
             torch.set_num_threads(threads)
-        if plan is None and gpu_budget_bytes is not None:
-            raise TandemError("--gpu-budget needs --plan")
+        if expert_slots is not None and (isinstance(expert_slots, bool) or not isinstance(expert_slots, int)
+                                         or expert_slots < 0):
+            raise TandemError(f"--expert-slots must be an integer >= 0, got {expert_slots!r}")
+        if plan is None and expert_slots is None and gpu_budget_bytes is not None:
+            raise TandemError("--gpu-budget needs --plan (or --expert-slots for a MoE model)")
         ckpt = load_checkpoint(model)
         fingerprint = ckpt.fingerprint
         tokenizer, cfg, raw = ckpt.tokenizer, ckpt.config, ckpt.raw
+        if expert_slots is not None and not cfg.is_moe:
+            raise TandemError(f"--expert-slots needs a MoE model; {ckpt.model_id} has no experts")
         net, ffn_layers = build_model(ckpt)
         plan_info = None
-        if plan is None and weight_format is None:
+        if plan is None and weight_format is None and expert_slots is None:
             executor = DenseExecutor(cfg, ffn_layers)
         else:
             from .execution.hybrid import ExecutionSettings, HybridExecutor
             from .execution.quantized_linear import quantize_attention
-            settings = ExecutionSettings(weight_format=weight_format or "int8", sparse=sparse,
+            default_format = "fp32" if plan is None and expert_slots is not None else "int8"
+            settings = ExecutionSettings(weight_format=weight_format or default_format, sparse=sparse,
                                          threads=threads or torch.get_num_threads(), gpu_device=gpu_device)
+            head = net.lm_head.weight if weight_format is not None or plan is not None else None
             if plan is not None:
                 from .plan_runtime import build_plan_executor
                 executor, plan_info = build_plan_executor(plan, cfg, ffn_layers, fingerprint, settings,
-                                                          head_weight=net.lm_head.weight, raw=raw,
-                                                          gpu_budget_bytes=gpu_budget_bytes)
+                                                          head_weight=head, raw=raw,
+                                                          gpu_budget_bytes=gpu_budget_bytes,
+                                                          expert_slots=expert_slots, prefetch=prefetch)
+            elif expert_slots is not None:
+                from .experts.runtime import ExpertRuntime, tier_bytes_needed
+                from .execution.gpu_tier import GpuTier
+                budget = gpu_budget_bytes if gpu_budget_bytes is not None else tier_bytes_needed(
+                    cfg, ffn_layers, settings.weight_format, expert_slots)
+                tier = GpuTier.create(budget, gpu_device)
+                executor = HybridExecutor.build(cfg, ffn_layers, tier, settings, head_weight=head, raw=raw)
+                executor.attach_experts(ExpertRuntime(cfg, executor.layers, tier, weight_format=settings.weight_format,
+                                                      slots=expert_slots, prefetch=prefetch, threads=settings.threads))
             else:
                 from .execution.gpu_tier import GpuTier
                 executor = HybridExecutor.build(cfg, ffn_layers, GpuTier.create(0, "cpu"), settings,
-                                                head_weight=net.lm_head.weight, raw=raw)
+                                                head_weight=head, raw=raw)
             if settings.weight_format != "fp32":
                 quantize_attention(net, settings.weight_format, settings.threads, raw)
         engine = cls(net, executor, tokenizer, cfg, ckpt.source_path, ckpt.model_id, fingerprint, threads, context_length)
@@ -190,14 +212,13 @@ class Engine:
     def _pieces(self, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int], holder: dict) -> Iterator[str]:
         cache = self._kv_cache(len(prompt_ids) + params.max_new_tokens)
         timings = LoopTimings()
-        counters = getattr(self.executor, "counters", None)
-        before = counters.snapshot() if counters is not None else None
+        before = self._counters()
         generated: list[int] = []
         emitted = 0
         text, finish = "", "length"
         hold_back = max((len(s) for s in params.stop), default=1) - 1
         for event in token_loop(self.model, self.executor, cache, prompt_ids, params, eos_ids,
-                                self.max_context, timings):
+                                self.max_context, timings, decode_threads=self.decode_threads):
             if event.finish_reason == "stop":
                 finish = "stop"
                 break
@@ -227,6 +248,17 @@ class Engine:
         holder["result"] = GenerationResult(text=text, token_ids=generated, prompt_tokens=len(prompt_ids),
                                             finish_reason=finish, stats=self._stats(prompt_ids, generated, timings, before))
 
+    def _counters(self) -> dict | None:
+        """Cumulative executor counters (expert-cache counters prefixed ``experts.``)."""
+        counters = getattr(self.executor, "counters", None)
+        if counters is None:
+            return None
+        snapshot = counters.snapshot()
+        experts = getattr(self.executor, "experts", None)
+        if experts is not None:
+            snapshot.update({f"experts.{k}": v for k, v in experts.counters().items()})
+        return snapshot
+
     def _stats(self, prompt_ids: list[int], generated: list[int], t: LoopTimings,
                before: dict | None = None) -> dict[str, Any]:
         first = t.first_token_s or t.end_s
@@ -243,12 +275,18 @@ class Engine:
             "threads": torch.get_num_threads(),
         }
         if before is not None:
-            now = self.executor.counters.snapshot()
+            now = self._counters()
             delta = {k: now[k] - before[k] for k in now}
             steps = len(prompt_ids) + max(t.decode_steps, 0)
             total = max(delta["ffn_neurons_total"], 1)
             stats["ffn_sparsity"] = round(1.0 - delta["ffn_neurons_active"] / total, 4)
-            stats["bytes_moved_per_token"] = int(delta["bytes_moved"] / max(steps, 1))
+            bytes_moved = delta["bytes_moved"]
+            experts = getattr(self.executor, "experts", None)
+            if experts is not None:
+                expert_stats = experts.stats({k[8:]: v for k, v in delta.items() if k.startswith("experts.")}, steps)
+                bytes_moved += expert_stats.pop("expert_bytes_moved")
+                stats.update(expert_stats)
+            stats["bytes_moved_per_token"] = int(bytes_moved / max(steps, 1))
             stats["predictor_time_share"] = round(delta["predictor_s"] / max(t.end_s - t.start_s, 1e-9), 4)
             stats["weight_format"] = self.executor.settings.weight_format
         if self.plan_info is not None:

@@ -40,7 +40,9 @@ def _sibling(plan_dir: Path, explicit: str | Path | None, name: str) -> Path | N
 def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_fingerprint: str,
                         settings: ExecutionSettings, head_weight=None, raw: dict | None = None,
                         gpu_budget_bytes: int | None = None, profile_dir: str | Path | None = None,
-                        predictors_dir: str | Path | None = None) -> tuple[HybridExecutor, PlanInfo]:
+                        predictors_dir: str | Path | None = None, expert_slots: int | None = None,
+                        prefetch: bool = True) -> tuple[HybridExecutor, PlanInfo]:
+    """MoE layers get the plan's expert cache (slots, pinned experts); ``expert_slots`` overrides the slots."""
     from offline.profile_artifact import load_profile
     from placement.plan import load_plan, read_plan
     plan_dir = Path(plan_dir)
@@ -70,6 +72,13 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
     gpu_neurons = [plan.gpu_neurons(i) if not cfg.is_moe_layer(i) else None for i in range(cfg.num_layers)]
     executor = HybridExecutor.build(cfg, ffn_layers, tier, settings, gpu_neurons=gpu_neurons, thresholds=thresholds,
                                     predictors=predictors, head_weight=head_weight, raw=raw)
+    if cfg.is_moe:
+        from .experts.runtime import ExpertRuntime, default_cost_model
+        slots = plan.expert_cache_slots if expert_slots is None else expert_slots
+        executor.attach_experts(ExpertRuntime(cfg, executor.layers, tier, weight_format=settings.weight_format,
+                                              slots=slots, pinned=plan.expert_pinned, prefetch=prefetch,
+                                              cost_model=default_cost_model(tier, plan.hardware),
+                                              threads=settings.threads, fit_to_budget=expert_slots is None))
     info = PlanInfo(plan_dir=plan_dir, profile_dir=profile_path, predictors_dir=predictors_path if predictors else None,
                     hardware=plan.hardware.name, gpu_budget_bytes=plan.gpu_budget_bytes, gpu_bytes_planned=plan.gpu_bytes,
                     modeled_tokens_per_s=plan.modeled.get("tokens_per_s"))

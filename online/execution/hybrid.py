@@ -7,7 +7,8 @@ remaining (cold) neurons stay on the CPU in a packed format and are computed spa
 - layers with a useful predictor: only the predicted-active gate/up rows are computed,
 - other (SwiGLU) layers: gate and up in full, then only the down rows whose |h| passes the
   profile's threshold (the exact path).
-The two partial outputs are added. MoE layers use the dense expert path (see online/experts/).
+The two partial outputs are added. MoE layers run through an attached ``online.experts.ExpertRuntime``
+(expert cache on the GPU tier, prefetch, CPU compute of misses), else the dense expert path.
 
 Example::
 
@@ -89,6 +90,13 @@ class HybridExecutor(DenseExecutor):
         self.settings = settings
         self.head = head
         self.counters = ExecutionCounters()
+        self.experts = None  # online.experts.ExpertRuntime for MoE layers (attach_experts)
+
+    def attach_experts(self, runtime) -> None:
+        """Run MoE layers through ``runtime``; it holds the (packed) experts, so the float ones go."""
+        self.experts = runtime
+        for i in runtime.moe:
+            self.layers[i] = runtime.moe[i]
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
@@ -119,6 +127,12 @@ class HybridExecutor(DenseExecutor):
     # --- execution ---------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         split = self.splits[layer]
+        if split is None and self.experts is not None:
+            cfg = self.cfg  # selected experts are computed densely: all their neurons count as active
+            n = x.shape[0] * (cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size)
+            self.counters.ffn_neurons_total += n
+            self.counters.ffn_neurons_active += n
+            return self.experts.forward(layer, x)
         if split is None:
             return self.moe_forward(layer, x)
         start = time.perf_counter()
@@ -173,8 +187,10 @@ class HybridExecutor(DenseExecutor):
 
     @property
     def ffn_nbytes(self) -> int:
-        total = 0
+        total = self.experts.nbytes if self.experts is not None else 0
         for i, split in enumerate(self.splits):
+            if split is None and self.experts is not None:
+                continue
             if split is None:
                 w = self.layers[i]
                 total += sum(e.nbytes for e in w.experts) + w.router.numel() * 4
