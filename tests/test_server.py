@@ -441,7 +441,7 @@ def test_queue_full_gets_429(keyed_srv, ref_engine, long_prompts):
 
 def test_request_timeout(tiny_dir):
     with LiveServer(create_app(Engine.load(str(tiny_dir)), request_timeout_s=0.02)) as server:
-        body = {"prompt": PROMPTS[0], "max_tokens": 200}
+        body = {"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True}  # long enough to time out
         resp = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
         assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
         with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as resp:

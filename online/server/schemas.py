@@ -85,6 +85,7 @@ class _SamplingRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # extension; -1 or 0 = disabled
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    ignore_eos: bool = False  # extension (as vLLM): keep generating past end-of-sequence
     stop: Any = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -149,6 +150,7 @@ class _SamplingRequest(BaseModel):
             "top_p": 1.0 if self.top_p is None else float(self.top_p),
             "seed": self.seed,
             "stop": self.stop,
+            "ignore_eos": self.ignore_eos,
         }
 
 
