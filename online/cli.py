@@ -47,6 +47,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-device", choices=("cuda", "cpu"), default=None,
                    help="where the GPU tier runs (default: cuda when present, else cpu)")
     p.add_argument("--no-sparse", action="store_true", help="compute every FFN neuron (exact)")
+    p.add_argument("--profile", default=None, help="profile directory of the plan (default: beside the plan)")
+    p.add_argument("--predictors", default=None, help="predictors directory of the plan (default: beside the plan)")
     p.add_argument("--expert-slots", type=int, default=None, metavar="N",
                    help="MoE: expert cache slots per layer on the GPU tier (overrides the plan's; works without one)")
     p.add_argument("--no-prefetch", action="store_true", help="MoE: no speculative prefetch of the next layer's experts")
@@ -60,7 +62,7 @@ def load_engine(args):
         budget = parse_bytes(args.gpu_budget)
     return Engine.load(args.model, threads=args.threads, plan=args.plan, context_length=args.context,
                        weight_format=args.weight_format, gpu_budget_bytes=budget, gpu_device=args.gpu_device,
-                       sparse=not args.no_sparse, expert_slots=args.expert_slots, prefetch=not args.no_prefetch)
+                       sparse=not args.no_sparse, profile=args.profile, predictors=args.predictors, expert_slots=args.expert_slots, prefetch=not args.no_prefetch)
 
 
 def parse_prompt_ids(text: str) -> list[int]:

@@ -88,7 +88,8 @@ class Engine:
     def load(cls, model: str | Path, threads: int | None = None, plan: str | Path | None = None,
              context_length: int | None = None, weight_format: str | None = None,
              gpu_budget_bytes: int | None = None, gpu_device: str | None = None,
-             sparse: bool = True, expert_slots: int | None = None, prefetch: bool = True) -> "Engine":
+             sparse: bool = True, expert_slots: int | None = None, prefetch: bool = True,
+             profile: str | Path | None = None, predictors: str | Path | None = None) -> "Engine":
         """Load a model: alias ("smollm2"), a .gguf file or a Hugging Face folder.
 
         Without ``plan`` and ``weight_format`` the runtime is dense float32 (the reference). With a
@@ -128,7 +129,7 @@ class Engine:
                 executor, plan_info = build_plan_executor(plan, cfg, ffn_layers, fingerprint, settings,
                                                           head_weight=head, raw=raw,
                                                           gpu_budget_bytes=gpu_budget_bytes,
-                                                          expert_slots=expert_slots, prefetch=prefetch)
+                                                          expert_slots=expert_slots, prefetch=prefetch, profile_dir=profile, predictors_dir=predictors)
             elif expert_slots is not None:
                 from .experts.runtime import ExpertRuntime, tier_bytes_needed
                 from .execution.gpu_tier import GpuTier

@@ -79,7 +79,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     checkpoint = load_checkpoint(args.model)
     config = checkpoint.config
     profile = load_profile(args.profile, expected_model_fingerprint=checkpoint.fingerprint)
-    predictors = load_predictor_info(args.predictors, config.num_layers) if args.predictors else no_predictors(config.num_layers)
+    predictors = (load_predictor_info(args.predictors, config.num_layers, checkpoint.fingerprint, profile.fingerprint)
+                  if args.predictors else no_predictors(config.num_layers))
     bytes_per_weight = (checkpoint_bytes_per_weight(checkpoint) if args.weight_format == "auto"
                         else resolve_bytes_per_weight(_number_or_name(args.weight_format)))
     settings = PlanSettings(bytes_per_weight=bytes_per_weight,

@@ -67,12 +67,20 @@ def no_predictors(num_layers: int) -> PredictorInfo:
                          fingerprint=NO_PREDICTORS_FINGERPRINT)
 
 
-def load_predictor_info(predictors_dir: str | Path, num_layers: int) -> PredictorInfo:
-    """Read per-layer predictor facts from a predictor artifact.
-
-    SEAM: the predictor artifact format is being defined in ``predictors/``; the adapter from it
-    to ``PredictorInfo`` goes here (used flag, parameter bytes, recall and predicted-active
-    fraction per layer, and the artifact's fingerprint).
-    """
-    raise TandemError(f"reading predictor artifacts ({predictors_dir}) is not wired into the planner yet; "
-                      f"plan without --predictors (exact path in every layer)")
+def load_predictor_info(predictors_dir: str | Path, num_layers: int, expected_model_fingerprint: str | None = None,
+                        expected_profile_fingerprint: str | None = None) -> PredictorInfo:
+    """Per-layer predictor facts (used flag, parameter bytes, recall, predicted-active fraction)
+    from a ``tandem train-predictors`` artifact, with the artifact's fingerprint."""
+    from predictors.artifact import load_predictors
+    pset = load_predictors(predictors_dir, expected_model_fingerprint, expected_profile_fingerprint)
+    if len(pset.entries) != num_layers:
+        raise TandemError(f"predictors in {predictors_dir} cover {len(pset.entries)} layers, the model has {num_layers}")
+    layers = []
+    for entry in pset.entries:
+        stats = entry.stats or {}
+        used = bool(entry.use)
+        layers.append(LayerPredictorInfo(
+            used=used, param_bytes=4 * int(entry.param_count) if used else 0,
+            recall=float(min(max(stats.get("recall", 1.0), 0.0), 1.0)) if used else 1.0,
+            predicted_active_fraction=float(min(max(1.0 - stats.get("predicted_sparsity", 0.0), 0.0), 1.0)) if used else 1.0))
+    return PredictorInfo(layers=tuple(layers), fingerprint=pset.meta["predictors_fingerprint"])

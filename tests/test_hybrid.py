@@ -132,3 +132,35 @@ def test_quantized_formats_stay_close_to_dense(tiny_model_dir, fmt, tolerance):
                                     head_weight=model.lm_head.weight)
     out = logits(model, executor, IDS)
     assert float((out - ref).abs().max() / ref.abs().max()) < tolerance
+
+
+@pytest.mark.parametrize("kind", ["llama-relu", "opt"])
+def test_all_ones_predictor_equals_dense(tiny_model_dir, kind):
+    folder, _ = tiny_model_dir(kind)
+    model, ffn_layers = load(folder)
+    ref = logits(model, DenseExecutor(model.cfg, ffn_layers), IDS[:1])
+    everything = [lambda x: torch.arange(model.cfg.intermediate_size)] * model.cfg.num_layers
+    executor = HybridExecutor.build(model.cfg, ffn_layers, GpuTier.create(1 << 30, "cpu"),
+                                    ExecutionSettings(weight_format="fp32", sparse=True),
+                                    gpu_neurons=random_splits(model.cfg, 0.25, seed=5), predictors=everything)
+    torch.testing.assert_close(logits(model, executor, IDS[:1]), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_predictor_subset_matches_masked_reference(tiny_model_dir):
+    """Neurons the predictor leaves out contribute nothing; the rest are exact."""
+    folder, _ = tiny_model_dir("llama-relu")
+    model, ffn_layers = load(folder)
+    w = ffn_layers[0]
+    x = torch.randn(1, model.cfg.hidden_size, generator=torch.Generator().manual_seed(6))
+    chosen = torch.arange(0, model.cfg.intermediate_size, 3)
+    h = ffn_hidden(model.cfg, w, x)
+    keep = torch.zeros_like(h, dtype=torch.bool)
+    keep[:, chosen] = True
+    hot = torch.tensor([1, 2, 4])  # GPU part: computed densely whatever the predictor says
+    keep[:, hot] = True
+    expected = torch.nn.functional.linear(h * keep, w.down)
+    executor = HybridExecutor.build(model.cfg, ffn_layers, GpuTier.create(1 << 30, "cpu"),
+                                    ExecutionSettings(weight_format="fp32", sparse=True),
+                                    gpu_neurons=[hot] + [None] * (model.cfg.num_layers - 1),
+                                    predictors=[lambda x: chosen] * model.cfg.num_layers)
+    torch.testing.assert_close(executor.forward(0, x), expected, rtol=1e-4, atol=1e-6)

@@ -31,6 +31,7 @@ from .gpu_tier import GpuTier
 from .weights import FFNWeights, MoELayerWeights
 
 WEIGHT_FORMATS = ("fp32", "int8", "int4")
+PREDICTOR_MAX_TOKENS = 4  # longer batches (prefill) activate nearly every neuron: exact path there
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ class LayerSplit:
     cpu_neurons: torch.Tensor  # [n_cold] int64
     threshold: float  # |h| threshold for the CPU exact path (0: skip exact zeros only)
     down_bias: torch.Tensor | None = None  # [d], added once
-    predictor: object | None = None  # callable x [T, d] -> active cold-local indices
+    predictor: object | None = None  # callable x [T, d] -> neuron ids predicted active
+    cold_local: torch.Tensor | None = None  # [n_ff] int64: neuron id -> index in the CPU part, -1 if hot
 
 
 @dataclass
@@ -167,13 +169,17 @@ class HybridExecutor(DenseExecutor):
         return y
 
     def _cpu_forward(self, split: LayerSplit, x: torch.Tensor) -> torch.Tensor:
-        if split.predictor is not None:
+        if split.predictor is not None and x.shape[0] <= PREDICTOR_MAX_TOKENS:
             t0 = time.perf_counter()
-            active = split.predictor(x)  # [n_active] cold-local indices
+            active_global = split.predictor(x)  # [n] int64 neuron ids predicted active
+            local = split.cold_local[active_global]
+            local = local[local >= 0].numpy()  # [n_cold_active] indices into the CPU part
             self.counters.predictor_s += time.perf_counter() - t0
-            self.counters.ffn_neurons_active += x.shape[0] * int(active.numel())
-            return split.cpu.forward_predicted(x, active)
-        if split.threshold < 0:
+            y, active = split.cpu.forward_numpy(x.detach().float().contiguous().numpy(),
+                                                max(split.threshold, -1.0), local)
+            self.counters.ffn_neurons_active += int(active) if split.threshold >= 0 else x.shape[0] * local.size
+            return torch.from_numpy(y)
+        if split.threshold < 0:  # sparsity off
             self.counters.ffn_neurons_active += x.shape[0] * split.cpu.n_neurons
             return split.cpu.forward_dense(x)
         y, active = split.cpu.forward_sparse(x, split.threshold)
@@ -238,8 +244,10 @@ def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor,
                 fmt=settings.weight_format, down_fmt=None if settings.weight_format == "fp32" else "int8",
                 up_bias=None if w.up_bias is None else w.up_bias[cold].numpy(),
                 gate_bias=None if w.gate_bias is None else w.gate_bias[cold].numpy(), **kw)
+    cold_local = torch.full((n_ff,), -1, dtype=torch.long)
+    cold_local[cold] = torch.arange(cold.numel())
     return LayerSplit(gpu=gpu, cpu=cpu, cpu_neurons=cold, threshold=threshold,
-                      down_bias=w.down_bias, predictor=predictor)
+                      down_bias=w.down_bias, predictor=predictor if cpu is not None else None, cold_local=cold_local)
 
 
 def _pack_head(weight: torch.Tensor, settings: ExecutionSettings, raw_blocks) -> QuantizedLinear:
