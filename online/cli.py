@@ -42,7 +42,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", default=None, help="plan directory from `tandem plan` / `tandem prepare`")
     p.add_argument("--context", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--weight-format", choices=("fp32", "int8", "int4"), default=None,
-                   help="packed CPU weights (default: float32 without a plan, int8 with one)")
+                   help="packed CPU weights (default: float32 without a plan; with one, int4 for GGUF Q4 models (their blocks, exactly), else int8)")
     p.add_argument("--gpu-budget", default=None, help="GPU-tier budget, e.g. 2GiB (must fit the plan)")
     p.add_argument("--gpu-device", choices=("cuda", "cpu"), default=None,
                    help="where the GPU tier runs (default: cuda when present, else cpu)")

@@ -63,6 +63,13 @@ class TextStream:
         self._pieces.close()
 
 
+def default_weight_format(raw: dict) -> str:
+    """int4 when the checkpoint's FFN weights are GGUF Q4 blocks (read exactly, no re-quantization),
+    else int8."""
+    qtype = getattr(raw.get("model.layers.0.mlp.up_proj.weight"), "qtype", None)
+    return "int4" if qtype in ("Q4_0", "Q4_1") else "int8"
+
+
 class Engine:
     def __init__(self, model, executor, tokenizer, cfg: ModelConfig, model_path: Path, model_id: str,
                  model_fingerprint: str, threads: int | None, context_length: int | None = None) -> None:
@@ -120,7 +127,7 @@ class Engine:
         else:
             from .execution.hybrid import ExecutionSettings, HybridExecutor
             from .execution.quantized_linear import quantize_attention
-            default_format = "fp32" if plan is None and expert_slots is not None else "int8"
+            default_format = "fp32" if plan is None and expert_slots is not None else default_weight_format(raw)
             settings = ExecutionSettings(weight_format=weight_format or default_format, sparse=sparse,
                                          threads=threads or torch.get_num_threads(), gpu_device=gpu_device)
             head = net.lm_head.weight if weight_format is not None or plan is not None else None
