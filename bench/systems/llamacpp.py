@@ -1,22 +1,18 @@
 """llama.cpp through llama-cpp-python on the same GGUF (run with bench/peers/venv's python)."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from bench.prompt import BENCH_PROMPT  # noqa: E402
-from bench.systems.common import emit  # noqa: E402
+from bench.systems.common import emit, timing_arguments  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = timing_arguments(__doc__)
     ap.add_argument("--gguf", required=True)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--decode-tokens", type=int, default=128)
     args = ap.parse_args()
     import numpy as np
     from llama_cpp import Llama

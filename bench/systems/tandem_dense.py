@@ -1,19 +1,15 @@
 """Tandem's engine: prefill and decode timings, repeated runs in one process."""
 from __future__ import annotations
 
-import argparse
 import time
 
 from bench.prompt import BENCH_PROMPT
-from bench.systems.common import emit
+from bench.systems.common import emit, timing_arguments
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = timing_arguments(__doc__)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--plan", default=None)
     ap.add_argument("--weight-format", default=None)
     ap.add_argument("--name", default="tandem dense fp32")

@@ -1,21 +1,17 @@
 """transformers float32 on the same GGUF, manual KV-cache greedy loop."""
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
 from bench.prompt import BENCH_PROMPT
-from bench.systems.common import emit
+from bench.systems.common import emit, timing_arguments
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = timing_arguments(__doc__)
     ap.add_argument("--gguf", required=True)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--decode-tokens", type=int, default=128)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from pathlib import Path
