@@ -23,7 +23,8 @@ PARTS = ["dense.md", "hybrid.md", "kernels.md", "moe.md", "modeled_powerinfer.md
 
 def run_records(cmd: list[str]) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in env:
+        env.setdefault("GOMP_SPINCOUNT", "30000")  # as the tandem CLI does (see tandem/cli.py)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     records = [json.loads(line[len("BENCH_JSON "):]) for line in proc.stdout.splitlines()
                if line.startswith("BENCH_JSON ")]

@@ -9,9 +9,13 @@ import os
 import sys
 from typing import Callable
 
-# OpenMP threads that spin while waiting starve each other (and numba's) on a busy machine:
-# measured 7x slower profiling windows with spinning threads on 2 shared cores. Set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP worker threads (torch's and numba's pools) spin after each parallel region. Spinning forever
+# starves the other pool on a busy 2-core machine (7-100x slowdowns measured), sleeping at once
+# costs a wake-up per kernel call (decode 40.8 tok/s vs 48-50 spinning, measured on a quiet machine).
+# A short spin (~tens of microseconds) covers the gap between consecutive decode kernels and then
+# yields. Set before torch and numba load; users' own OMP_WAIT_POLICY / GOMP_SPINCOUNT win.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 from .errors import TandemError
 
