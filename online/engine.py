@@ -304,9 +304,9 @@ class Engine:
     @property
     def weight_bytes_per_token(self) -> int:
         """Weight bytes read per decoded token (attention + FFN + output head; embeddings: one row)."""
-        attn = sum(p.numel() * p.element_size() for name, p in self.model.named_parameters()
-                   if name.startswith("layers."))
-        attn = sum(getattr(m, "nbytes", 0) for m in self.model.modules()) or attn
+        layers = self.model.layers  # float parameters + packed (parameter-free) projections
+        attn = sum(p.numel() * p.element_size() for p in layers.parameters())
+        attn += sum(m.nbytes for m in layers.modules() if hasattr(m, "nbytes"))
         head = self.model.lm_head.weight
         head_bytes = getattr(self.executor, "head_nbytes", None) or head.numel() * head.element_size()
         return attn + self.executor.ffn_nbytes + head_bytes

@@ -77,11 +77,4 @@ class DenseExecutor:
 
     @property
     def ffn_nbytes(self) -> int:
-        total = 0
-        for w in self.layers:
-            if isinstance(w, MoELayerWeights):
-                total += sum(e.nbytes for e in w.experts) + w.router.numel() * 4
-                total += w.shared_expert.nbytes if w.shared_expert is not None else 0
-            else:
-                total += w.nbytes
-        return total
+        return sum(w.nbytes for w in self.layers)

@@ -18,15 +18,14 @@ Example::
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..kernels.ffn import QuantizedFFN, QuantizedLinear
-from .activations import gated_hidden, activate
-from .dense import DenseExecutor
+from .dense import DenseExecutor, ffn_down, ffn_hidden
 from .gpu_tier import GpuTier
 from .weights import FFNWeights, MoELayerWeights
 
@@ -61,11 +60,7 @@ class ExecutionSettings:
 @dataclass
 class GpuPart:
     neurons: torch.Tensor  # [n_hot] int64 (CPU), original neuron ids
-    up: torch.Tensor  # [n_hot, d] on the tier
-    down: torch.Tensor  # [d, n_hot] on the tier
-    gate: torch.Tensor | None = None  # [n_hot, d]
-    up_bias: torch.Tensor | None = None
-    gate_bias: torch.Tensor | None = None
+    weights: FFNWeights  # the hot rows, compacted on the tier (no down bias: added once per layer)
 
 
 @dataclass
@@ -164,12 +159,8 @@ class HybridExecutor(DenseExecutor):
 
     def _gpu_forward(self, part: GpuPart, x: torch.Tensor) -> torch.Tensor:
         x_tier = x.to(self.tier.device, non_blocking=True)
-        up = F.linear(x_tier, part.up, part.up_bias)  # [T, n_hot]
-        if part.gate is None:
-            h = activate(self.cfg.hidden_act, up, self.cfg.act_threshold)
-        else:
-            h = gated_hidden(self.cfg.hidden_act, F.linear(x_tier, part.gate, part.gate_bias), up, self.cfg.act_threshold)
-        y = F.linear(h, part.down)  # [T, d]
+        h = ffn_hidden(self.cfg, part.weights, x_tier)  # [T, n_hot]
+        y = ffn_down(part.weights, h)  # [T, d]
         self.counters.ffn_neurons_active += h.shape[0] * h.shape[1]
         if self.tier.is_cuda:
             self.counters.bytes_moved += x.numel() * x.element_size() + y.numel() * y.element_size()
@@ -206,15 +197,12 @@ class HybridExecutor(DenseExecutor):
             if split is None and self.experts is not None:
                 continue
             if split is None:
-                w = self.layers[i]
-                total += sum(e.nbytes for e in w.experts) + w.router.numel() * 4
-                total += w.shared_expert.nbytes if w.shared_expert is not None else 0
+                total += self.layers[i].nbytes
                 continue
             if split.cpu is not None:
                 total += split.cpu.nbytes
             if split.gpu is not None:
-                g = split.gpu
-                total += sum(t.numel() * t.element_size() for t in (g.up, g.down, g.gate) if t is not None)
+                total += split.gpu.weights.nbytes
         return total
 
     @property
@@ -233,10 +221,11 @@ def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor,
     if hot.numel():
         def put(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else tier.allocate(f"layers.{layer}.{name}", t.contiguous())
-        gpu = GpuPart(neurons=hot, up=put("hot_up", w.up[hot]), down=put("hot_down", w.down[:, hot]),
-                      gate=put("hot_gate", None if w.gate is None else w.gate[hot]),
-                      up_bias=put("hot_up_bias", None if w.up_bias is None else w.up_bias[hot]),
-                      gate_bias=put("hot_gate_bias", None if w.gate_bias is None else w.gate_bias[hot]))
+        gpu = GpuPart(neurons=hot, weights=FFNWeights(
+            up=put("hot_up", w.up[hot]), down=put("hot_down", w.down[:, hot]),
+            gate=put("hot_gate", None if w.gate is None else w.gate[hot]),
+            up_bias=put("hot_up_bias", None if w.up_bias is None else w.up_bias[hot]),
+            gate_bias=put("hot_gate_bias", None if w.gate_bias is None else w.gate_bias[hot])))
     cpu = None
     if cold.numel():
         kw = dict(act=cfg.hidden_act, act_threshold=cfg.act_threshold, threads=settings.threads)

@@ -36,6 +36,11 @@ class MoELayerWeights:
     shared_expert: FFNWeights | None = None
     shared_expert_gate: torch.Tensor | None = None  # [1, d]
 
+    @property
+    def nbytes(self) -> int:
+        shared = self.shared_expert.nbytes if self.shared_expert is not None else 0
+        return sum(e.nbytes for e in self.experts) + self.router.numel() * self.router.element_size() + shared
+
 
 def _take(tensors: dict[str, torch.Tensor], name: str, required: bool = True) -> torch.Tensor | None:
     t = tensors.pop(name, None)
