@@ -41,9 +41,12 @@ def modeled_rtx4090(plan_dir: str) -> list[tuple[str, float, float]]:
 
 def run_hybrid(args, tandem_cmd: list[str], peers: list[dict], run_system, run_records) -> None:
     plan_dir = prepare_plan(args.threads)
-    speed = [run_system(tandem_cmd + ["--weight-format", "int8", "--name", "tandem int8, all neurons"]),
-             run_system(tandem_cmd + ["--plan", plan_dir, "--weight-format", "int8", "--name", "tandem plan, int8, sparse"]),
-             run_system(tandem_cmd + ["--plan", plan_dir, "--weight-format", "int4", "--name", "tandem plan, int4, sparse"])]
+    plan = ["--plan", plan_dir]
+    speed = [run_system(tandem_cmd + ["--weight-format", "int4", "--name", "tandem int4, all neurons"]),
+             run_system(tandem_cmd + plan + ["--weight-format", "int8", "--name", "tandem plan, int8, sparse"]),
+             run_system(tandem_cmd + plan + ["--weight-format", "int4", "--name", "tandem plan, int4, sparse"]),
+             run_system(tandem_cmd + plan + ["--weight-format", "int4", "--no-fused-decode",
+                                             "--name", "tandem plan, int4, sparse, module decode"])]
     dense = run_system(tandem_cmd)
     speed = [r for r in [dense, *speed] if r]
     quality = run_records([sys.executable, "-m", "bench.systems.quality", "--threads", str(args.threads), "--plan", plan_dir])
@@ -54,13 +57,14 @@ def run_hybrid(args, tandem_cmd: list[str], peers: list[dict], run_system, run_r
              f"- Command: `make bench`; {args.runs} timed runs after a warm-up, medians [min-max]; "
              f"{args.decode_tokens} decoded tokens after the ~200-token prompt. Measured side by side in one run.",
              "",
-             "| system | decode tok/s | prefill tok/s | FFN sparsity | weight MB read / token |",
-             "|---|---|---|---|---|"]
+             "| system | decode path | decode tok/s | prefill tok/s | FFN sparsity | weight MB read / token |",
+             "|---|---|---|---|---|---|"]
     for r in speed + peers:
         dec, pre = r["decode_tok_s"], r["prefill_tok_s"]
         sparsity = r.get("ffn_sparsity")
         wbytes = r.get("weight_bytes_per_token")
-        lines.append(f"| {r['system']} | {statistics.median(dec):.1f} [{min(dec):.1f}-{max(dec):.1f}] | "
+        lines.append(f"| {r['system']} | {r.get('decode_path', '')} | "
+                     f"{statistics.median(dec):.1f} [{min(dec):.1f}-{max(dec):.1f}] | "
                      f"{statistics.median(pre):.1f} | {'' if sparsity is None else f'{sparsity:.1%}'} | "
                      f"{'' if not wbytes else f'{wbytes / 1e6:.0f}'} |")
     if dense:

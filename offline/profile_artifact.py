@@ -27,7 +27,7 @@ import torch
 from tandem.artifacts import fingerprint, load_artifact, save_artifact
 from tandem.errors import ArtifactError
 
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2  # 2: thresholds searched on training windows, held-out re-measured
 TENSOR_KEYS = ("neuron_freq", "neuron_mean_abs", "hot_order", "thresholds", "layer_sparsity")
 MOE_TENSOR_KEYS = ("expert_freq", "expert_coselect", "expert_repeat", "spec_recall")
 

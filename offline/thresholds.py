@@ -2,8 +2,8 @@
 
 SwiGLU models have no exact zeros; sparsity means zeroing ``|h| <= t[layer]``. The thresholds
 come from one uniform quantile q of each layer's |h| distribution on the training split; the
-largest q whose held-out perplexity increase stays within the quality budget is found by
-bisection (``search_uniform_sparsity``).
+largest q whose perplexity increase on the training windows stays within the quality budget is
+found by bisection (``search_uniform_sparsity``); the profiler then measures it on held-out text.
 
 Example::
 
@@ -121,7 +121,8 @@ class SearchPoint:
 
 @dataclass
 class ThresholdSearch:
-    """Outcome of the bisection: the adopted uniform quantile and what it measured on held-out text."""
+    """Outcome of the bisection: the adopted uniform quantile and what it measured on the windows it
+    was given (the profiler searches on training windows and re-measures held-out text)."""
     quantile: float
     thresholds: torch.Tensor  # [L]
     dense_perplexity: float
@@ -129,6 +130,7 @@ class ThresholdSearch:
     held_out_sparsity: torch.Tensor  # [L] achieved on held-out text
     scored_tokens: int
     points: list[SearchPoint] = field(default_factory=list)
+    selection_increase: float | None = None  # the increase on the selection windows, when re-measured
 
     @property
     def increase(self) -> float:
@@ -138,8 +140,9 @@ class ThresholdSearch:
 def search_uniform_sparsity(engine, hist: AbsHistogram, held_out_windows: Sequence[list[int]],
                             max_quality_loss: float, steps: int = 7, dense_perplexity: float | None = None,
                             on_window: Callable | None = None, on_point: Callable | None = None) -> ThresholdSearch:
-    """Bisection on the uniform quantile q in [0, MAX_SEARCH_SPARSITY]: the largest q whose held-out
-    perplexity increase is <= max_quality_loss (assumes the increase grows with q)."""
+    """Bisection on the uniform quantile q in [0, MAX_SEARCH_SPARSITY]: the largest q whose perplexity
+    increase on ``held_out_windows`` (the selection windows) is <= max_quality_loss (assumes the
+    increase grows with q)."""
     base = engine.executor
     if dense_perplexity is None:
         dense_perplexity, _ = windows_perplexity(engine, base, held_out_windows, on_window)

@@ -32,6 +32,8 @@ def add_parsers(sub) -> None:
     ppl.add_argument("--text-file", required=True)
     ppl.add_argument("--window", type=int, default=512, help="tokens per window")
     ppl.add_argument("--stride", type=int, default=256, help="tokens between window starts")
+    ppl.add_argument("--decode-steps", action="store_true",
+                     help="score token by token through the decode path generation uses (fused step included)")
     add_engine_arguments(ppl)
     ppl.add_argument("--json", action="store_true")
     ppl.set_defaults(handler=run_perplexity)
@@ -47,6 +49,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-device", choices=("cuda", "cpu"), default=None,
                    help="where the GPU tier runs (default: cuda when present, else cpu)")
     p.add_argument("--no-sparse", action="store_true", help="compute every FFN neuron (exact)")
+    p.add_argument("--down-format", choices=("fp16", "fp32", "int8b", "int8"), default=None,
+                   help="storage of the sparse (transposed) down projection (default fp16)")
+    p.add_argument("--no-fused-decode", action="store_true",
+                   help="decode through the module graph instead of the one-call C step")
     p.add_argument("--profile", default=None, help="profile directory of the plan (default: beside the plan)")
     p.add_argument("--predictors", default=None, help="predictors directory of the plan (default: beside the plan)")
     p.add_argument("--expert-slots", type=int, default=None, metavar="N",
@@ -62,7 +68,9 @@ def load_engine(args):
         budget = parse_bytes(args.gpu_budget)
     return Engine.load(args.model, threads=args.threads, plan=args.plan, context_length=args.context,
                        weight_format=args.weight_format, gpu_budget_bytes=budget, gpu_device=args.gpu_device,
-                       sparse=not args.no_sparse, profile=args.profile, predictors=args.predictors, expert_slots=args.expert_slots, prefetch=not args.no_prefetch)
+                       sparse=not args.no_sparse, profile=args.profile, predictors=args.predictors,
+                       expert_slots=args.expert_slots, prefetch=not args.no_prefetch, down_format=args.down_format,
+                       fused_decode=not args.no_fused_decode)
 
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -122,9 +130,11 @@ def run_perplexity(args) -> int:
         raise TandemError("--window must be >= 2 and --stride >= 1")
     engine = load_engine(args)
     ids = engine.encode_prompt_for_scoring(text)
-    ppl, scored = engine.perplexity(ids, window_tokens=args.window, stride_tokens=args.stride)
+    ppl, scored = engine.perplexity(ids, window_tokens=args.window, stride_tokens=args.stride,
+                                    decode_steps=args.decode_steps)
     if args.json:
-        print(json.dumps({"perplexity": ppl, "tokens": scored, "model": engine.model_id}))
+        print(json.dumps({"perplexity": ppl, "tokens": scored, "model": engine.model_id,
+                          "decode_path": engine.decode_path if args.decode_steps else "prefill"}))
     else:
         print(f"perplexity {ppl:.4f} over {scored} tokens")
     return 0

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tandem.errors import TandemError
 from .config import ModelConfig
 from .execution import DenseExecutor
-from .generate import LoopTimings, prefill, token_loop
+from .generate import LoopTimings, decode_one_token, prefill, token_loop
 from .kv_cache import KVCache
 from .loading import load_checkpoint
 from .model.build import build_model
@@ -90,13 +90,17 @@ class Engine:
         self.plan_info = None
         # numba kernels parallelise decode themselves; torch then runs its small ops on one thread
         self.decode_threads = 1 if hasattr(executor, "settings") else None
+        self.compiled_decode = None  # online.execution.fused_decode.FusedDecodeStep when available
+        self.decode_path = "modules"
+        self.decode_path_reason = ""
 
     @classmethod
     def load(cls, model: str | Path, threads: int | None = None, plan: str | Path | None = None,
              context_length: int | None = None, weight_format: str | None = None,
              gpu_budget_bytes: int | None = None, gpu_device: str | None = None,
              sparse: bool = True, expert_slots: int | None = None, prefetch: bool = True,
-             profile: str | Path | None = None, predictors: str | Path | None = None) -> "Engine":
+             profile: str | Path | None = None, predictors: str | Path | None = None,
+             fused_decode: bool = True, down_format: str | None = None) -> "Engine":
         """Load a model: alias ("smollm2"), a .gguf file or a Hugging Face folder.
 
         Without ``plan`` and ``weight_format`` the runtime is dense float32 (the reference). With a
@@ -105,6 +109,9 @@ class Engine:
         MoE models get an expert cache on the GPU tier: the plan's slots and pinned experts, or
         ``expert_slots`` per layer (which overrides the plan, and works without one: float32 experts
         unless ``weight_format`` says otherwise); ``prefetch`` speculatively loads the next layer's experts.
+        ``down_format``: how the transposed down projection of sparse FFNs is stored (fp16 by
+        default; fp32 / int8b / int8, see ExecutionSettings). ``fused_decode``: decode packed CPU-only models with the one-call C step (falls back to the
+        module graph, with the reason in ``decode_path_reason``, where it does not apply).
         """
         if threads is not None and threads < 1:
             raise TandemError(f"threads must be >= 1, got {threads}")
@@ -113,6 +120,8 @@ class Engine:
         if expert_slots is not None and (isinstance(expert_slots, bool) or not isinstance(expert_slots, int)
                                          or expert_slots < 0):
             raise TandemError(f"--expert-slots must be an integer >= 0, got {expert_slots!r}")
+        if plan is None and weight_format is None and expert_slots is None and down_format is not None:
+            raise TandemError("--down-format needs --plan or --weight-format (the dense float32 runtime has no packed FFN)")
         if plan is None and expert_slots is None and gpu_budget_bytes is not None:
             raise TandemError("--gpu-budget needs --plan (or --expert-slots for a MoE model)")
         ckpt = load_checkpoint(model)
@@ -129,6 +138,7 @@ class Engine:
             from .execution.quantized_linear import quantize_attention
             default_format = "fp32" if plan is None and expert_slots is not None else default_weight_format(raw)
             settings = ExecutionSettings(weight_format=weight_format or default_format, sparse=sparse,
+                                         **({"down_format": down_format} if down_format is not None else {}),
                                          threads=threads or torch.get_num_threads(), gpu_device=gpu_device)
             head = net.lm_head.weight if weight_format is not None or plan is not None else None
             if plan is not None:
@@ -154,7 +164,17 @@ class Engine:
                 quantize_attention(net, settings.weight_format, settings.threads, raw)
         engine = cls(net, executor, tokenizer, cfg, ckpt.source_path, ckpt.model_id, fingerprint, threads, context_length)
         engine.plan_info = plan_info
+        if fused_decode and hasattr(executor, "settings"):
+            engine._use_fused_decode()
         return engine
+
+    def _use_fused_decode(self) -> None:
+        from .execution.fused_decode import FusedDecodeStep, FusedDecodeUnavailable
+        try:
+            self.compiled_decode = FusedDecodeStep.build(self.model, self.executor)
+            self.decode_path, self.decode_path_reason = "fused", ""
+        except FusedDecodeUnavailable as exc:
+            self.decode_path_reason = str(exc)
 
     # --- prompts ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list) -> list[int]:
@@ -226,7 +246,8 @@ class Engine:
         text, finish = "", "length"
         hold_back = max((len(s) for s in params.stop), default=1) - 1
         for event in token_loop(self.model, self.executor, cache, prompt_ids, params, eos_ids,
-                                self.max_context, timings, decode_threads=self.decode_threads):
+                                self.max_context, timings, decode_threads=self.decode_threads,
+                                compiled=self.compiled_decode):
             if event.finish_reason == "stop":
                 finish = "stop"
                 break
@@ -281,6 +302,7 @@ class Engine:
             "bytes_moved_per_token": 0,
             "weight_bytes_per_token": self.weight_bytes_per_token,
             "threads": torch.get_num_threads(),
+            "decode_path": self.decode_path,
         }
         if before is not None:
             now = self._counters()
@@ -318,8 +340,30 @@ class Engine:
         cache = self._kv_cache(len(ids))
         return prefill(self.model, self.executor, cache, ids, all_logits=True).float()
 
-    def perplexity(self, token_ids: list[int], window_tokens: int = 512, stride_tokens: int = 256) -> tuple[float, int]:
-        """Sliding-window perplexity; returns (perplexity, number of scored tokens)."""
+    def step_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [T, vocab] computed one token at a time through the decode path generation uses
+        (the fused C step where it applies): what sampling sees, unlike ``logits`` (batched prefill)."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise TandemError("no tokens to score")
+        if len(ids) > self.max_context:
+            raise TandemError(f"{len(ids)} tokens exceed the context length ({self.max_context})")
+        cache = self._kv_cache(len(ids))
+        threads = torch.get_num_threads()
+        if self.decode_threads is not None:
+            torch.set_num_threads(self.decode_threads)
+        try:
+            rows = [decode_one_token(self.model, self.executor, cache, t, pos, self.compiled_decode)
+                    for pos, t in enumerate(ids)]
+        finally:
+            torch.set_num_threads(threads)
+        return torch.stack(rows).float()
+
+    def perplexity(self, token_ids: list[int], window_tokens: int = 512, stride_tokens: int = 256,
+                   decode_steps: bool = False) -> tuple[float, int]:
+        """Sliding-window perplexity; returns (perplexity, number of scored tokens). ``decode_steps``
+        scores one token at a time through the decode path (``step_logits``: what generation
+        computes, the fused step included) instead of batched prefill."""
         if len(token_ids) < 2:
             raise TandemError("need at least 2 tokens to compute perplexity")
         window_tokens = min(window_tokens, self.max_context - 1)
@@ -328,7 +372,7 @@ class Engine:
         for begin in range(0, len(token_ids), stride_tokens):
             end = min(begin + window_tokens, len(token_ids))
             window = token_ids[begin:end]
-            logits = self.logits(window)  # [W, vocab]
+            logits = self.step_logits(window) if decode_steps else self.logits(window)  # [W, vocab]
             n_new = end - max(prev_end, begin + 1)
             targets = torch.tensor(window[-n_new:])
             logp = F.log_softmax(logits[-n_new - 1:-1].double(), dim=-1)

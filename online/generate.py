@@ -25,8 +25,11 @@ def prefill(model, executor, cache: KVCache, token_ids: list[int], start_pos: in
 
 
 @torch.inference_mode()
-def decode_one_token(model, executor, cache: KVCache, token_id: int, pos: int) -> torch.Tensor:
-    """One decode step at position ``pos``: logits [vocab]."""
+def decode_one_token(model, executor, cache: KVCache, token_id: int, pos: int, compiled=None) -> torch.Tensor:
+    """One decode step at position ``pos``: logits [vocab]. ``compiled``: a whole-step kernel
+    (online.execution.fused_decode.FusedDecodeStep) run instead of the module graph."""
+    if compiled is not None:
+        return compiled(token_id, pos, cache)
     return model(torch.tensor([token_id], dtype=torch.long), pos, cache, executor)[-1]
 
 
@@ -46,7 +49,7 @@ class LoopTimings:
 
 def token_loop(model, executor, cache: KVCache, prompt_ids: list[int], params: SamplingParams,
                eos_ids: set[int], max_total_tokens: int, timings: LoopTimings,
-               decode_threads: int | None = None) -> Iterator[TokenEvent]:
+               decode_threads: int | None = None, compiled=None) -> Iterator[TokenEvent]:
     """Yield sampled tokens one by one until EOS, max_new_tokens or the context is full.
 
     ``decode_threads``: torch's thread count while decoding (1 when numba kernels do the parallel
@@ -55,12 +58,13 @@ def token_loop(model, executor, cache: KVCache, prompt_ids: list[int], params: S
     prefill_threads = torch.get_num_threads()
     try:
         yield from _token_loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_tokens, timings,
-                               decode_threads)
+                               decode_threads, compiled)
     finally:
         torch.set_num_threads(prefill_threads)
 
 
-def _token_loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_tokens, timings, decode_threads):
+def _token_loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_tokens, timings, decode_threads,
+                compiled):
     generator = make_generator(params)
     timings.start_s = time.perf_counter()
     logits = prefill(model, executor, cache, prompt_ids)
@@ -82,6 +86,6 @@ def _token_loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_t
         yield TokenEvent(token, "length" if last else None)
         if last:
             return
-        logits = decode_one_token(model, executor, cache, token, pos)
+        logits = decode_one_token(model, executor, cache, token, pos, compiled)
         timings.decode_steps += 1
         pos += 1

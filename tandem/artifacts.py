@@ -6,7 +6,7 @@ is renamed into place only when complete, so an interrupted run leaves no half a
 Example::
 
     save_artifact(out_dir, "profile", tensors={"freq": freq}, meta={"kind": "profile", ...})
-    tensors, meta = load_artifact(out_dir, "profile", kind="profile", schema_version=1)
+    tensors, meta = load_artifact(out_dir, "profile", kind="profile", schema_version=2)
 """
 from __future__ import annotations
 

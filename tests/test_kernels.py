@@ -31,7 +31,7 @@ def _weights(rows: int, cols: int) -> dict[str, object]:
     w = _w(rows, cols)
     q8d = (RNG.random((rows, cols // 32)) * 0.02 + 0.001).astype(np.float16)
     q8q = RNG.integers(-127, 128, (rows, cols), dtype=np.int8)
-    return {"fp32": Fp32Weight(w), "int8": quantize_int8(w), "int8-block": int8_from_q8_0(q8d, q8q),
+    return {"fp32": Fp32Weight(w), "fp16": quantize(w, "fp16"), "int8": quantize_int8(w), "int8-block": int8_from_q8_0(q8d, q8q),
             "int4-g32": quantize_int4(w, 32), "int4-g64": quantize_int4(w, 64)}
 
 
@@ -182,7 +182,7 @@ def test_embedding_rows_through_a_q8_0_output_layer():
 
 # --- sparse down projection -----------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt", ["fp32", "int8", "int8-block", "int4-g32", "int4-g64"])
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "int8", "int8-block", "int4-g32", "int4-g64"])
 def test_sparse_down_matches_masked_reference(fmt):
     n_ff, d = 45, 128
     wt = _weights(n_ff, d)[fmt]  # transposed down projection: rows are neurons

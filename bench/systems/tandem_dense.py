@@ -13,10 +13,13 @@ def main() -> None:
     ap.add_argument("--plan", default=None)
     ap.add_argument("--weight-format", default=None)
     ap.add_argument("--name", default="tandem dense fp32")
+    ap.add_argument("--no-fused-decode", action="store_true")
+    ap.add_argument("--no-sparse", action="store_true")
     args = ap.parse_args()
     from online import Engine
     t0 = time.perf_counter()
-    engine = Engine.load(args.model, threads=args.threads, plan=args.plan, weight_format=args.weight_format)
+    engine = Engine.load(args.model, threads=args.threads, plan=args.plan, weight_format=args.weight_format,
+                         fused_decode=not args.no_fused_decode, sparse=not args.no_sparse)
     load_s = time.perf_counter() - t0
     prompt_ids = engine.tokenizer.encode(BENCH_PROMPT)
     engine.generate(prompt_ids, max_new_tokens=8, ignore_eos=True)  # warm-up
@@ -28,7 +31,7 @@ def main() -> None:
     emit({"system": args.name, "prompt_tokens": len(prompt_ids), "ffn_sparsity": out.stats.get("ffn_sparsity"),
           "decode_tokens": args.decode_tokens, "prefill_tok_s": prefill, "decode_tok_s": decode,
           "load_s": round(load_s, 2), "weight_bytes_per_token": engine.weight_bytes_per_token,
-          "bytes_moved_per_token": out.stats.get("bytes_moved_per_token", 0)})
+          "bytes_moved_per_token": out.stats.get("bytes_moved_per_token", 0), "decode_path": engine.decode_path})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Fast CPU kernels for quantized and sparse decoding.
 
-- ``quantize``: packed weight formats (fp32, int8 per row, int8 Q8_0 blocks, int4 groups) and
+- ``quantize``: packed weight formats (fp32, fp16, int8 per row, int8 Q8_0 blocks, int4 groups) and
   exact conversions from GGUF blocks.
 - ``cpu_numba``: the numba kernels (GEMV, row-sparse GEMV, sparse down projection, fused FFN).
 - ``ffn``: the torch-facing ``QuantizedLinear`` and ``QuantizedFFN``.
+- ``native``: the C decode step (whole model, one call per token), built on first use.
 
 Example::
 
@@ -12,11 +13,11 @@ Example::
     y, active = ffn.forward_sparse(x, threshold=0.05)      # x: float32 [T, d]
 """
 from .ffn import KERNEL_MAX_TOKENS, QuantizedFFN, QuantizedLinear, kernel_max_tokens
-from .quantize import (FORMATS, BlockInt8Weight, Fp32Weight, Int4Weight, Int8Weight, Weight, concat_rows,
+from .quantize import (FORMATS, BlockInt8Weight, Fp16Weight, Fp32Weight, Int4Weight, Int8Weight, Weight, concat_rows,
                        int4_from_q4_0, int4_from_q4_1, int8_from_q8_0, quantize, quantize_int4, quantize_int8,
                        weight_from_gguf)
 
 __all__ = ["KERNEL_MAX_TOKENS", "QuantizedFFN", "QuantizedLinear", "kernel_max_tokens", "FORMATS",
-           "BlockInt8Weight", "Fp32Weight", "Int4Weight", "Int8Weight", "Weight", "concat_rows",
+           "BlockInt8Weight", "Fp16Weight", "Fp32Weight", "Int4Weight", "Int8Weight", "Weight", "concat_rows",
            "int4_from_q4_0", "int4_from_q4_1", "int8_from_q8_0", "quantize", "quantize_int4", "quantize_int8",
            "weight_from_gguf"]

@@ -2,7 +2,7 @@
 
 A weight reaches the kernels as the tuple ``Weight.kernel_args()`` gives:
 ``(kind, data uint8 [rows, row_bytes], scale f32 2-D, minimum f32 2-D, group)`` with kind one of
-quantize.KIND_F32 / KIND_I8 (per-row scale) / KIND_I8B (per-32-block scale, Q8_0) / KIND_I4
+quantize.KIND_F32 / KIND_F16 / KIND_I8 (per-row scale) / KIND_I8B (per-32-block scale, Q8_0) / KIND_I4
 (Q4_1-style groups of 32 or 64). One compiled specialisation per kernel serves every format.
 
 Row dot products and row axpys for the blocked formats are small LLVM-IR functions with explicit
@@ -35,7 +35,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .quantize import KIND_F32, KIND_I4, KIND_I8, KIND_I8B
+from .quantize import F16_VECTOR, KIND_F16, KIND_F32, KIND_I4, KIND_I8, KIND_I8B
 
 ACT_IDS = {"silu": 0, "relu": 1, "fatrelu": 2, "drelu": 3, "gelu": 4, "gelu_tanh": 5}
 EMPTY_F32 = np.zeros(0, dtype=np.float32)
@@ -170,8 +170,31 @@ def _ir_i8b() -> str:
             + _loop(axpy_body, "", "%n") + "exit:\n  ret void\ndone:\n  ret void\n}\n")
 
 
+def _ir_f16() -> str:
+    """float16 rows (numba has no CPU float16): 8 halves at a time, widened with fpext (F16C)."""
+    v, fma = "<8 x float>", "@llvm.fma.v8f32"
+    load = ("  %o = mul nuw nsw i64 %g, 8\n  %wp = getelementptr inbounds half, ptr %w, i64 %o\n"
+            "  %wh = load <8 x half>, ptr %wp, align 2\n  %wf = fpext <8 x half> %wh to <8 x float>\n")
+    dot_body = (load + "  %xp = getelementptr inbounds float, ptr %x, i64 %o\n"
+                f"  %xv = load {v}, ptr %xp, align 4\n  %accn = call fast {v} {fma}({v} %wf, {v} %xv, {v} %acc)\n")
+    axpy_body = (load + _splat(8, "hs", "%h") + "  %yp = getelementptr inbounds float, ptr %y, i64 %o\n"
+                 f"  %yv = load {v}, ptr %yp, align 4\n  %yn = call fast {v} {fma}({v} %wf, {v} %hs, {v} %yv)\n"
+                 f"  store {v} %yn, ptr %yp, align 4\n")
+    deq_body = load + "  %op = getelementptr inbounds float, ptr %out, i64 %o\n" f"  store {v} %wf, ptr %op, align 4\n"
+    return (f"declare {v} {fma}({v}, {v}, {v})\n"
+            f"declare float @llvm.vector.reduce.fadd.v8f32(float, {v})\n"
+            "define float @tdm_dot_f16(ptr %w, ptr %x, i64 %n) alwaysinline {\n"
+            + _loop(dot_body, f"  %acc = phi {v} [zeroinitializer, %entry], [%accn, %loop]\n", "%n")
+            + f"exit:\n  %r = call fast float @llvm.vector.reduce.fadd.v8f32(float 0.0, {v} %accn)\n"
+            "  ret float %r\ndone:\n  ret float 0.0\n}\n"
+            "define void @tdm_axpy_f16(ptr %y, ptr %w, float %h, i64 %n) alwaysinline {\n"
+            + _loop(axpy_body, "", "%n") + "exit:\n  ret void\ndone:\n  ret void\n}\n"
+            "define void @tdm_deq_f16(ptr %out, ptr %w, i64 %n) alwaysinline {\n"
+            + _loop(deq_body, "", "%n") + "exit:\n  ret void\ndone:\n  ret void\n}\n")
+
+
 def _ir_module() -> str:
-    text = "declare float @llvm.fma.f32(float, float, float)\n" + _ir_q4(32) + _ir_i8b()
+    text = "declare float @llvm.fma.f32(float, float, float)\n" + _ir_q4(32) + _ir_i8b() + _ir_f16()
     q64 = _ir_q4(64).replace("declare <32 x float> @llvm.fma.v32f32(<32 x float>, <32 x float>, <32 x float>)\n", "")
     return text + q64.replace("declare float @llvm.vector.reduce.fadd.v32f32(float, <32 x float>)\n", "")
 
@@ -212,7 +235,10 @@ def _ir_call(fn_name: str, returns_float: bool, n_ptrs: int, n_scalars: int):
     ret = types.float32 if returns_float else types.void
     codegen = _ir_codegen(fn_name, returns_float, n_ptrs)
     arity = n_ptrs + n_scalars
-    if arity == 4:
+    if arity == 3:
+        def typer(typingctx, a0, a1, a2):
+            return ret(a0, a1, a2), codegen
+    elif arity == 4:
         def typer(typingctx, a0, a1, a2, a3):
             return ret(a0, a1, a2, a3), codegen
     elif arity == 5:
@@ -237,6 +263,9 @@ _deq_q4g32 = _ir_call("tdm_deq_q4g32", False, 4, 1)  # (out, packed, scale, mini
 _deq_q4g64 = _ir_call("tdm_deq_q4g64", False, 4, 1)
 _deq_i8b32 = _ir_call("tdm_deq_i8b32", False, 3, 1)  # (out, q, scale; nblocks)
 _axpy_i8b32 = _ir_call("tdm_axpy_i8b32", False, 3, 2)  # (y, q, scale; h, nblocks)
+_dot_f16 = _ir_call("tdm_dot_f16", True, 2, 1)  # (w, x; n / 8)
+_axpy_f16 = _ir_call("tdm_axpy_f16", False, 2, 2)  # (y, w; h, n / 8)
+_deq_f16 = _ir_call("tdm_deq_f16", False, 2, 1)  # (out, w; n / 8)
 
 
 @intrinsic
@@ -301,6 +330,13 @@ def _dots(w, rows, lo, hi, x, xs, out, ooff):
                 for k in range(q.shape[1]):
                     a1 += np.float32(q[r, k]) * x[t, k]
                 out[t, j - ooff] = a1 * scale[r, 0]
+    elif kind == KIND_F16:
+        pd, px, sd, sx = _addr(data), _addr(x), data.strides[0], x.strides[0]
+        nv = data.shape[1] // (2 * F16_VECTOR)
+        for j in range(lo, hi):
+            r = rows[j]
+            for t in range(T):
+                out[t, j - ooff] = _dot_f16(_at(pd, r, sd), _at(px, t, sx), nv)
     else:
         pd, ps, pm, px, pxs = _addr(data), _addr(scale), _addr(minimum), _addr(x), _addr(xs)
         sd, ss, sx, sxs = data.strides[0], scale.strides[0], x.strides[0], xs.strides[0]
@@ -364,6 +400,11 @@ def _axpys(w, rows, lo, hi, h, hoff, threshold, acc):
                 a = sel_v[jj] * scale[r, 0]
                 for k in range(q.shape[1]):
                     acc[t, k] += a * np.float32(q[r, k])
+        elif kind == KIND_F16:
+            pd, py, sd, sy = _addr(data), _addr(acc), data.strides[0], acc.strides[0]
+            nv = data.shape[1] // (2 * F16_VECTOR)
+            for jj in range(m):
+                _axpy_f16(_at(py, t, sy), _at(pd, sel_r[jj], sd), sel_v[jj], nv)
         else:
             pd, ps, pm, py = _addr(data), _addr(scale), _addr(minimum), _addr(acc)
             sd, ss, sy = data.strides[0], scale.strides[0], acc.strides[0]
@@ -515,6 +556,10 @@ def dequantize_into(w, out, threads):
             for r in range(lo, hi):
                 for k in range(cols):
                     out[r, k] = np.float32(q[r, k]) * scale[r, 0]
+        elif kind == KIND_F16:
+            po, pd, so, sd = _addr(out), _addr(data), out.strides[0], data.strides[0]
+            for r in range(lo, hi):
+                _deq_f16(_at(po, r, so), _at(pd, r, sd), cols // F16_VECTOR)
         else:
             po, pd, ps, pm = _addr(out), _addr(data), _addr(scale), _addr(minimum)
             so, sd, ss = out.strides[0], data.strides[0], scale.strides[0]

@@ -3,6 +3,8 @@
 Every format is a frozen dataclass over numpy arrays, ``[out_features, in_features]`` logically:
 
 - ``Fp32Weight``: float32 ``w``.
+- ``Fp16Weight``: float16 ``w`` (in_features divisible by 8): half the bytes of fp32, 11-bit mantissa
+  (a GGUF Q4_1 value d*q+m with f16 d, m rounds by at most 2^-11 relative).
 - ``Int8Weight``: int8 ``q`` + float32 per-output-row ``scale`` (symmetric): w = scale[r] * q.
 - ``BlockInt8Weight``: int8 ``q`` + float32 ``scale [out, in/32]`` (GGUF Q8_0, kept exactly).
 - ``Int4Weight``: groups of ``group_size`` (32 or 64) along the input dim; ``packed uint8 [out, in/2]``:
@@ -28,8 +30,9 @@ import numpy as np
 
 from tandem.errors import TandemError
 
-# Kernel format codes (cpu_numba dispatches on these).
-KIND_F32, KIND_I8, KIND_I8B, KIND_I4 = 0, 1, 2, 3
+# Kernel format codes (cpu_numba and the native kernels dispatch on these).
+KIND_F32, KIND_I8, KIND_I8B, KIND_I4, KIND_F16 = 0, 1, 2, 3, 4
+F16_VECTOR = 8  # Fp16Weight rows are read 8 values at a time
 Q8_BLOCK = 32  # Q8_0 block size (BlockInt8Weight)
 INT4_GROUP_SIZES = (32, 64)
 
@@ -78,6 +81,31 @@ class Fp32Weight:
 
     def kernel_args(self) -> tuple:
         return (KIND_F32, _writable(self.w).view(np.uint8), _dummy(), _dummy(), 1)
+
+
+@dataclass(frozen=True, eq=False)
+class Fp16Weight:
+    w: np.ndarray  # float16 [out, in]
+
+    def __post_init__(self) -> None:
+        _check(self.w.dtype == np.float16 and self.w.ndim == 2 and self.w.flags.c_contiguous,
+               "Fp16Weight needs a C-contiguous float16 [out, in] array")
+        _check(self.w.shape[1] % F16_VECTOR == 0,
+               f"Fp16Weight needs in_features divisible by {F16_VECTOR}, got {self.w.shape[1]}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.w.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes
+
+    def dequantize(self) -> np.ndarray:
+        return self.w.astype(np.float32)
+
+    def kernel_args(self) -> tuple:
+        return (KIND_F16, _writable(self.w).view(np.uint8), _dummy(), _dummy(), 1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -180,8 +208,8 @@ class Int4Weight:
         return (KIND_I4, _writable(self.packed), _writable(self.scale), _writable(self.minimum), self.group_size)
 
 
-Weight = Union[Fp32Weight, Int8Weight, BlockInt8Weight, Int4Weight]
-FORMATS = ("fp32", "int8", "int8b", "int4")
+Weight = Union[Fp32Weight, Fp16Weight, Int8Weight, BlockInt8Weight, Int4Weight]
+FORMATS = ("fp32", "fp16", "int8", "int8b", "int4")
 
 
 def quantize_int8(w: Any) -> Int8Weight:
@@ -232,13 +260,17 @@ def quantize_int8_blocks(w: Any) -> BlockInt8Weight:
 
 
 def quantize(w: Any, fmt: str, group_size: int = 32) -> Weight:
-    """Float [out, in] -> the given format ("fp32" | "int8" | "int8b" | "int4").
+    """Float [out, in] -> the given format ("fp32" | "fp16" | "int8" | "int8b" | "int4").
 
     "int8b" keeps one scale per 32 inputs (as GGUF Q8_0): ~3x less error than per-row "int8"
     on weights whose scale varies along a row (e.g. a transposed GGUF down projection).
     """
     if fmt == "fp32":
         return Fp32Weight(_f32_2d(w, "weight"))
+    if fmt == "fp16":
+        w = _f32_2d(w, "weight")
+        _check(bool((np.abs(w) <= 65504.0).all()), "weight exceeds the float16 range")
+        return Fp16Weight(w.astype(np.float16))
     if fmt == "int8":
         return quantize_int8(w)
     if fmt == "int8b":

@@ -1,0 +1,167 @@
+"""The compiled decode step: one C call per token for the whole model (online/kernels/native/decode.c).
+
+The module graph (``DecoderModel`` + ``HybridExecutor``) dispatches ~30 small ops per layer; at
+batch 1 on two cores that overhead was half the token time. For plans whose FFNs run entirely on
+the CPU (the ``cpu-only`` plan, or a hybrid executor without a plan) this step reads the very same
+packed weights, norms, rope tables and KV cache and does attention, the sparse FFN (gate/up in
+full, then only the down rows with |h| above the layer's threshold) and the output layer in one
+parallel region. Activations are quantized to int8 per 32 values for the dot products (llama.cpp's
+scheme); the modular path stays the reference and the prefill path.
+
+Anything it does not cover (GPU-tier neurons, predictors, MoE, LayerNorm/learned positions, float32
+attention) makes ``FusedDecodeStep.build`` raise ``FusedDecodeUnavailable`` with the reason; the
+engine then decodes through the modules.
+
+Example::
+
+    step = FusedDecodeStep.build(model, executor)      # model: DecoderModel, executor: HybridExecutor
+    logits = step(token_id, pos, cache)                 # [vocab] float32, cache updated at pos
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+import torch
+
+from tandem.errors import TandemError
+
+from ..kernels.cpu_numba import ACT_IDS
+from ..kernels.native import NativeUnavailable, load_native
+from ..kernels.native.structs import TdmLayer, TdmModel, WeightRef, addr, describe
+from ..kv_cache import KVCache
+
+
+DEFAULT_RESIDUAL_RATIO = 2.0
+
+
+class FusedDecodeUnavailable(TandemError):
+    """This model/executor combination has no fused decode step (the message says why)."""
+
+
+def _np(t: torch.Tensor | None) -> np.ndarray | None:
+    if t is None:
+        return None
+    if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+        raise FusedDecodeUnavailable("fused decode needs contiguous float32 CPU tensors")
+    return t.detach().numpy()
+
+
+def _bias(b) -> np.ndarray | None:
+    if b is None:
+        return None
+    b = np.asarray(b, dtype=np.float32)
+    return b if b.size else None
+
+
+def _check_model(model, executor) -> None:
+    cfg = model.cfg
+    why = None
+    if cfg.norm != "rms":
+        why = "LayerNorm models"
+    elif cfg.position != "rope":
+        why = "learned position embeddings"
+    elif cfg.is_moe:
+        why = "MoE layers"
+    elif not hasattr(executor, "splits"):
+        why = "the dense float32 executor (it is the reference)"
+    elif cfg.num_heads % cfg.num_kv_heads:
+        why = "head counts that do not group"
+    if why is not None:
+        raise FusedDecodeUnavailable(f"no fused decode for {why}")
+    for i, split in enumerate(executor.splits):
+        if split is None or split.cpu is None or split.gpu is not None:
+            raise FusedDecodeUnavailable(f"no fused decode: layer {i} has FFN neurons on the GPU tier")
+        if split.predictor is not None:
+            raise FusedDecodeUnavailable(f"no fused decode: layer {i} uses an activation predictor")
+        if split.cpu.up_bias.size or split.cpu.gate_bias.size:
+            raise FusedDecodeUnavailable("no fused decode for FFN biases on gate/up")
+    for i, block in enumerate(model.layers):
+        attn = block.self_attn
+        if attn.qkv_proj is None or not hasattr(attn.o_proj, "linear"):
+            raise FusedDecodeUnavailable(f"no fused decode: layer {i} attention is not packed (float32 plan)")
+    if getattr(executor, "head", None) is None:
+        raise FusedDecodeUnavailable("no fused decode: the output layer is not packed")
+
+
+class FusedDecodeStep:
+    """A callable decode step over a packed CPU-only model; ``residual_ratio`` sets which activation
+    blocks get a second int8 pass (see decode.c's quantize_q8: 0 every block, < 0 none)."""
+
+    def __init__(self, model, executor, native, layers: list, keep: list,
+                 residual_ratio: float = DEFAULT_RESIDUAL_RATIO) -> None:
+        self.model, self.executor, self.native = model, executor, native
+        self.residual_ratio = residual_ratio
+        self.cfg = model.cfg
+        self._layers = (TdmLayer * len(layers))(*layers)
+        self._keep = keep  # arrays the descriptors point into
+        self._bound_cache: KVCache | None = None
+        self._work: np.ndarray | None = None
+        self._desc = self._describe_model()
+
+    @classmethod
+    def build(cls, model, executor, residual_ratio: float = DEFAULT_RESIDUAL_RATIO) -> "FusedDecodeStep":
+        _check_model(model, executor)
+        try:
+            native = load_native()
+        except NativeUnavailable as exc:
+            raise FusedDecodeUnavailable(str(exc)) from None
+        layers, keep = [], []
+        for i, block in enumerate(model.layers):
+            attn, split = block.self_attn, executor.splits[i]
+            ffn = split.cpu
+            refs = dict(qkv=describe(attn.qkv_proj.linear.weight), o=describe(attn.o_proj.linear.weight),
+                        up=describe(ffn.up), gate=describe(ffn.gate if ffn.gate is not None else ffn.up),
+                        down_t=describe(ffn.down_t, dot_input=False))
+            arrays = dict(attn_norm=_np(block.input_layernorm.weight), ffn_norm=_np(block.post_attention_layernorm.weight),
+                          qkv_bias=_bias(attn.qkv_proj.linear.bias), o_bias=_bias(attn.o_proj.linear.bias),
+                          down_bias=_np(split.down_bias) if split.down_bias is not None else _bias(ffn.down_bias))
+            layers.append(TdmLayer(threshold=float(split.threshold),
+                                   **{k: r.desc for k, r in refs.items()}, **{k: addr(a) for k, a in arrays.items()}))
+            keep += list(refs.values()) + [a for a in arrays.values() if a is not None]
+        return cls(model, executor, native, layers, keep, residual_ratio)
+
+    def _describe_model(self) -> TdmModel:
+        cfg, model, ex = self.cfg, self.model, self.executor
+        head: WeightRef = describe(ex.head.weight)
+        embed, final_norm = _np(model.embed_tokens.weight), _np(model.norm.weight)
+        cos, sin = _np(model.rope_cos), _np(model.rope_sin)
+        self._keep += [head, embed, final_norm, cos, sin]
+        return TdmModel(
+            n_layers=cfg.num_layers, d=cfg.hidden_size, n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, n_ff=ex.splits[0].cpu.n_neurons, vocab=head.desc.rows, capacity=0,
+            window=cfg.sliding_window, act=ACT_IDS[cfg.hidden_act], gated=int(cfg.mlp_gated),
+            threads=ex.settings.threads, norm_eps=cfg.norm_eps, act_alpha=cfg.act_threshold,
+            attn_scale=1.0 / math.sqrt(cfg.head_dim),
+            residual_ratio=self.residual_ratio, embed=addr(embed), final_norm=addr(final_norm),
+            rope_cos=addr(cos), rope_sin=addr(sin), rope_positions=cos.shape[0], head=head.desc,
+            layers=self._layers, work=None)
+
+    def _bind(self, cache: KVCache) -> None:
+        """Point the layers at this cache's buffers and size the scratch for its capacity."""
+        keys, values = _np(cache.keys), _np(cache.values)  # [L, KV, C, hd]
+        for i in range(self.cfg.num_layers):
+            self._layers[i].k_cache = addr(keys[i])
+            self._layers[i].v_cache = addr(values[i])
+        self._desc.capacity = cache.capacity_tokens
+        n_bytes = self.native.lib.tdm_work_bytes(ctypes.byref(self._desc))
+        if self._work is None or self._work.nbytes < n_bytes + 64:
+            self._work = np.zeros(n_bytes + 64, dtype=np.uint8)
+        self._desc.work = (self._work.ctypes.data + 63) & ~63
+        self._bound_cache = cache
+
+    def __call__(self, token_id: int, pos: int, cache: KVCache) -> torch.Tensor:
+        """Logits [vocab] for ``token_id`` at ``pos``; writes its keys/values into ``cache``."""
+        if not 0 <= pos < min(cache.capacity_tokens, self._desc.rope_positions):
+            raise TandemError(f"position {pos} is outside the KV cache ({cache.capacity_tokens} tokens)")
+        if not 0 <= token_id < self.cfg.vocab_size:
+            raise TandemError(f"token id {token_id} is outside the vocabulary ({self.cfg.vocab_size})")
+        if cache is not self._bound_cache:
+            self._bind(cache)
+        logits = torch.empty(self._desc.vocab, dtype=torch.float32)
+        active = self.native.lib.tdm_decode(ctypes.byref(self._desc), token_id, pos, logits.data_ptr())
+        counters = self.executor.counters
+        counters.ffn_neurons_total += self.cfg.num_layers * self._desc.n_ff
+        counters.ffn_neurons_active += int(active)
+        return logits

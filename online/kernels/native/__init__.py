@@ -1,0 +1,118 @@
+"""C kernels built on first use with the system C compiler and loaded through ctypes.
+
+``decode.c`` (with ``rows.h`` and ``attention.h``) holds the whole-model decode step (see online.execution.fused_decode). It is compiled
+for this machine (``-march=native``: AVX2/FMA/F16C where the CPU has them, portable C otherwise)
+into a cache folder keyed by the source, the flags, the compiler and the CPU, written atomically,
+so every later process only loads it. No compiler, or a failed build, raises ``NativeUnavailable``
+with the reason in one line; callers then keep the numba/torch path.
+
+Example::
+
+    lib = load_native()            # NativeLibrary(lib=<CDLL>, path=..., has_avx2=True)
+    lib.lib.tdm_decode(...)
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.errors import TandemError
+
+from .structs import bind_signatures
+
+SOURCE_DIR = Path(__file__).parent
+SOURCE = SOURCE_DIR / "decode.c"
+SOURCES = ("decode.c", "rows.h", "attention.h")  # everything the build reads (the cache key)
+BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
+HOST_FLAGS = ("-march=native",)
+COMPILE_TIMEOUT_S = 120
+
+
+class NativeUnavailable(TandemError):
+    """The C kernels cannot be built or loaded here (the message says why)."""
+
+
+@dataclass(frozen=True)
+class NativeLibrary:
+    lib: ctypes.CDLL
+    path: Path
+    has_avx2: bool
+
+
+def cache_dir() -> Path:
+    """``$TANDEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/tandem``, else ``~/.cache/tandem``."""
+    if os.environ.get("TANDEM_CACHE_DIR"):
+        return Path(os.environ["TANDEM_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tandem"
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or "cc"
+    path = shutil.which(cc)
+    if path is None:
+        raise NativeUnavailable(f"no C compiler found ({cc!r} is not on PATH; set CC or install gcc)")
+    return path
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + "|" + flags.strip()
+
+
+def _build(cc: str, flags: tuple[str, ...], out: Path) -> str | None:
+    """Compile decode.c to ``out`` atomically; the compiler's complaint on failure, else None."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, "-I", str(SOURCE_DIR), "-o", tmp, str(SOURCE), "-lm"],
+                              capture_output=True, text=True,
+                              timeout=COMPILE_TIMEOUT_S)
+        if proc.returncode != 0:
+            lines = (proc.stderr or proc.stdout).strip().splitlines()
+            return lines[0] if lines else f"exit code {proc.returncode}"
+        os.replace(tmp, out)
+        return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_native() -> NativeLibrary:
+    """Build (once per machine and source version) and load the C kernels."""
+    if os.environ.get("TANDEM_NATIVE", "1") == "0":
+        raise NativeUnavailable("native kernels disabled by TANDEM_NATIVE=0")
+    cc = _compiler()
+    source = b"\0".join((SOURCE_DIR / name).read_bytes() for name in SOURCES)
+    errors = []
+    for flags in (BASE_FLAGS + HOST_FLAGS, BASE_FLAGS):  # -march=native is not known everywhere
+        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), cc.encode(),
+                                         _cpu_signature().encode()])).hexdigest()[:16]
+        path = cache_dir() / "native" / f"tandem_decode-{key}.so"
+        if not path.exists():
+            error = _build(cc, flags, path)
+            if error is not None:
+                errors.append(error)
+                continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            errors.append(str(exc))
+            continue
+        bind_signatures(lib)
+        return NativeLibrary(lib=lib, path=path, has_avx2=bool(lib.tdm_has_avx2()))
+    raise NativeUnavailable("could not build the C decode kernels: " + "; ".join(errors))

@@ -1,0 +1,279 @@
+/* One decode step (T = 1) of a Llama-family decoder, whole model in one call.
+ *
+ * The Python side (online/execution/fused_decode.py) fills a tdm_model with pointers into the
+ * tensors the modular runtime already holds (packed weights, norms, rope tables, the KV cache), so
+ * the two paths share every byte and prefill (modular, batched) hands its cache to this decode.
+ *
+ * Matrix-vector products read the packed weights as they are (quantize.py's formats: fp32, per-row
+ * int8, Q8_0 blocks, Q4_1-style int4 groups of 32/64) against the activation quantized to int8 in
+ * blocks of 32 (scale per block, exact float block sums for the int4 minimum term), llama.cpp's
+ * Q8 trick: an int8 x uint4 dot product is two AVX2 instructions per 32 weights. The FFN down
+ * projection is transposed (rows = neurons) and only the rows whose |h| passes the layer's
+ * threshold are added (the plan's sparse CPU path).
+ *
+ * Threads: one OpenMP parallel region per call; every matrix is split by rows over the threads,
+ * with a barrier where a phase needs the whole previous result (four per layer). Small vectors
+ * (the residual stream, norms, activation quantization) are recomputed by every thread instead of
+ * shared: cheaper than a barrier. Row kernels live in rows.h, attention in attention.h.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+
+#include "attention.h"
+#include "rows.h"
+
+enum { ACT_SILU = 0, ACT_RELU = 1, ACT_FATRELU = 2, ACT_DRELU = 3, ACT_GELU = 4, ACT_GELU_TANH = 5 };
+typedef struct {
+    const float *attn_norm, *ffn_norm;          /* [d] */
+    const float *qkv_bias, *o_bias, *down_bias; /* NULL when absent */
+    float *k_cache, *v_cache;                   /* [n_kv, capacity, head_dim] */
+    tdm_weight qkv, o, gate, up, down_t;        /* down_t: [n_ff, d], rows = neurons */
+    double threshold;                           /* |h| > threshold is computed; < 0: all */
+} tdm_layer;
+
+typedef struct {
+    int64_t n_layers, d, n_heads, n_kv, head_dim, n_ff, vocab, capacity, window, act, gated, threads;
+    double norm_eps, act_alpha, attn_scale;
+    double residual_ratio;              /* see quantize_q8; < 0: plain int8 activations */
+    const float *embed;                 /* [vocab, d] */
+    const float *final_norm;            /* [d] */
+    const float *rope_cos, *rope_sin;   /* [positions, head_dim], NULL: no rope */
+    int64_t rope_positions;
+    tdm_weight head;
+    tdm_layer *layers;
+    uint8_t *work;                      /* tdm_work_bytes(model) bytes, 64-byte aligned */
+} tdm_model;
+
+/* ---------------------------------------------------------------------------------------------
+ * Scratch layout */
+
+typedef struct {
+    float *delta, *qkv, *attn, *partial; /* shared: o-proj output [d], [q+2kv], [q], [threads, d] */
+    int64_t *counts;                     /* [threads] */
+} shared_bufs;
+
+/* Every thread keeps its own copy of the residual stream, updated from the shared pieces in the
+ * same order by all threads (so the copies stay bit-identical): no barrier to publish it. */
+typedef struct {
+    float *res, *xn, *h, *scores; /* [d], [max_in], [n_ff], [capacity] */
+    int32_t *idx;                 /* [n_ff] active neuron ids */
+    qvec x;
+} thread_bufs;
+
+static int64_t align64(int64_t n) { return (n + 63) & ~(int64_t)63; }
+
+static int64_t max_in(const tdm_model *m) {
+    int64_t a = m->d > m->n_heads * m->head_dim ? m->d : m->n_heads * m->head_dim;
+    return a > m->n_ff ? a : m->n_ff;
+}
+
+static int64_t shared_bytes(const tdm_model *m) {
+    int64_t q = m->n_heads * m->head_dim, kv = m->n_kv * m->head_dim;
+    return align64(4 * m->d) + align64(4 * (q + 2 * kv)) + align64(4 * q) + align64(4 * m->threads * m->d)
+           + align64(8 * m->threads);
+}
+
+static int64_t thread_bytes(const tdm_model *m) {
+    int64_t n = max_in(m);
+    return align64(4 * m->d) + align64(4 * n) + 3 * align64(4 * (n / QB + 1)) + 2 * align64(4 * m->n_ff)
+           + align64(4 * m->capacity) + 2 * align64(n);
+}
+
+int64_t tdm_work_bytes(const tdm_model *m) { return shared_bytes(m) + m->threads * thread_bytes(m); }
+
+static shared_bufs get_shared(const tdm_model *m) {
+    int64_t q = m->n_heads * m->head_dim, kv = m->n_kv * m->head_dim;
+    uint8_t *p = m->work;
+    shared_bufs s;
+    s.delta = (float *)p; p += align64(4 * m->d);
+    s.qkv = (float *)p; p += align64(4 * (q + 2 * kv));
+    s.attn = (float *)p; p += align64(4 * q);
+    s.partial = (float *)p; p += align64(4 * m->threads * m->d);
+    s.counts = (int64_t *)p;
+    return s;
+}
+
+static thread_bufs get_thread(const tdm_model *m, int t) {
+    int64_t n = max_in(m);
+    uint8_t *p = m->work + shared_bytes(m) + t * thread_bytes(m);
+    thread_bufs b;
+    b.res = (float *)p; p += align64(4 * m->d);
+    b.xn = (float *)p; p += align64(4 * n);
+    b.x.d = (float *)p; p += align64(4 * (n / QB + 1));
+    b.x.dr = (float *)p; p += align64(4 * (n / QB + 1));
+    b.x.s = (float *)p; p += align64(4 * (n / QB + 1));
+    b.h = (float *)p; p += align64(4 * m->n_ff);
+    b.idx = (int32_t *)p; p += align64(4 * m->n_ff);
+    b.scores = (float *)p; p += align64(4 * m->capacity);
+    b.x.q = (int8_t *)p; p += align64(n);
+    b.x.r = (int8_t *)p;
+    b.x.f = b.xn;
+    return b;
+}
+
+static void chunk(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
+    *lo = n * t / nt;
+    *hi = n * (t + 1) / nt;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Vector helpers */
+
+static void rms_norm(float *restrict out, const float *restrict x, const float *restrict w, int64_t n, float eps) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+static float act_fn(int64_t act, float alpha, float g, float u) {
+    switch (act) {
+    case ACT_SILU: return g / (1.0f + expf(-g)) * u;
+    case ACT_RELU: return (g > 0.0f ? g : 0.0f) * u;
+    case ACT_FATRELU: return g > alpha ? g * u : 0.0f;
+    case ACT_DRELU: return (g > 0.0f ? g : 0.0f) * (u > 0.0f ? u : 0.0f);
+    case ACT_GELU: return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f)) * u;
+    default: {
+        float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+        return 0.5f * g * (1.0f + tanhf(inner)) * u;
+    }
+    }
+}
+
+/* h[i] = act(g[i]) * u[i] (plain FFNs: act(u[i])); SiLU eight at a time where AVX2 is there */
+static void activate(int64_t act, float alpha, int64_t gated, const float *g, const float *u, float *h, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    if (act == ACT_SILU && gated) {
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 e = exp8(_mm256_sub_ps(zero, gv));
+            _mm256_storeu_ps(h + i, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + i)), _mm256_add_ps(one, e)));
+        }
+    }
+#endif
+    for (; i < n; i++) h[i] = gated ? act_fn(act, alpha, g[i], u[i]) : act_fn(act, alpha, u[i], 1.0f);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The step */
+
+static void norm_and_quantize(const tdm_model *m, const float *x, const float *w, thread_bufs *tb) {
+    rms_norm(tb->xn, x, w, m->d, (float)m->norm_eps);
+    tb->x.f = tb->xn;
+    quantize_q8(tb->xn, m->d, &tb->x, (float)m->residual_ratio);
+}
+
+/* q/k/v rows are dealt out in whole heads, so each thread ropes its own heads and writes its k/v
+ * heads into the cache without waiting for the others. */
+static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos, shared_bufs *sb,
+                            thread_bufs *tb, int t, int nt) {
+    int64_t hd = m->head_dim, qn = m->n_heads * hd, lo, hi;
+    norm_and_quantize(m, tb->res, L->attn_norm, tb);
+    chunk(m->n_heads + 2 * m->n_kv, t, nt, &lo, &hi);
+    for (int64_t u = lo; u < hi; u++) { /* q heads, then k heads, then v heads */
+        float *v = sb->qkv + u * hd;
+        for (int64_t r = u * hd; r < (u + 1) * hd; r++)
+            sb->qkv[r] = dot_row(&L->qkv, r, &tb->x) + (L->qkv_bias ? L->qkv_bias[r] : 0.0f);
+        if (u < m->n_heads + m->n_kv && m->rope_cos)
+            rope_head(v, m->rope_cos + pos * hd, m->rope_sin + pos * hd, hd);
+        if (u >= m->n_heads + m->n_kv)
+            memcpy(L->v_cache + ((u - m->n_heads - m->n_kv) * m->capacity + pos) * hd, v, 4 * hd);
+        else if (u >= m->n_heads)
+            memcpy(L->k_cache + ((u - m->n_heads) * m->capacity + pos) * hd, v, 4 * hd);
+    }
+#pragma omp barrier
+    chunk(m->n_heads, t, nt, &lo, &hi);
+    int64_t start = (m->window > 0 && pos + 1 > m->window) ? pos + 1 - m->window : 0;
+    for (int64_t h = lo; h < hi; h++) {
+        int64_t g = h / (m->n_heads / m->n_kv);
+        attend_head(L->k_cache + g * m->capacity * hd, L->v_cache + g * m->capacity * hd, start, pos, hd,
+                    (float)m->attn_scale, sb->qkv + h * hd, sb->attn + h * hd, tb->scores);
+    }
+#pragma omp barrier
+    tb->x.f = sb->attn;
+    quantize_q8(sb->attn, qn, &tb->x, (float)m->residual_ratio);
+    chunk(m->d, t, nt, &lo, &hi);
+    for (int64_t r = lo; r < hi; r++) sb->delta[r] = dot_row(&L->o, r, &tb->x) + (L->o_bias ? L->o_bias[r] : 0.0f);
+#pragma omp barrier
+    for (int64_t k = 0; k < m->d; k++) tb->res[k] += sb->delta[k];
+}
+
+#define FFN_SLICE 32 /* neurons per slice; slices are dealt to threads in turn (sparsity is uneven) */
+
+static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int t, int nt) {
+    int64_t n_act = 0, d = m->d;
+    float alpha = (float)m->act_alpha, thr = (float)L->threshold;
+    float *part = sb->partial + t * d;
+    norm_and_quantize(m, tb->res, L->ffn_norm, tb);
+    for (int64_t b0 = t * FFN_SLICE; b0 < m->n_ff; b0 += nt * FFN_SLICE) {
+        int64_t b1 = b0 + FFN_SLICE < m->n_ff ? b0 + FFN_SLICE : m->n_ff;
+        float g[FFN_SLICE], u[FFN_SLICE], h[FFN_SLICE];
+        int64_t n = b1 - b0;
+        for (int64_t i = 0; i < n; i++) {
+            u[i] = dot_row(&L->up, b0 + i, &tb->x);
+            g[i] = m->gated ? dot_row(&L->gate, b0 + i, &tb->x) : u[i];
+        }
+        activate(m->act, alpha, m->gated, g, u, h, n);
+        for (int64_t i = 0; i < n; i++) {
+            tb->h[n_act] = h[i]; /* kept when it passes the threshold (branch-free compaction) */
+            tb->idx[n_act] = (int32_t)(b0 + i);
+            n_act += fabsf(h[i]) > thr;
+        }
+    }
+    for (int64_t k = 0; k < d; k++) part[k] = 0.0f;
+    axpy_rows(&L->down_t, tb->idx, tb->h, n_act, part);
+    sb->counts[t] += n_act;
+#pragma omp barrier
+    for (int64_t k = 0; k < d; k++) {
+        float a = L->down_bias ? L->down_bias[k] : 0.0f;
+        for (int j = 0; j < nt; j++) a += sb->partial[j * d + k];
+        tb->res[k] += a;
+    }
+}
+
+/* logits [vocab] for token at position pos (pos < capacity, pos < rope_positions). Returns the number
+ * of FFN neurons computed (summed over layers). */
+int64_t tdm_decode(const tdm_model *m, int64_t token, int64_t pos, float *logits) {
+    shared_bufs sb = get_shared(m);
+    int nt = (int)m->threads;
+    for (int j = 0; j < nt; j++) sb.counts[j] = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        int t = omp_get_thread_num(), n = omp_get_num_threads();
+        thread_bufs tb = get_thread(m, t);
+        memcpy(tb.res, m->embed + token * m->d, 4 * m->d);
+        for (int64_t l = 0; l < m->n_layers; l++) {
+            attention_block(m, &m->layers[l], pos, &sb, &tb, t, n);
+            ffn_block(m, &m->layers[l], &sb, &tb, t, n);
+        }
+        norm_and_quantize(m, tb.res, m->final_norm, &tb);
+        int64_t lo, hi;
+        chunk(m->vocab, t, n, &lo, &hi);
+        for (int64_t r = lo; r < hi; r++) logits[r] = dot_row(&m->head, r, &tb.x);
+    }
+    int64_t total = 0;
+    for (int j = 0; j < nt; j++) total += sb.counts[j];
+    return total;
+}
+
+/* Self-checks for the tests: one row product with the same code the step uses. */
+float tdm_dot_row(const tdm_weight *w, int64_t r, const float *x, double residual_ratio) {
+    int64_t n = w->cols, nb = n / QB + 1;
+    int8_t q[n], rq[n];
+    float d[nb], dr[nb], s[nb];
+    qvec v = {x, q, rq, d, dr, s};
+    if (n % QB == 0) quantize_q8(x, n, &v, (float)residual_ratio);
+    return dot_row(w, r, &v);
+}
+
+int64_t tdm_has_avx2(void) {
+#ifdef __AVX2__
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,338 @@
+/* Row kernels of the decode step: activation quantization, row dot products and row axpys over
+ * the packed weight formats (online/kernels/quantize.py). Included by decode.c only. */
+#ifndef TANDEM_ROWS_H
+#define TANDEM_ROWS_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+enum { KIND_F32 = 0, KIND_I8 = 1, KIND_I8B = 2, KIND_I4 = 3, KIND_F16 = 4 };
+#define QB 32 /* activation quantization block */
+
+
+typedef struct {
+    int64_t kind, group, rows, cols;
+    const uint8_t *data;   /* [rows, row_bytes] */
+    int64_t row_bytes;
+    const float *scale;    /* [rows, scale_stride] (per row: stride 1) */
+    const float *minimum;  /* int4 only, same layout as scale */
+    int64_t scale_stride;
+} tdm_weight;
+
+/* An activation vector quantized for the dot products: x ~ d[b] q + dr[b] r per block of 32
+ * (r: the rounding residual, quantized again where dr[b] != 0), s[b]: exact float block sums. */
+typedef struct {
+    const float *f; /* the float values */
+    int8_t *q, *r;
+    float *d, *dr, *s;
+} qvec;
+
+/* x [n] (n % 32 == 0) -> int8 codes per block of 32 (scale d = max|x| / 127) and exact block sums.
+ * Blocks whose scale exceeds residual_ratio x the mean scale (outlier channels: SmolLM2's residual
+ * stream has a few) also get their rounding residual quantized (scale d / 254): ~15 bits there.
+ * residual_ratio 0: every block; < 0: none. */
+static void quantize_q8(const float *restrict x, int64_t n, qvec *out, float residual_ratio) {
+    int64_t nb = n / QB;
+    float mean_d = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * QB;
+        float amax = 0.0f, sum = 0.0f;
+        for (int k = 0; k < QB; k++) {
+            float a = fabsf(xb[k]);
+            amax = a > amax ? a : amax;
+            sum += xb[k];
+        }
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int k = 0; k < QB; k++) out->q[b * QB + k] = (int8_t)lrintf(xb[k] * inv);
+        out->d[b] = amax / 127.0f;
+        out->s[b] = sum;
+        mean_d += out->d[b];
+    }
+    mean_d /= (float)(nb > 0 ? nb : 1);
+    for (int64_t b = 0; b < nb; b++) {
+        float d = out->d[b];
+        if (residual_ratio < 0.0f || d <= residual_ratio * mean_d || d == 0.0f) {
+            out->dr[b] = 0.0f;
+            continue;
+        }
+        float dr = d / 254.0f, inv = 254.0f / d;
+        for (int k = 0; k < QB; k++) {
+            float rest = x[b * QB + k] - d * (float)out->q[b * QB + k];
+            out->r[b * QB + k] = (int8_t)lrintf(rest * inv);
+        }
+        out->dr[b] = dr;
+    }
+}
+
+#ifdef __AVX2__
+/* e^x for 8 floats: Cephes' expf polynomial after a ln2 range reduction (~1 ulp; x clamped to
+ * +-88.38, where expf over/underflows) */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* sum of the 32 products u8 a * s8 b, as 8 int32 lanes converted to float */
+static inline __m256 dot32_u8s8(__m256i a, __m256i b) {
+    __m256i p16 = _mm256_maddubs_epi16(a, b);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+static inline __m256 dot32_s8s8(__m256i w, __m256i y) {
+    return dot32_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(y, w));
+}
+#endif
+
+
+/* ---------------------------------------------------------------------------------------------
+ * Row dot products: W[r] . x, with x given as float (fp32 weights) and as Q8 blocks (the rest) */
+
+static float dot_f32(const float *restrict w, const float *restrict x, int64_t n) {
+    float a = 0.0f;
+    for (int64_t k = 0; k < n; k++) a += w[k] * x[k];
+    return a;
+}
+
+static float dot_i4(const tdm_weight *w, int64_t r, const qvec *x) {
+    const uint8_t *p = w->data + r * w->row_bytes;
+    const float *d = w->scale + r * w->scale_stride, *m = w->minimum + r * w->scale_stride;
+    const float *xd = x->d, *xr = x->dr;
+    int64_t ng = w->cols / w->group, per = w->group / QB; /* activation blocks per weight group */
+    float summ = 0.0f;
+    if (per == 1)
+        for (int64_t g = 0; g < ng; g++) summ += m[g] * x->s[g];
+    else
+        for (int64_t g = 0; g < ng; g++) summ += m[g] * (x->s[2 * g] + x->s[2 * g + 1]);
+#ifdef __AVX2__
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), accr = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    if (per == 1) { /* two groups per iteration: two independent FMA chains */
+        int64_t g = 0;
+        for (; g + 1 < ng; g += 2) {
+            __m128i r0 = _mm_loadu_si128((const __m128i *)(p + 16 * g));
+            __m128i r1 = _mm_loadu_si128((const __m128i *)(p + 16 * g + 16));
+            __m256i c0 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r0, 4), r0), low);
+            __m256i c1 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r1, 4), r1), low);
+            __m256 s0 = dot32_u8s8(c0, _mm256_loadu_si256((const __m256i *)(x->q + 32 * g)));
+            __m256 s1 = dot32_u8s8(c1, _mm256_loadu_si256((const __m256i *)(x->q + 32 * g + 32)));
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * xd[g]), s0, acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d[g + 1] * xd[g + 1]), s1, acc1);
+            if (xr[g] != 0.0f)
+                accr = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * xr[g]),
+                                       dot32_u8s8(c0, _mm256_loadu_si256((const __m256i *)(x->r + 32 * g))), accr);
+            if (xr[g + 1] != 0.0f)
+                accr = _mm256_fmadd_ps(_mm256_set1_ps(d[g + 1] * xr[g + 1]),
+                                       dot32_u8s8(c1, _mm256_loadu_si256((const __m256i *)(x->r + 32 * g + 32))), accr);
+        }
+        for (; g < ng; g++) {
+            __m128i r0 = _mm_loadu_si128((const __m128i *)(p + 16 * g));
+            __m256i c0 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r0, 4), r0), low);
+            __m256 s0 = dot32_u8s8(c0, _mm256_loadu_si256((const __m256i *)(x->q + 32 * g)));
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * xd[g]), s0, acc0);
+            if (xr[g] != 0.0f)
+                accr = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * xr[g]),
+                                       dot32_u8s8(c0, _mm256_loadu_si256((const __m256i *)(x->r + 32 * g))), accr);
+        }
+    } else { /* groups of 64: 32 bytes, low nibbles = elements 0..31, high = 32..63 */
+        for (int64_t g = 0; g < ng; g++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 32 * g));
+            __m256i c0 = _mm256_and_si256(raw, low), c1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            int64_t b = 2 * g;
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * xd[b]),
+                                   dot32_u8s8(c0, _mm256_loadu_si256((const __m256i *)(x->q + 32 * b))), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * xd[b + 1]),
+                                   dot32_u8s8(c1, _mm256_loadu_si256((const __m256i *)(x->q + 32 * b + 32))), acc1);
+            if (xr[b] != 0.0f)
+                accr = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * xr[b]),
+                                       dot32_u8s8(c0, _mm256_loadu_si256((const __m256i *)(x->r + 32 * b))), accr);
+            if (xr[b + 1] != 0.0f)
+                accr = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * xr[b + 1]),
+                                       dot32_u8s8(c1, _mm256_loadu_si256((const __m256i *)(x->r + 32 * b + 32))), accr);
+        }
+    }
+    acc0 = _mm256_add_ps(acc0, accr);
+    return hsum8(_mm256_add_ps(acc0, acc1)) + summ;
+#else
+    int64_t G = w->group, half = G / 2;
+    float acc = 0.0f;
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *pg = p + g * half;
+        for (int64_t k = 0; k < per; k++) {
+            int64_t b = g * per + k;
+            int32_t isum = 0, rsum = 0;
+            for (int64_t j = 0; j < QB; j++) {
+                int64_t e = k * QB + j; /* element inside the group */
+                int v = e < half ? (pg[e] & 15) : (pg[e - half] >> 4);
+                isum += v * x->q[b * QB + j];
+                rsum += v * x->r[b * QB + j];
+            }
+            acc += d[g] * (xd[b] * (float)isum + (xr[b] != 0.0f ? xr[b] * (float)rsum : 0.0f));
+        }
+    }
+    return acc + summ;
+#endif
+}
+
+/* Q8_0 blocks (scale per 32) or per-row int8 (one scale) */
+static float dot_i8(const tdm_weight *w, int64_t r, const qvec *x) {
+    const int8_t *q = (const int8_t *)(w->data + r * w->row_bytes);
+    const float *s = w->scale + r * w->scale_stride;
+    int64_t nb = w->cols / QB;
+    int blocked = w->kind == KIND_I8B;
+#ifdef __AVX2__
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), accr = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
+        __m256i w1 = _mm256_loadu_si256((const __m256i *)(q + 32 * b + 32));
+        float s0 = blocked ? s[b] : 1.0f, s1 = blocked ? s[b + 1] : 1.0f;
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0 * x->d[b]),
+                               dot32_s8s8(w0, _mm256_loadu_si256((const __m256i *)(x->q + 32 * b))), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s1 * x->d[b + 1]),
+                               dot32_s8s8(w1, _mm256_loadu_si256((const __m256i *)(x->q + 32 * b + 32))), acc1);
+        if (x->dr[b] != 0.0f)
+            accr = _mm256_fmadd_ps(_mm256_set1_ps(s0 * x->dr[b]),
+                                   dot32_s8s8(w0, _mm256_loadu_si256((const __m256i *)(x->r + 32 * b))), accr);
+        if (x->dr[b + 1] != 0.0f)
+            accr = _mm256_fmadd_ps(_mm256_set1_ps(s1 * x->dr[b + 1]),
+                                   dot32_s8s8(w1, _mm256_loadu_si256((const __m256i *)(x->r + 32 * b + 32))), accr);
+    }
+    for (; b < nb; b++) {
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
+        float s0 = blocked ? s[b] : 1.0f;
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0 * x->d[b]),
+                               dot32_s8s8(w0, _mm256_loadu_si256((const __m256i *)(x->q + 32 * b))), acc0);
+        if (x->dr[b] != 0.0f)
+            accr = _mm256_fmadd_ps(_mm256_set1_ps(s0 * x->dr[b]),
+                                   dot32_s8s8(w0, _mm256_loadu_si256((const __m256i *)(x->r + 32 * b))), accr);
+    }
+    float total = hsum8(_mm256_add_ps(_mm256_add_ps(acc0, accr), acc1));
+#else
+    float total = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        int32_t isum = 0, rsum = 0;
+        for (int k = 0; k < QB; k++) {
+            isum += (int32_t)q[b * QB + k] * x->q[b * QB + k];
+            rsum += (int32_t)q[b * QB + k] * x->r[b * QB + k];
+        }
+        total += (blocked ? s[b] : 1.0f) * (x->d[b] * (float)isum + (x->dr[b] != 0.0f ? x->dr[b] * (float)rsum : 0.0f));
+    }
+#endif
+    return blocked ? total : total * s[0];
+}
+
+static float dot_row(const tdm_weight *w, int64_t r, const qvec *x) {
+    switch (w->kind) {
+    case KIND_F32: return dot_f32((const float *)(w->data + r * w->row_bytes), x->f, w->cols);
+    case KIND_I4: return dot_i4(w, r, x);
+    default: return dot_i8(w, r, x);
+    }
+}
+
+#ifndef __F16C__
+static float half_to_float(uint16_t v) {
+    uint32_t sign = (uint32_t)(v >> 15) << 31, exp = (v >> 10) & 31, man = v & 1023, bits;
+    if (exp == 0) { /* zero or subnormal */
+        float f = ldexpf((float)man, -24);
+        return sign ? -f : f;
+    }
+    if (exp == 31) bits = sign | 0x7F800000u | (man << 13);
+    else bits = sign | ((exp + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+#endif
+
+/* y [d] += h * W[r] for the transposed down projection */
+static void axpy_row(const tdm_weight *w, int64_t r, float h, float *restrict y) {
+    int64_t n = w->cols;
+    const uint8_t *row = w->data + r * w->row_bytes;
+    if (w->kind == KIND_F32) {
+        const float *restrict v = (const float *)row;
+        for (int64_t k = 0; k < n; k++) y[k] += h * v[k];
+    } else if (w->kind == KIND_F16) {
+#ifdef __F16C__
+        const uint16_t *v = (const uint16_t *)row;
+        __m256 hv = _mm256_set1_ps(h);
+        for (int64_t k = 0; k < n; k += 8) {
+            __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + k)));
+            _mm256_storeu_ps(y + k, _mm256_fmadd_ps(hv, wv, _mm256_loadu_ps(y + k)));
+        }
+#else
+        const uint16_t *v = (const uint16_t *)row;
+        for (int64_t k = 0; k < n; k++) y[k] += h * half_to_float(v[k]);
+#endif
+    } else if (w->kind == KIND_I8) {
+        const int8_t *restrict q = (const int8_t *)row;
+        float a = h * w->scale[r * w->scale_stride];
+        for (int64_t k = 0; k < n; k++) y[k] += a * (float)q[k];
+    } else { /* KIND_I8B */
+        const int8_t *restrict q = (const int8_t *)row;
+        const float *s = w->scale + r * w->scale_stride;
+        for (int64_t b = 0; b < n / QB; b++) {
+            float a = h * s[b];
+            for (int k = 0; k < QB; k++) y[b * QB + k] += a * (float)q[b * QB + k];
+        }
+    }
+}
+
+/* y [d] += sum_j h[j] * W[idx[j]]: float rows four at a time (y is loaded and stored once per four) */
+static void axpy_rows(const tdm_weight *w, const int32_t *idx, const float *h, int64_t n, float *restrict y) {
+    int64_t j = 0, cols = w->cols;
+    if (w->kind == KIND_F32) {
+        for (; j + 4 <= n; j += 4) {
+            const float *restrict r0 = (const float *)(w->data + idx[j] * w->row_bytes);
+            const float *restrict r1 = (const float *)(w->data + idx[j + 1] * w->row_bytes);
+            const float *restrict r2 = (const float *)(w->data + idx[j + 2] * w->row_bytes);
+            const float *restrict r3 = (const float *)(w->data + idx[j + 3] * w->row_bytes);
+            float h0 = h[j], h1 = h[j + 1], h2 = h[j + 2], h3 = h[j + 3];
+            for (int64_t k = 0; k < cols; k++) y[k] += (h0 * r0[k] + h1 * r1[k]) + (h2 * r2[k] + h3 * r3[k]);
+        }
+    }
+#ifdef __F16C__
+    else if (w->kind == KIND_F16 && cols % 8 == 0) {
+        for (; j + 4 <= n; j += 4) {
+            const uint16_t *r[4], *next[4]; /* next: the following group's rows, fetched meanwhile */
+            __m256 hv[4];
+            for (int u = 0; u < 4; u++) {
+                r[u] = (const uint16_t *)(w->data + idx[j + u] * w->row_bytes);
+                next[u] = j + 4 + u < n ? (const uint16_t *)(w->data + idx[j + 4 + u] * w->row_bytes) : r[u];
+                hv[u] = _mm256_set1_ps(h[j + u]);
+            }
+            for (int64_t k = 0; k < cols; k += 8) {
+                if ((k & 31) == 0) /* one 64-byte line of each next row per 32 values */
+                    for (int u = 0; u < 4; u++) _mm_prefetch((const char *)(next[u] + k), _MM_HINT_T0);
+                __m256 a = _mm256_loadu_ps(y + k);
+                for (int u = 0; u < 4; u++)
+                    a = _mm256_fmadd_ps(hv[u], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r[u] + k))), a);
+                _mm256_storeu_ps(y + k, a);
+            }
+        }
+    }
+#endif
+    for (; j < n; j++) axpy_row(w, idx[j], h[j], y);
+}
+
+#endif

@@ -1,0 +1,92 @@
+"""ctypes mirrors of decode.c's structs, and weight descriptors from the packed formats.
+
+A descriptor holds raw addresses: whoever builds one keeps the numpy arrays alive (``WeightRef``).
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem.errors import TandemError
+
+from ..quantize import KIND_F16, KIND_F32, KIND_I4, KIND_I8, KIND_I8B, BlockInt8Weight, Fp16Weight, Fp32Weight, Int4Weight, Int8Weight
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class TdmWeight(ctypes.Structure):
+    _fields_ = [("kind", _I), ("group", _I), ("rows", _I), ("cols", _I), ("data", _P), ("row_bytes", _I),
+                ("scale", _P), ("minimum", _P), ("scale_stride", _I)]
+
+
+class TdmLayer(ctypes.Structure):
+    _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("qkv_bias", _P), ("o_bias", _P), ("down_bias", _P),
+                ("k_cache", _P), ("v_cache", _P), ("qkv", TdmWeight), ("o", TdmWeight), ("gate", TdmWeight),
+                ("up", TdmWeight), ("down_t", TdmWeight), ("threshold", ctypes.c_double)]
+
+
+class TdmModel(ctypes.Structure):
+    _fields_ = [(name, _I) for name in ("n_layers", "d", "n_heads", "n_kv", "head_dim", "n_ff", "vocab", "capacity",
+                                        "window", "act", "gated", "threads")] + [
+        ("norm_eps", ctypes.c_double), ("act_alpha", ctypes.c_double), ("attn_scale", ctypes.c_double),
+        ("residual_ratio", ctypes.c_double),
+        ("embed", _P), ("final_norm", _P), ("rope_cos", _P), ("rope_sin", _P), ("rope_positions", _I),
+        ("head", TdmWeight), ("layers", ctypes.POINTER(TdmLayer)), ("work", _P)]
+
+
+def bind_signatures(lib: ctypes.CDLL) -> None:
+    lib.tdm_decode.argtypes = [ctypes.POINTER(TdmModel), _I, _I, _P]
+    lib.tdm_decode.restype = _I
+    lib.tdm_work_bytes.argtypes = [ctypes.POINTER(TdmModel)]
+    lib.tdm_work_bytes.restype = _I
+    lib.tdm_dot_row.argtypes = [ctypes.POINTER(TdmWeight), _I, _P, ctypes.c_double]
+    lib.tdm_dot_row.restype = ctypes.c_float
+    lib.tdm_has_avx2.argtypes = []
+    lib.tdm_has_avx2.restype = _I
+
+
+def addr(a: np.ndarray | None) -> int | None:
+    """The address of a C-contiguous array (None for None)."""
+    if a is None:
+        return None
+    if not a.flags.c_contiguous:
+        raise TandemError("native kernels need C-contiguous arrays")
+    return a.ctypes.data
+
+
+@dataclass(frozen=True)
+class WeightRef:
+    """A descriptor and the arrays it points into (kept alive with it)."""
+    desc: TdmWeight
+    arrays: tuple
+
+
+def describe(w, dot_input: bool = True) -> WeightRef:
+    """Descriptor of a packed weight. ``dot_input``: used as a row-dot matrix (int8 activations need
+    in_features divisible by 32); False for the transposed down projection (row axpys)."""
+    rows, cols = w.shape
+    if dot_input and not isinstance(w, Fp32Weight) and cols % 32:
+        raise TandemError(f"native kernels need in_features divisible by 32, got {cols}")
+    if isinstance(w, Fp32Weight):
+        return _ref(KIND_F32, 1, w.w, None, None, 0)
+    if isinstance(w, Fp16Weight):
+        if dot_input:
+            raise TandemError("native kernels read float16 weights only as down-projection rows")
+        return _ref(KIND_F16, 1, w.w, None, None, 0)
+    if isinstance(w, Int8Weight):
+        return _ref(KIND_I8, 1, w.q, w.scale, None, 1)
+    if isinstance(w, BlockInt8Weight):
+        return _ref(KIND_I8B, 32, w.q, w.scale, None, w.scale.shape[1])
+    if isinstance(w, Int4Weight):
+        return _ref(KIND_I4, w.group_size, w.packed, w.scale, w.minimum, w.scale.shape[1], cols=cols)
+    raise TandemError(f"native kernels do not read {type(w).__name__}")
+
+
+def _ref(kind: int, group: int, data: np.ndarray, scale, minimum, stride: int, cols: int | None = None) -> WeightRef:
+    desc = TdmWeight(kind=kind, group=group, rows=data.shape[0], cols=cols if cols is not None else data.shape[1],
+                     data=addr(data), row_bytes=data.strides[0], scale=addr(scale), minimum=addr(minimum),
+                     scale_stride=stride)
+    return WeightRef(desc, tuple(a for a in (data, scale, minimum) if a is not None))

@@ -1,0 +1,226 @@
+"""The fused C decode step against an independent torch statement of its arithmetic, the module path
+and transformers; its eligibility rules, fallbacks and the native build."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from helpers_fused import matvec, quantized_activation, reference_step
+from online.execution import DenseExecutor
+from online.execution.fused_decode import FusedDecodeStep, FusedDecodeUnavailable
+from online.execution.gpu_tier import GpuTier
+from online.execution.hybrid import ExecutionSettings, HybridExecutor
+from online.execution.quantized_linear import quantize_attention
+from online.generate import decode_one_token, prefill
+from online.kernels import native
+from online.kernels.native.structs import describe
+from online.kernels.quantize import Fp32Weight, quantize
+from online.kv_cache import KVCache
+from online.loading.hf_loader import load_hf_folder
+from online.model.build import build_model
+from tandem.errors import TandemError
+
+PROMPT = [5, 17, 42, 9, 77, 3, 101, 64]
+RNG = np.random.default_rng(7)
+
+
+def packed(folder, fmt: str = "int4", thresholds=None, down_format: str = "fp16", hot=None):
+    model, ffn_layers = build_model(load_hf_folder(folder))
+    settings = ExecutionSettings(weight_format=fmt, down_format=down_format, sparse=thresholds is not None)
+    tier = GpuTier.create(1 << 30 if hot is not None else 0, "cpu")
+    executor = HybridExecutor.build(model.cfg, ffn_layers, tier, settings, thresholds=thresholds, gpu_neurons=hot,
+                                    head_weight=model.lm_head.weight)
+    quantize_attention(model, fmt, settings.threads)
+    return model, executor
+
+
+def decode_all(step, model, executor, cache, tokens, start):
+    return [step(t, start + i, cache) for i, t in enumerate(tokens)]
+
+
+# --- row kernels ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int8", "int8b", "fp32"])
+@pytest.mark.parametrize("ratio", [-1.0, 0.0, 2.0])
+def test_row_dot_matches_the_stated_rounding(fmt, ratio):
+    lib = native.load_native().lib
+    w = RNG.standard_normal((6, 192)).astype(np.float32)
+    x = RNG.standard_normal(192).astype(np.float32)
+    x[37] = 40.0  # an outlier block
+    weight = {"int4-g32": lambda: quantize(w, "int4", 32), "int4-g64": lambda: quantize(w, "int4", 64),
+              "int8": lambda: quantize(w, "int8"), "int8b": lambda: quantize(w, "int8b"),
+              "fp32": lambda: Fp32Weight(w)}[fmt]()
+    ref = (torch.from_numpy(w.astype(np.float32)) @ torch.from_numpy(x) if fmt == "fp32"
+           else matvec(weight, torch.from_numpy(x), ratio))
+    d = describe(weight)
+    got = torch.tensor([lib.tdm_dot_row(ctypes.byref(d.desc), r, x.ctypes.data, ratio) for r in range(6)])
+    torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-4)
+
+
+def test_residual_quantization_is_nearly_exact_and_plain_int8_is_not():
+    x = torch.from_numpy(RNG.standard_normal(256).astype(np.float32))
+    x[3] = 80.0
+    err_plain = float((quantized_activation(x, -1.0) - x).abs().max())
+    err_all = float((quantized_activation(x, 0.0) - x).abs().max())
+    assert err_all < err_plain / 100  # ~15 bits where the residual is kept
+    flagged_only = quantized_activation(x, 2.0)
+    assert float((flagged_only[:32] - x[:32]).abs().max()) < err_plain / 100  # the outlier block is refined
+    torch.testing.assert_close(flagged_only[32:], quantized_activation(x, -1.0)[32:])  # the others are not
+
+
+# --- the step ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["llama", "llama-relu", "qwen2", "mistral"])
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_step_matches_reference_arithmetic(tiny_model_dir, kind, fmt):
+    """Every decode step (rope, GQA, biases, sliding window, KV writes, head) equals the torch
+    statement of the same rounding; the KV cache the kernel writes equals the reference's."""
+    folder, _ = tiny_model_dir(kind)
+    model, executor = packed(folder, fmt)
+    step = FusedDecodeStep.build(model, executor, residual_ratio=0.0)
+    cache, ref_cache = KVCache(model.cfg, 48), KVCache(model.cfg, 48)
+    tokens = PROMPT + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]  # past the window (16)
+    for pos, tok in enumerate(tokens):
+        got = step(tok, pos, cache)
+        ref, _ = reference_step(model, executor, ref_cache, tok, pos, residual_ratio=0.0)
+        torch.testing.assert_close(got, ref.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache.keys, ref_cache.keys, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache.values, ref_cache.values, rtol=1e-4, atol=1e-4)
+
+
+def test_sparse_step_counts_the_neurons_it_uses(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    model, executor = packed(folder, "int4", thresholds=[0.02] * 2)
+    step = FusedDecodeStep.build(model, executor, residual_ratio=0.0)
+    cache, ref_cache = KVCache(model.cfg, 32), KVCache(model.cfg, 32)
+    for pos, tok in enumerate(PROMPT):
+        before = executor.counters.ffn_neurons_active
+        got = step(tok, pos, cache)
+        ref, used = reference_step(model, executor, ref_cache, tok, pos, residual_ratio=0.0)
+        assert abs((executor.counters.ffn_neurons_active - before) - used) <= 1  # a neuron at the threshold may flip
+        assert 0 < used < 2 * model.cfg.intermediate_size
+        torch.testing.assert_close(got, ref.float(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_step_continues_a_prefill_like_the_module_path(tiny_model_dir, kind):
+    """Prefill through the modules, then decode: the fused step (15-bit activations) stays within
+    float noise of the module path and of transformers on the same packed weights."""
+    folder, _ = tiny_model_dir(kind)
+    model, executor = packed(folder, "int8")
+    step = FusedDecodeStep.build(model, executor, residual_ratio=0.0)
+    fused_cache, module_cache = KVCache(model.cfg, 32), KVCache(model.cfg, 32)
+    prefill(model, executor, fused_cache, PROMPT)
+    prefill(model, executor, module_cache, PROMPT)
+    for i, tok in enumerate([3, 99, 4]):
+        pos = len(PROMPT) + i
+        got = decode_one_token(model, executor, fused_cache, tok, pos, step)
+        ref = decode_one_token(model, executor, module_cache, tok, pos)
+        torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
+
+
+def test_plain_int8_activations_stay_close_to_float(tiny_model_dir):
+    folder, hf_model = tiny_model_dir("llama")
+    model, ffn_layers = build_model(load_hf_folder(folder))
+    dense = DenseExecutor(model.cfg, ffn_layers)
+    ref = prefill(model, dense, KVCache(model.cfg, 32), PROMPT, all_logits=True)  # [T, vocab]
+    model, executor = packed(folder, "int8")
+    step = FusedDecodeStep.build(model, executor, residual_ratio=-1.0)
+    cache = KVCache(model.cfg, 32)
+    got = torch.stack(decode_all(step, model, executor, cache, PROMPT, 0))
+    assert float((got - ref).abs().max() / ref.abs().max()) < 0.03
+
+
+def test_engine_uses_the_fused_step_and_reports_it(tiny_model_dir):
+    from online.engine import Engine
+    folder, _ = tiny_model_dir("llama")
+    fused = Engine.load(folder, weight_format="int8")
+    modules = Engine.load(folder, weight_format="int8", fused_decode=False)
+    assert fused.decode_path == "fused" and modules.decode_path == "modules"
+    a = fused.generate(PROMPT, max_new_tokens=6, ignore_eos=True)
+    b = modules.generate(PROMPT, max_new_tokens=6, ignore_eos=True)
+    assert a.stats["decode_path"] == "fused" and b.stats["decode_path"] == "modules"
+    assert len(a.token_ids) == len(b.token_ids) == 6
+    assert a.stats["ffn_sparsity"] == b.stats["ffn_sparsity"] == 0.0
+    # two generations with different cache capacities rebind the step to each cache
+    long = fused.generate(PROMPT * 8, max_new_tokens=3, ignore_eos=True)
+    again = fused.generate(PROMPT, max_new_tokens=6, ignore_eos=True)
+    assert len(long.token_ids) == 3 and again.token_ids == a.token_ids
+    torch.testing.assert_close(fused.step_logits(PROMPT), modules.step_logits(PROMPT), rtol=0.05, atol=0.05)
+
+
+# --- eligibility and fallbacks --------------------------------------------------------------
+
+def test_what_the_step_does_not_cover_falls_back_with_a_reason(tiny_model_dir):
+    from online.engine import Engine
+    folder, _ = tiny_model_dir("llama")
+    assert Engine.load(folder).decode_path == "modules"  # dense float32: the reference
+    fp32 = Engine.load(folder, weight_format="fp32")
+    assert fp32.decode_path == "modules" and "not packed" in fp32.decode_path_reason
+    model, executor = packed(folder, "int4", hot=[torch.arange(8)] * 2)
+    with pytest.raises(FusedDecodeUnavailable, match="GPU tier"):
+        FusedDecodeStep.build(model, executor)
+    opt = Engine.load(tiny_model_dir("opt")[0], weight_format="int8")
+    assert opt.decode_path == "modules" and "LayerNorm" in opt.decode_path_reason
+    moe = Engine.load(tiny_model_dir("mixtral")[0], weight_format="int8")
+    assert moe.decode_path == "modules" and "MoE" in moe.decode_path_reason
+
+
+def test_step_rejects_positions_outside_the_cache(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    model, executor = packed(folder)
+    step = FusedDecodeStep.build(model, executor)
+    cache = KVCache(model.cfg, 8)
+    with pytest.raises(TandemError, match="outside the KV cache"):
+        step(1, 8, cache)
+    with pytest.raises(TandemError, match="vocabulary"):
+        step(model.cfg.vocab_size, 0, cache)
+
+
+def test_no_compiler_means_module_decoding(tiny_model_dir, tmp_path, monkeypatch):
+    from online.engine import Engine
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with pytest.raises(native.NativeUnavailable, match="no C compiler"):
+        native.load_native()
+    engine = Engine.load(tiny_model_dir("llama")[0], weight_format="int8")
+    assert engine.decode_path == "modules" and "compiler" in engine.decode_path_reason
+    assert len(engine.generate(PROMPT, max_new_tokens=3, ignore_eos=True).token_ids) == 3
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_native_build_is_cached_and_written_atomically(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    first = native.load_native()
+    built = sorted(p.name for p in (tmp_path / "native").iterdir())
+    assert built == [first.path.name]  # no temp files left behind
+    mtime = first.path.stat().st_mtime_ns
+    assert native.load_native().path == first.path and first.path.stat().st_mtime_ns == mtime
+    monkeypatch.setenv("TANDEM_NATIVE", "0")
+    with pytest.raises(native.NativeUnavailable, match="TANDEM_NATIVE=0"):
+        native.load_native()
+
+
+def test_perplexity_through_the_decode_path(tiny_model_dir, tmp_path, capsys):
+    import json
+
+    from online.engine import Engine
+    from tandem.cli import main as tandem_main
+    folder, _ = tiny_model_dir("llama")
+    engine = Engine.load(folder, weight_format="int8")
+    ids = (PROMPT * 6)[:40]
+    by_prefill, n = engine.perplexity(ids, window_tokens=16, stride_tokens=8)
+    by_steps, m = engine.perplexity(ids, window_tokens=16, stride_tokens=8, decode_steps=True)
+    assert n == m == len(ids) - 1
+    assert by_steps == pytest.approx(by_prefill, rel=0.02) and by_steps != by_prefill  # int8 activations
+    from helpers_tiny import build_tiny_chat_model
+    chat = build_tiny_chat_model(tmp_path / "chat")
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 6)
+    rc = tandem_main(["perplexity", "--model", str(chat), "--text-file", str(text), "--weight-format", "int8",
+                      "--decode-steps", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["decode_path"] == "fused"
