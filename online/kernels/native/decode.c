@@ -77,7 +77,7 @@ static int64_t shared_bytes(const tdm_model *m) {
 
 static int64_t thread_bytes(const tdm_model *m) {
     int64_t n = max_in(m);
-    return align64(4 * m->d) + align64(4 * n) + 3 * align64(4 * (n / QB + 1)) + 2 * align64(4 * m->n_ff)
+    return align64(4 * m->d) + align64(4 * n) + 4 * align64(4 * (n / QB + 1)) + 2 * align64(4 * m->n_ff)
            + align64(4 * m->capacity) + 2 * align64(n);
 }
 
@@ -104,6 +104,7 @@ static thread_bufs get_thread(const tdm_model *m, int t) {
     b.x.d = (float *)p; p += align64(4 * (n / QB + 1));
     b.x.dr = (float *)p; p += align64(4 * (n / QB + 1));
     b.x.s = (float *)p; p += align64(4 * (n / QB + 1));
+    b.x.flagged = (int32_t *)p; p += align64(4 * (n / QB + 1));
     b.h = (float *)p; p += align64(4 * m->n_ff);
     b.idx = (int32_t *)p; p += align64(4 * m->n_ff);
     b.scores = (float *)p; p += align64(4 * m->capacity);
@@ -176,8 +177,9 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
     chunk(m->n_heads + 2 * m->n_kv, t, nt, &lo, &hi);
     for (int64_t u = lo; u < hi; u++) { /* q heads, then k heads, then v heads */
         float *v = sb->qkv + u * hd;
-        for (int64_t r = u * hd; r < (u + 1) * hd; r++)
-            sb->qkv[r] = dot_row(&L->qkv, r, &tb->x) + (L->qkv_bias ? L->qkv_bias[r] : 0.0f);
+        dot_rows(&L->qkv, u * hd, hd, &tb->x, v);
+        if (L->qkv_bias)
+            for (int64_t k = 0; k < hd; k++) v[k] += L->qkv_bias[u * hd + k];
         if (u < m->n_heads + m->n_kv && m->rope_cos)
             rope_head(v, m->rope_cos + pos * hd, m->rope_sin + pos * hd, hd);
         if (u >= m->n_heads + m->n_kv)
@@ -197,7 +199,9 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
     tb->x.f = sb->attn;
     quantize_q8(sb->attn, qn, &tb->x, (float)m->residual_ratio);
     chunk(m->d, t, nt, &lo, &hi);
-    for (int64_t r = lo; r < hi; r++) sb->delta[r] = dot_row(&L->o, r, &tb->x) + (L->o_bias ? L->o_bias[r] : 0.0f);
+    dot_rows(&L->o, lo, hi - lo, &tb->x, sb->delta + lo);
+    if (L->o_bias)
+        for (int64_t r = lo; r < hi; r++) sb->delta[r] += L->o_bias[r];
 #pragma omp barrier
     for (int64_t k = 0; k < m->d; k++) tb->res[k] += sb->delta[k];
 }
@@ -213,10 +217,8 @@ static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, t
         int64_t b1 = b0 + FFN_SLICE < m->n_ff ? b0 + FFN_SLICE : m->n_ff;
         float g[FFN_SLICE], u[FFN_SLICE], h[FFN_SLICE];
         int64_t n = b1 - b0;
-        for (int64_t i = 0; i < n; i++) {
-            u[i] = dot_row(&L->up, b0 + i, &tb->x);
-            g[i] = m->gated ? dot_row(&L->gate, b0 + i, &tb->x) : u[i];
-        }
+        dot_rows(&L->up, b0, n, &tb->x, u);
+        if (m->gated) dot_rows(&L->gate, b0, n, &tb->x, g);
         activate(m->act, alpha, m->gated, g, u, h, n);
         for (int64_t i = 0; i < n; i++) {
             tb->h[n_act] = h[i]; /* kept when it passes the threshold (branch-free compaction) */
@@ -253,21 +255,22 @@ int64_t tdm_decode(const tdm_model *m, int64_t token, int64_t pos, float *logits
         norm_and_quantize(m, tb.res, m->final_norm, &tb);
         int64_t lo, hi;
         chunk(m->vocab, t, n, &lo, &hi);
-        for (int64_t r = lo; r < hi; r++) logits[r] = dot_row(&m->head, r, &tb.x);
+        dot_rows(&m->head, lo, hi - lo, &tb.x, logits + lo);
     }
     int64_t total = 0;
     for (int j = 0; j < nt; j++) total += sb.counts[j];
     return total;
 }
 
-/* Self-checks for the tests: one row product with the same code the step uses. */
-float tdm_dot_row(const tdm_weight *w, int64_t r, const float *x, double residual_ratio) {
-    int64_t n = w->cols, nb = n / QB + 1;
-    int8_t q[n], rq[n];
+/* Self-check for the tests: out[i] = W[r0 + i] . x (i < n) with the code the step uses. */
+void tdm_dot_rows(const tdm_weight *w, int64_t r0, int64_t n, const float *x, double residual_ratio, float *out) {
+    int64_t cols = w->cols, nb = cols / QB + 1;
+    int8_t q[cols], rq[cols];
     float d[nb], dr[nb], s[nb];
-    qvec v = {x, q, rq, d, dr, s};
-    if (n % QB == 0) quantize_q8(x, n, &v, (float)residual_ratio);
-    return dot_row(w, r, &v);
+    int32_t flagged[nb];
+    qvec v = {x, q, rq, d, dr, s, flagged, 0};
+    if (cols % QB == 0) quantize_q8(x, cols, &v, (float)residual_ratio);
+    dot_rows(w, r0, n, &v, out);
 }
 
 int64_t tdm_has_avx2(void) {

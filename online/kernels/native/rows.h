@@ -28,6 +28,8 @@ typedef struct {
     const float *f; /* the float values */
     int8_t *q, *r;
     float *d, *dr, *s;
+    int32_t *flagged; /* the blocks with a residual (dr != 0), n_flagged of them */
+    int64_t n_flagged;
 } qvec;
 
 /* x [n] (n % 32 == 0) -> int8 codes per block of 32 (scale d = max|x| / 127) and exact block sums.
@@ -52,12 +54,14 @@ static void quantize_q8(const float *restrict x, int64_t n, qvec *out, float res
         mean_d += out->d[b];
     }
     mean_d /= (float)(nb > 0 ? nb : 1);
+    out->n_flagged = 0;
     for (int64_t b = 0; b < nb; b++) {
         float d = out->d[b];
         if (residual_ratio < 0.0f || d <= residual_ratio * mean_d || d == 0.0f) {
             out->dr[b] = 0.0f;
             continue;
         }
+        out->flagged[out->n_flagged++] = (int32_t)b;
         float dr = d / 254.0f, inv = 254.0f / d;
         for (int k = 0; k < QB; k++) {
             float rest = x[b * QB + k] - d * (float)out->q[b * QB + k];
@@ -242,12 +246,113 @@ static float dot_i8(const tdm_weight *w, int64_t r, const qvec *x) {
     return blocked ? total : total * s[0];
 }
 
+#ifdef __AVX2__
+/* the four horizontal sums of a, b, c, e as one vector */
+static inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 e) {
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, e));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+static inline __m256i nibbles32(const uint8_t *p) { /* 16 bytes -> the 32 codes of a Q4_1 group, in order */
+    __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+/* out[0..3] = rows r..r+3 . x for int4 groups of 32: the activation blocks and their scales are
+ * loaded once for four rows, four independent FMA chains, one reduction for the four sums. */
+static void dot4_i4g32(const tdm_weight *w, int64_t r, const qvec *x, float *out) {
+    int64_t rb = w->row_bytes, ss = w->scale_stride, ng = w->cols / 32;
+    const uint8_t *p = w->data + r * rb;
+    const float *d = w->scale + r * ss, *m = w->minimum + r * ss;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const char *ahead = (const char *)(p + 8 * rb); /* four rows further on: one line per group */
+    for (int64_t g = 0; g < ng; g++) {
+        _mm_prefetch(ahead + 64 * g, _MM_HINT_T0);
+        __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * g));
+        float xd = x->d[g];
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * xd), dot32_u8s8(nibbles32(p + 16 * g), xq), a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(d[ss + g] * xd), dot32_u8s8(nibbles32(p + rb + 16 * g), xq), a1);
+        a2 = _mm256_fmadd_ps(_mm256_set1_ps(d[2 * ss + g] * xd), dot32_u8s8(nibbles32(p + 2 * rb + 16 * g), xq), a2);
+        a3 = _mm256_fmadd_ps(_mm256_set1_ps(d[3 * ss + g] * xd), dot32_u8s8(nibbles32(p + 3 * rb + 16 * g), xq), a3);
+    }
+    for (int64_t f = 0; f < x->n_flagged; f++) { /* the residual of outlier blocks */
+        int64_t g = x->flagged[f];
+        __m256i xr = _mm256_loadu_si256((const __m256i *)(x->r + 32 * g));
+        float dr = x->dr[g];
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * dr), dot32_u8s8(nibbles32(p + 16 * g), xr), a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(d[ss + g] * dr), dot32_u8s8(nibbles32(p + rb + 16 * g), xr), a1);
+        a2 = _mm256_fmadd_ps(_mm256_set1_ps(d[2 * ss + g] * dr), dot32_u8s8(nibbles32(p + 2 * rb + 16 * g), xr), a2);
+        a3 = _mm256_fmadd_ps(_mm256_set1_ps(d[3 * ss + g] * dr), dot32_u8s8(nibbles32(p + 3 * rb + 16 * g), xr), a3);
+    }
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0; /* the minimum terms: m . block sums */
+    int64_t g = 0;
+    for (; g + 8 <= ng; g += 8) {
+        __m256 xs = _mm256_loadu_ps(x->s + g);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(m + g), xs, s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(m + ss + g), xs, s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(m + 2 * ss + g), xs, s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(m + 3 * ss + g), xs, s3);
+    }
+    __m128 sums = _mm_add_ps(hsum4x8(a0, a1, a2, a3), hsum4x8(s0, s1, s2, s3));
+    _mm_storeu_ps(out, sums);
+    for (; g < ng; g++)
+        for (int k = 0; k < 4; k++) out[k] += m[k * ss + g] * x->s[g];
+}
+
+/* the same for Q8_0 blocks (blocked = 1) or per-row int8 (blocked = 0, one scale per row) */
+static void dot4_i8(const tdm_weight *w, int64_t r, const qvec *x, float *out) {
+    int64_t rb = w->row_bytes, ss = w->scale_stride, nb = w->cols / 32;
+    int blocked = w->kind == KIND_I8B;
+    const int8_t *q = (const int8_t *)(w->data + r * rb);
+    const float *s = w->scale + r * ss;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+#define TDM_I8_BLOCK(codes, scale_of)                                                                     \
+    do {                                                                                                  \
+        __m256i xv = _mm256_loadu_si256((const __m256i *)((codes) + 32 * b));                             \
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(scale_of(0)), dot32_s8s8(_mm256_loadu_si256((const __m256i *)(q + 32 * b)), xv), a0); \
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(scale_of(1)), dot32_s8s8(_mm256_loadu_si256((const __m256i *)(q + rb + 32 * b)), xv), a1); \
+        a2 = _mm256_fmadd_ps(_mm256_set1_ps(scale_of(2)), dot32_s8s8(_mm256_loadu_si256((const __m256i *)(q + 2 * rb + 32 * b)), xv), a2); \
+        a3 = _mm256_fmadd_ps(_mm256_set1_ps(scale_of(3)), dot32_s8s8(_mm256_loadu_si256((const __m256i *)(q + 3 * rb + 32 * b)), xv), a3); \
+    } while (0)
+#define TDM_SCALE_Q(k) ((blocked ? s[(k) * ss + b] : 1.0f) * x->d[b])
+#define TDM_SCALE_R(k) ((blocked ? s[(k) * ss + b] : 1.0f) * x->dr[b])
+    const char *ahead = (const char *)(q + 8 * rb); /* four rows further on: two lines per block */
+    for (int64_t b = 0; b < nb; b++) {
+        _mm_prefetch(ahead + 128 * b, _MM_HINT_T0);
+        _mm_prefetch(ahead + 128 * b + 64, _MM_HINT_T0);
+        TDM_I8_BLOCK(x->q, TDM_SCALE_Q);
+    }
+    for (int64_t f = 0; f < x->n_flagged; f++) {
+        int64_t b = x->flagged[f];
+        TDM_I8_BLOCK(x->r, TDM_SCALE_R);
+    }
+#undef TDM_SCALE_R
+#undef TDM_SCALE_Q
+#undef TDM_I8_BLOCK
+    _mm_storeu_ps(out, hsum4x8(a0, a1, a2, a3));
+    if (!blocked)
+        for (int k = 0; k < 4; k++) out[k] *= s[k * ss];
+}
+#endif
+
 static float dot_row(const tdm_weight *w, int64_t r, const qvec *x) {
     switch (w->kind) {
     case KIND_F32: return dot_f32((const float *)(w->data + r * w->row_bytes), x->f, w->cols);
     case KIND_I4: return dot_i4(w, r, x);
     default: return dot_i8(w, r, x);
     }
+}
+
+/* out[i] = W[r0 + i] . x for i < n: four rows at a time where a four-row kernel exists */
+static void dot_rows(const tdm_weight *w, int64_t r0, int64_t n, const qvec *x, float *out) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    if (w->kind == KIND_I4 && w->group == 32)
+        for (; i + 4 <= n; i += 4) dot4_i4g32(w, r0 + i, x, out + i);
+    else if (w->kind == KIND_I8B || w->kind == KIND_I8)
+        for (; i + 4 <= n; i += 4) dot4_i8(w, r0 + i, x, out + i);
+#endif
+    for (; i < n; i++) out[i] = dot_row(w, r0 + i, x);
 }
 
 #ifndef __F16C__
@@ -313,21 +418,30 @@ static void axpy_rows(const tdm_weight *w, const int32_t *idx, const float *h, i
     }
 #ifdef __F16C__
     else if (w->kind == KIND_F16 && cols % 8 == 0) {
+        const uint8_t *base = w->data;
+        int64_t rb = w->row_bytes;
         for (; j + 4 <= n; j += 4) {
-            const uint16_t *r[4], *next[4]; /* next: the following group's rows, fetched meanwhile */
-            __m256 hv[4];
-            for (int u = 0; u < 4; u++) {
-                r[u] = (const uint16_t *)(w->data + idx[j + u] * w->row_bytes);
-                next[u] = j + 4 + u < n ? (const uint16_t *)(w->data + idx[j + 4 + u] * w->row_bytes) : r[u];
-                hv[u] = _mm256_set1_ps(h[j + u]);
-            }
+            const uint16_t *r0 = (const uint16_t *)(base + idx[j] * rb), *r1 = (const uint16_t *)(base + idx[j + 1] * rb);
+            const uint16_t *r2 = (const uint16_t *)(base + idx[j + 2] * rb), *r3 = (const uint16_t *)(base + idx[j + 3] * rb);
+            /* the rows two groups on, fetched meanwhile (the row order is sparse: no hardware stream) */
+            int64_t jn = j + 12 <= n ? j + 8 : j;
+            const char *n0 = (const char *)(base + idx[jn] * rb), *n1 = (const char *)(base + idx[jn + 1] * rb);
+            const char *n2 = (const char *)(base + idx[jn + 2] * rb), *n3 = (const char *)(base + idx[jn + 3] * rb);
+            __m256 h0 = _mm256_set1_ps(h[j]), h1 = _mm256_set1_ps(h[j + 1]);
+            __m256 h2 = _mm256_set1_ps(h[j + 2]), h3 = _mm256_set1_ps(h[j + 3]);
             for (int64_t k = 0; k < cols; k += 8) {
-                if ((k & 31) == 0) /* one 64-byte line of each next row per 32 values */
-                    for (int u = 0; u < 4; u++) _mm_prefetch((const char *)(next[u] + k), _MM_HINT_T0);
-                __m256 a = _mm256_loadu_ps(y + k);
-                for (int u = 0; u < 4; u++)
-                    a = _mm256_fmadd_ps(hv[u], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r[u] + k))), a);
-                _mm256_storeu_ps(y + k, a);
+                if ((k & 31) == 0) { /* one 64-byte line of each next row per 32 values */
+                    _mm_prefetch(n0 + 2 * k, _MM_HINT_T0);
+                    _mm_prefetch(n1 + 2 * k, _MM_HINT_T0);
+                    _mm_prefetch(n2 + 2 * k, _MM_HINT_T0);
+                    _mm_prefetch(n3 + 2 * k, _MM_HINT_T0);
+                }
+                __m256 a = _mm256_fmadd_ps(h0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r0 + k))),
+                                           _mm256_loadu_ps(y + k));
+                __m256 b = _mm256_mul_ps(h1, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r1 + k))));
+                a = _mm256_fmadd_ps(h2, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r2 + k))), a);
+                b = _mm256_fmadd_ps(h3, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r3 + k))), b);
+                _mm256_storeu_ps(y + k, _mm256_add_ps(a, b));
             }
         }
     }

@@ -42,8 +42,8 @@ def bind_signatures(lib: ctypes.CDLL) -> None:
     lib.tdm_decode.restype = _I
     lib.tdm_work_bytes.argtypes = [ctypes.POINTER(TdmModel)]
     lib.tdm_work_bytes.restype = _I
-    lib.tdm_dot_row.argtypes = [ctypes.POINTER(TdmWeight), _I, _P, ctypes.c_double]
-    lib.tdm_dot_row.restype = ctypes.c_float
+    lib.tdm_dot_rows.argtypes = [ctypes.POINTER(TdmWeight), _I, _I, _P, ctypes.c_double, _P]
+    lib.tdm_dot_rows.restype = None
     lib.tdm_has_avx2.argtypes = []
     lib.tdm_has_avx2.restype = _I
 
