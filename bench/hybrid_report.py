@@ -57,7 +57,7 @@ def run_hybrid(args, tandem_cmd: list[str], peers: list[dict], run_system, run_r
              f"- Command: `make bench`; {args.runs} timed runs after a warm-up, medians [min-max]; "
              f"{args.decode_tokens} decoded tokens after the ~200-token prompt. Measured side by side in one run.",
              "",
-             "| system | decode path | decode tok/s | prefill tok/s | FFN sparsity | weight MB read / token |",
+             "| system | decode path | decode tok/s | prefill tok/s | FFN sparsity | packed weight MB (read at most) / token |",
              "|---|---|---|---|---|---|"]
     for r in speed + peers:
         dec, pre = r["decode_tok_s"], r["prefill_tok_s"]
