@@ -24,7 +24,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import numpy as np
 
@@ -61,12 +61,15 @@ def _f32_2d(a: Any, name: str) -> np.ndarray:
 
 
 @dataclass(frozen=True, eq=False)
-class Fp32Weight:
-    w: np.ndarray  # float32 [out, in]
+class _FloatWeight:
+    w: np.ndarray  # [out, in] in DTYPE
+    DTYPE: ClassVar[type] = np.float32
+    KIND: ClassVar[int] = KIND_F32
 
     def __post_init__(self) -> None:
-        _check(self.w.dtype == np.float32 and self.w.ndim == 2 and self.w.flags.c_contiguous,
-               "Fp32Weight needs a C-contiguous float32 [out, in] array")
+        name = type(self).__name__
+        _check(self.w.dtype == self.DTYPE and self.w.ndim == 2 and self.w.flags.c_contiguous,
+               f"{name} needs a C-contiguous {np.dtype(self.DTYPE).name} [out, in] array")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -77,35 +80,26 @@ class Fp32Weight:
         return self.w.nbytes
 
     def dequantize(self) -> np.ndarray:
-        return self.w
+        return self.w.astype(np.float32, copy=False)
 
     def kernel_args(self) -> tuple:
-        return (KIND_F32, _writable(self.w).view(np.uint8), _dummy(), _dummy(), 1)
+        return (self.KIND, _writable(self.w).view(np.uint8), _dummy(), _dummy(), 1)
 
 
 @dataclass(frozen=True, eq=False)
-class Fp16Weight:
-    w: np.ndarray  # float16 [out, in]
+class Fp32Weight(_FloatWeight):
+    pass
+
+
+@dataclass(frozen=True, eq=False)
+class Fp16Weight(_FloatWeight):
+    DTYPE: ClassVar[type] = np.float16
+    KIND: ClassVar[int] = KIND_F16
 
     def __post_init__(self) -> None:
-        _check(self.w.dtype == np.float16 and self.w.ndim == 2 and self.w.flags.c_contiguous,
-               "Fp16Weight needs a C-contiguous float16 [out, in] array")
+        super().__post_init__()
         _check(self.w.shape[1] % F16_VECTOR == 0,
                f"Fp16Weight needs in_features divisible by {F16_VECTOR}, got {self.w.shape[1]}")
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.w.shape
-
-    @property
-    def nbytes(self) -> int:
-        return self.w.nbytes
-
-    def dequantize(self) -> np.ndarray:
-        return self.w.astype(np.float32)
-
-    def kernel_args(self) -> tuple:
-        return (KIND_F16, _writable(self.w).view(np.uint8), _dummy(), _dummy(), 1)
 
 
 @dataclass(frozen=True, eq=False)

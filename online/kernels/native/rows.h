@@ -258,31 +258,30 @@ static inline __m256i nibbles32(const uint8_t *p) { /* 16 bytes -> the 32 codes 
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
 }
 
+/* acc[k] += (d_k[g] * scale) * codes(row k, group g) . xv, for the four rows at p (row stride rb) */
+static inline __attribute__((always_inline)) void acc4_i4g32(__m256 acc[4], const uint8_t *p, int64_t rb,
+                                                             const float *d, int64_t ss, int64_t g, __m256i xv,
+                                                             float scale) {
+    for (int k = 0; k < 4; k++)
+        acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d[k * ss + g] * scale), dot32_u8s8(nibbles32(p + k * rb + 16 * g), xv),
+                                 acc[k]);
+}
+
 /* out[0..3] = rows r..r+3 . x for int4 groups of 32: the activation blocks and their scales are
  * loaded once for four rows, four independent FMA chains, one reduction for the four sums. */
 static void dot4_i4g32(const tdm_weight *w, int64_t r, const qvec *x, float *out) {
     int64_t rb = w->row_bytes, ss = w->scale_stride, ng = w->cols / 32;
     const uint8_t *p = w->data + r * rb;
     const float *d = w->scale + r * ss, *m = w->minimum + r * ss;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     const char *ahead = (const char *)(p + 8 * rb); /* four rows further on: one line per group */
     for (int64_t g = 0; g < ng; g++) {
         _mm_prefetch(ahead + 64 * g, _MM_HINT_T0);
-        __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * g));
-        float xd = x->d[g];
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * xd), dot32_u8s8(nibbles32(p + 16 * g), xq), a0);
-        a1 = _mm256_fmadd_ps(_mm256_set1_ps(d[ss + g] * xd), dot32_u8s8(nibbles32(p + rb + 16 * g), xq), a1);
-        a2 = _mm256_fmadd_ps(_mm256_set1_ps(d[2 * ss + g] * xd), dot32_u8s8(nibbles32(p + 2 * rb + 16 * g), xq), a2);
-        a3 = _mm256_fmadd_ps(_mm256_set1_ps(d[3 * ss + g] * xd), dot32_u8s8(nibbles32(p + 3 * rb + 16 * g), xq), a3);
+        acc4_i4g32(acc, p, rb, d, ss, g, _mm256_loadu_si256((const __m256i *)(x->q + 32 * g)), x->d[g]);
     }
     for (int64_t f = 0; f < x->n_flagged; f++) { /* the residual of outlier blocks */
         int64_t g = x->flagged[f];
-        __m256i xr = _mm256_loadu_si256((const __m256i *)(x->r + 32 * g));
-        float dr = x->dr[g];
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(d[g] * dr), dot32_u8s8(nibbles32(p + 16 * g), xr), a0);
-        a1 = _mm256_fmadd_ps(_mm256_set1_ps(d[ss + g] * dr), dot32_u8s8(nibbles32(p + rb + 16 * g), xr), a1);
-        a2 = _mm256_fmadd_ps(_mm256_set1_ps(d[2 * ss + g] * dr), dot32_u8s8(nibbles32(p + 2 * rb + 16 * g), xr), a2);
-        a3 = _mm256_fmadd_ps(_mm256_set1_ps(d[3 * ss + g] * dr), dot32_u8s8(nibbles32(p + 3 * rb + 16 * g), xr), a3);
+        acc4_i4g32(acc, p, rb, d, ss, g, _mm256_loadu_si256((const __m256i *)(x->r + 32 * g)), x->dr[g]);
     }
     __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0; /* the minimum terms: m . block sums */
     int64_t g = 0;
@@ -293,7 +292,7 @@ static void dot4_i4g32(const tdm_weight *w, int64_t r, const qvec *x, float *out
         s2 = _mm256_fmadd_ps(_mm256_loadu_ps(m + 2 * ss + g), xs, s2);
         s3 = _mm256_fmadd_ps(_mm256_loadu_ps(m + 3 * ss + g), xs, s3);
     }
-    __m128 sums = _mm_add_ps(hsum4x8(a0, a1, a2, a3), hsum4x8(s0, s1, s2, s3));
+    __m128 sums = _mm_add_ps(hsum4x8(acc[0], acc[1], acc[2], acc[3]), hsum4x8(s0, s1, s2, s3));
     _mm_storeu_ps(out, sums);
     for (; g < ng; g++)
         for (int k = 0; k < 4; k++) out[k] += m[k * ss + g] * x->s[g];
