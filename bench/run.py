@@ -18,7 +18,7 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 PEER_PYTHON = BENCH_DIR / "peers" / "venv" / "bin" / "python"
-PARTS = ["dense.md", "hybrid.md", "kernels.md", "moe.md", "modeled_powerinfer.md", "modeled_moe.md"]
+PARTS = ["dense.md", "hybrid.md", "fused.md", "kernels.md", "moe.md", "modeled_powerinfer.md", "modeled_moe.md"]
 
 
 def run_records(cmd: list[str]) -> list[dict]:
@@ -85,6 +85,7 @@ def main() -> None:
     if not args.skip_hybrid:
         from bench.hybrid_report import run_hybrid
         run_hybrid(args, tandem, peers, run_system, run_records)
+        subprocess.run([sys.executable, "-m", "bench.fused_sweep", "--threads", str(args.threads)], cwd=REPO, check=False)
     assemble_results()
     print((BENCH_DIR / "RESULTS.md").read_text())
 

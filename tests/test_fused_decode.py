@@ -226,3 +226,20 @@ def test_perplexity_through_the_decode_path(tiny_model_dir, tmp_path, capsys):
                       "--decode-steps", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["decode_path"] == "fused"
+
+
+def test_widths_the_kernels_do_not_read_fall_back(tmp_path):
+    """hidden 48 (not a multiple of 32): per-row int8 works on the module path; the fused step
+    declines with the reason instead of failing the load."""
+    import transformers as tf
+
+    from online.engine import Engine
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    engine = Engine.load(tmp_path, weight_format="int8")
+    assert engine.decode_path == "modules" and "divisible by 32" in engine.decode_path_reason
+    assert len(engine.generate([1, 2, 3], max_new_tokens=4, ignore_eos=True).token_ids) == 4
+    with pytest.raises(TandemError, match="int4 down-projection rows"):
+        describe(quantize(RNG.standard_normal((4, 64)).astype(np.float32), "int4"), dot_input=False)

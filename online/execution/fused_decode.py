@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 
 import numpy as np
 import torch
 
 from tandem.errors import TandemError
 
-from ..kernels.cpu_numba import ACT_IDS
+from ..kernels.cpu_numba import ACT_IDS, clamp_threads
 from ..kernels.native import NativeUnavailable, load_native
 from ..kernels.native.structs import TdmLayer, TdmModel, WeightRef, addr, describe
 from ..kv_cache import KVCache
@@ -96,17 +97,32 @@ class FusedDecodeStep:
         self.cfg = model.cfg
         self._layers = (TdmLayer * len(layers))(*layers)
         self._keep = keep  # arrays the descriptors point into
-        self._bound_cache: KVCache | None = None
+        self._bound_cache = None  # weakref to the KVCache the layers point into (an old cache can be freed)
         self._work: np.ndarray | None = None
         self._desc = self._describe_model()
 
     @classmethod
-    def build(cls, model, executor, residual_ratio: float = DEFAULT_RESIDUAL_RATIO) -> "FusedDecodeStep":
+    def build(cls, model, executor, residual_ratio: float = DEFAULT_RESIDUAL_RATIO,
+              require_simd: bool = True) -> "FusedDecodeStep":
+        """``require_simd``: refuse a library built without AVX2/FMA/F16C (its portable scalar code
+        decodes slower than the numba module path)."""
         _check_model(model, executor)
         try:
             native = load_native()
         except NativeUnavailable as exc:
             raise FusedDecodeUnavailable(str(exc)) from None
+        if require_simd and not native.has_avx2:
+            raise FusedDecodeUnavailable("no fused decode: this CPU or compiler has no AVX2/FMA/F16C "
+                                         "(the portable C code is slower than the module path)")
+        try:
+            return cls(model, executor, native, *cls._describe_layers(model, executor), residual_ratio)
+        except FusedDecodeUnavailable:
+            raise
+        except TandemError as exc:  # a shape or format the kernels do not read
+            raise FusedDecodeUnavailable(f"no fused decode: {exc}") from None
+
+    @staticmethod
+    def _describe_layers(model, executor) -> tuple[list, list]:
         layers, keep = [], []
         for i, block in enumerate(model.layers):
             attn, split = block.self_attn, executor.splits[i]
@@ -120,7 +136,7 @@ class FusedDecodeStep:
             layers.append(TdmLayer(threshold=float(split.threshold),
                                    **{k: r.desc for k, r in refs.items()}, **{k: addr(a) for k, a in arrays.items()}))
             keep += list(refs.values()) + [a for a in arrays.values() if a is not None]
-        return cls(model, executor, native, layers, keep, residual_ratio)
+        return layers, keep
 
     def _describe_model(self) -> TdmModel:
         cfg, model, ex = self.cfg, self.model, self.executor
@@ -132,7 +148,7 @@ class FusedDecodeStep:
             n_layers=cfg.num_layers, d=cfg.hidden_size, n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads,
             head_dim=cfg.head_dim, n_ff=ex.splits[0].cpu.n_neurons, vocab=head.desc.rows, capacity=0,
             window=cfg.sliding_window, act=ACT_IDS[cfg.hidden_act], gated=int(cfg.mlp_gated),
-            threads=ex.settings.threads, norm_eps=cfg.norm_eps, act_alpha=cfg.act_threshold,
+            threads=clamp_threads(ex.settings.threads), norm_eps=cfg.norm_eps, act_alpha=cfg.act_threshold,
             attn_scale=1.0 / math.sqrt(cfg.head_dim),
             residual_ratio=self.residual_ratio, embed=addr(embed), final_norm=addr(final_norm),
             rope_cos=addr(cos), rope_sin=addr(sin), rope_positions=cos.shape[0], head=head.desc,
@@ -149,7 +165,7 @@ class FusedDecodeStep:
         if self._work is None or self._work.nbytes < n_bytes + 64:
             self._work = np.zeros(n_bytes + 64, dtype=np.uint8)
         self._desc.work = (self._work.ctypes.data + 63) & ~63
-        self._bound_cache = cache
+        self._bound_cache = weakref.ref(cache)
 
     def __call__(self, token_id: int, pos: int, cache: KVCache) -> torch.Tensor:
         """Logits [vocab] for ``token_id`` at ``pos``; writes its keys/values into ``cache``."""
@@ -157,7 +173,7 @@ class FusedDecodeStep:
             raise TandemError(f"position {pos} is outside the KV cache ({cache.capacity_tokens} tokens)")
         if not 0 <= token_id < self.cfg.vocab_size:
             raise TandemError(f"token id {token_id} is outside the vocabulary ({self.cfg.vocab_size})")
-        if cache is not self._bound_cache:
+        if self._bound_cache is None or self._bound_cache() is not cache:
             self._bind(cache)
         logits = torch.empty(self._desc.vocab, dtype=torch.float32)
         active = self.native.lib.tdm_decode(ctypes.byref(self._desc), token_id, pos, logits.data_ptr())

@@ -13,7 +13,7 @@ static void rope_head(float *v, const float *c, const float *s, int64_t hd) {
     }
 }
 
-#ifdef __AVX2__
+#ifdef TDM_SIMD
 /* the 8 horizontal sums of a[0..7], in order */
 static inline __m256 hsum8x8(const __m256 *a) {
     __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -26,7 +26,7 @@ static inline __m256 hsum8x8(const __m256 *a) {
 static void key_scores(const float *q, const float *K, int64_t start, int64_t end, int64_t hd, float scale,
                        float *scores) {
     int64_t s = start;
-#ifdef __AVX2__
+#ifdef TDM_SIMD
     if (hd % 8 == 0) {
         __m256 vs = _mm256_set1_ps(scale);
         for (; s + 8 <= end; s += 8) {

@@ -146,7 +146,7 @@ static float act_fn(int64_t act, float alpha, float g, float u) {
 /* h[i] = act(g[i]) * u[i] (plain FFNs: act(u[i])); SiLU eight at a time where AVX2 is there */
 static void activate(int64_t act, float alpha, int64_t gated, const float *g, const float *u, float *h, int64_t n) {
     int64_t i = 0;
-#ifdef __AVX2__
+#ifdef TDM_SIMD
     if (act == ACT_SILU && gated) {
         const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
         for (; i + 8 <= n; i += 8) {
@@ -274,7 +274,7 @@ void tdm_dot_rows(const tdm_weight *w, int64_t r0, int64_t n, const float *x, do
 }
 
 int64_t tdm_has_avx2(void) {
-#ifdef __AVX2__
+#ifdef TDM_SIMD
     return 1;
 #else
     return 0;

@@ -5,7 +5,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX2__
+/* The vector paths need AVX2, FMA and F16C together (every AVX2 CPU Tandem targets has all three);
+ * anything less compiles the portable scalar code. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TDM_SIMD 1
 #include <immintrin.h>
 #endif
 
@@ -71,7 +74,7 @@ static void quantize_q8(const float *restrict x, int64_t n, qvec *out, float res
     }
 }
 
-#ifdef __AVX2__
+#ifdef TDM_SIMD
 /* e^x for 8 floats: Cephes' expf polynomial after a ln2 range reduction (~1 ulp; x clamped to
  * +-88.38, where expf over/underflows) */
 static inline __m256 exp8(__m256 x) {
@@ -128,7 +131,7 @@ static float dot_i4(const tdm_weight *w, int64_t r, const qvec *x) {
         for (int64_t g = 0; g < ng; g++) summ += m[g] * x->s[g];
     else
         for (int64_t g = 0; g < ng; g++) summ += m[g] * (x->s[2 * g] + x->s[2 * g + 1]);
-#ifdef __AVX2__
+#ifdef TDM_SIMD
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), accr = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F);
     if (per == 1) { /* two groups per iteration: two independent FMA chains */
@@ -204,7 +207,7 @@ static float dot_i8(const tdm_weight *w, int64_t r, const qvec *x) {
     const float *s = w->scale + r * w->scale_stride;
     int64_t nb = w->cols / QB;
     int blocked = w->kind == KIND_I8B;
-#ifdef __AVX2__
+#ifdef TDM_SIMD
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), accr = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
@@ -246,7 +249,7 @@ static float dot_i8(const tdm_weight *w, int64_t r, const qvec *x) {
     return blocked ? total : total * s[0];
 }
 
-#ifdef __AVX2__
+#ifdef TDM_SIMD
 /* the four horizontal sums of a, b, c, e as one vector */
 static inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 e) {
     __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, e));
@@ -345,7 +348,7 @@ static float dot_row(const tdm_weight *w, int64_t r, const qvec *x) {
 /* out[i] = W[r0 + i] . x for i < n: four rows at a time where a four-row kernel exists */
 static void dot_rows(const tdm_weight *w, int64_t r0, int64_t n, const qvec *x, float *out) {
     int64_t i = 0;
-#ifdef __AVX2__
+#ifdef TDM_SIMD
     if (w->kind == KIND_I4 && w->group == 32)
         for (; i + 4 <= n; i += 4) dot4_i4g32(w, r0 + i, x, out + i);
     else if (w->kind == KIND_I8B || w->kind == KIND_I8)
@@ -354,7 +357,7 @@ static void dot_rows(const tdm_weight *w, int64_t r0, int64_t n, const qvec *x, 
     for (; i < n; i++) out[i] = dot_row(w, r0 + i, x);
 }
 
-#ifndef __F16C__
+#ifndef TDM_SIMD
 static float half_to_float(uint16_t v) {
     uint32_t sign = (uint32_t)(v >> 15) << 31, exp = (v >> 10) & 31, man = v & 1023, bits;
     if (exp == 0) { /* zero or subnormal */
@@ -377,7 +380,7 @@ static void axpy_row(const tdm_weight *w, int64_t r, float h, float *restrict y)
         const float *restrict v = (const float *)row;
         for (int64_t k = 0; k < n; k++) y[k] += h * v[k];
     } else if (w->kind == KIND_F16) {
-#ifdef __F16C__
+#ifdef TDM_SIMD
         const uint16_t *v = (const uint16_t *)row;
         __m256 hv = _mm256_set1_ps(h);
         for (int64_t k = 0; k < n; k += 8) {
@@ -415,7 +418,7 @@ static void axpy_rows(const tdm_weight *w, const int32_t *idx, const float *h, i
             for (int64_t k = 0; k < cols; k++) y[k] += (h0 * r0[k] + h1 * r1[k]) + (h2 * r2[k] + h3 * r3[k]);
         }
     }
-#ifdef __F16C__
+#ifdef TDM_SIMD
     else if (w->kind == KIND_F16 && cols % 8 == 0) {
         const uint8_t *base = w->data;
         int64_t rb = w->row_bytes;

@@ -81,6 +81,8 @@ def describe(w, dot_input: bool = True) -> WeightRef:
     if isinstance(w, BlockInt8Weight):
         return _ref(KIND_I8B, 32, w.q, w.scale, None, w.scale.shape[1])
     if isinstance(w, Int4Weight):
+        if not dot_input:
+            raise TandemError("native kernels do not read int4 down-projection rows (fp32/fp16/int8 only)")
         return _ref(KIND_I4, w.group_size, w.packed, w.scale, w.minimum, w.scale.shape[1], cols=cols)
     raise TandemError(f"native kernels do not read {type(w).__name__}")
 
