@@ -14,6 +14,7 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 SPARSITIES = (0.0, 0.3, 0.5, 0.7, 0.9)
+READ_GB_S = 32.0
 TEXT = ("Write a short story about a robot who learns to paint. Once upon a time there was a robot named "
         "Echo who lived in a small town by the sea. Every morning Echo would walk along the beach and watch "
         "the waves roll in, and every evening it tried to paint what it had seen.")
@@ -54,21 +55,27 @@ def main() -> None:
              f"median of {args.rounds} rounds of decode steps over a {len(TEXT.split())}-word text. Every layer gets "
              "the profile's uniform |h| quantile for the target sparsity; the whole step is timed (attention, "
              "FFN, output layer), so the FFN share shows as the slope.", "",
-             "| target sparsity | int4: ms / token | int4: achieved | int8: ms / token | int8: achieved |",
-             "|---|---|---|---|---|"]
+             f"- Bytes-read limit: the weight bytes a token reads at that sparsity (every packed weight, "
+             f"down rows only where active) / {READ_GB_S:.0f} GB/s (the 2-thread read bandwidth).", "",
+             "| target sparsity | int4: ms / token | int4: achieved | int4: MB read (limit ms) "
+             "| int8: ms / token | int8: achieved | int8: MB read (limit ms) |",
+             "|---|---|---|---|---|---|---|"]
     rows = {q: [] for q in SPARSITIES}
     for fmt in ("int4", "int8"):
         engine = Engine.load("smollm2", threads=args.threads, weight_format=fmt)
         if engine.decode_path != "fused":
             raise SystemExit(f"no fused decode here: {engine.decode_path_reason}")
         ids = engine.tokenizer.encode(TEXT)
+        down_bytes = sum(split.cpu.down_t.nbytes for split in engine.executor.splits)
         step_ms(engine, hist.quantile_thresholds(0.0), ids, 1)  # warm-up
         for q in SPARSITIES:
             thresholds = hist.quantile_thresholds(q) if q > 0 else [-1.0] * ckpt.config.num_layers
-            rows[q].append(step_ms(engine, thresholds, ids, args.rounds))
+            ms, achieved = step_ms(engine, thresholds, ids, args.rounds)
+            read = engine.weight_bytes_per_token - down_bytes * achieved
+            rows[q].append((ms, achieved, read))
     for q in SPARSITIES:
-        (t4, s4), (t8, s8) = rows[q]
-        lines.append(f"| {q:.0%} | {t4:.2f} | {s4:.1%} | {t8:.2f} | {s8:.1%} |")
+        cells = [f"{ms:.2f} | {got:.1%} | {read / 1e6:.0f} ({read / READ_GB_S / 1e6:.2f})" for ms, got, read in rows[q]]
+        lines.append(f"| {q:.0%} | " + " | ".join(cells) + " |")
     (BENCH_DIR / "fused.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
