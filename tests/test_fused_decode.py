@@ -243,3 +243,12 @@ def test_widths_the_kernels_do_not_read_fall_back(tmp_path):
     assert len(engine.generate([1, 2, 3], max_new_tokens=4, ignore_eos=True).token_ids) == 4
     with pytest.raises(TandemError, match="int4 down-projection rows"):
         describe(quantize(RNG.standard_normal((4, 64)).astype(np.float32), "int4"), dot_input=False)
+
+
+def test_unwritable_cache_folder_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
+    blocked = tmp_path / "file-not-folder"
+    blocked.write_text("x")  # a file where the cache folder should be: mkdir fails
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(blocked))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    lib = native.load_native()
+    assert lib.path.parent == tmp_path / "tmp" / f"tandem-native-{native.os.getuid()}"

@@ -54,6 +54,19 @@ def cache_dir() -> Path:
     return Path(base) / "tandem"
 
 
+def _writable_native_dir() -> Path:
+    """cache_dir()/native, or a per-user folder in the temp dir when that cannot be written (only
+    if this user owns it: a shared library is loaded from there)."""
+    for folder in (cache_dir() / "native", Path(tempfile.gettempdir()) / f"tandem-native-{os.getuid()}"):
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK) and folder.stat().st_uid == os.getuid():
+                return folder
+        except OSError:
+            continue
+    raise NativeUnavailable(f"no writable folder for the C kernels (tried {cache_dir() / 'native'} and the temp dir)")
+
+
 def _compiler() -> str:
     cc = os.environ.get("CC") or "cc"
     path = shutil.which(cc)
@@ -73,7 +86,6 @@ def _cpu_signature() -> str:
 
 def _build(cc: str, flags: tuple[str, ...], out: Path) -> str | None:
     """Compile decode.c to ``out`` atomically; the compiler's complaint on failure, else None."""
-    out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
@@ -99,10 +111,11 @@ def load_native() -> NativeLibrary:
     cc = _compiler()
     source = b"\0".join((SOURCE_DIR / name).read_bytes() for name in SOURCES)
     errors = []
+    folder = _writable_native_dir()
     for flags in (BASE_FLAGS + HOST_FLAGS, BASE_FLAGS):  # -march=native is not known everywhere
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), cc.encode(),
                                          _cpu_signature().encode()])).hexdigest()[:16]
-        path = cache_dir() / "native" / f"tandem_decode-{key}.so"
+        path = folder / f"tandem_decode-{key}.so"
         if not path.exists():
             error = _build(cc, flags, path)
             if error is not None:
