@@ -110,8 +110,9 @@ class Engine:
         ``expert_slots`` per layer (which overrides the plan, and works without one: float32 experts
         unless ``weight_format`` says otherwise); ``prefetch`` speculatively loads the next layer's experts.
         ``down_format``: how the transposed down projection of sparse FFNs is stored (fp16 by
-        default; fp32 / int8b / int8, see ExecutionSettings). ``fused_decode``: decode packed CPU-only models with the one-call C step (falls back to the
-        module graph, with the reason in ``decode_path_reason``, where it does not apply).
+        default; fp32 / int8b / int8, see ExecutionSettings). ``fused_decode``: decode packed
+        CPU-only models with the one-call C step (falls back to the module graph, with the reason
+        in ``decode_path_reason``, where it does not apply).
         """
         if threads is not None and threads < 1:
             raise TandemError(f"threads must be >= 1, got {threads}")
