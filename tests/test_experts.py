@@ -154,6 +154,20 @@ def test_packed_expert_on_cpu_and_tier_match_reference(mixtral8, fmt, device):
 
 
 # --- the cache against a naive LRU --------------------------------------------------------------
+def lru_touch(lru: list, needed: list, pinned) -> list:
+    """The reference's lookup step: pinned or listed experts are hits (listed ones move to the
+    most-recent end, in ascending order); returns the misses, ascending."""
+    missed = []
+    for e in needed:
+        if e in pinned or e in lru:
+            if e in lru:
+                lru.remove(e)
+                lru.append(e)
+        else:
+            missed.append(e)
+    return missed
+
+
 def naive_lru(trace, slots, pinned, prefetch_routers=None, next_layer=None, k=2):
     """Reference: per layer a Python list (LRU first). Hits: ascending experts made most recent;
     misses ascending, appended after evicting the front when full. Prefetch: the next layer's
@@ -169,15 +183,8 @@ def naive_lru(trace, slots, pinned, prefetch_routers=None, next_layer=None, k=2)
             guessed += sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ids, g))
             guessed_total += ids.numel()
         needed = sorted(set(ids.flatten().tolist()))
-        missed = []
-        for e in needed:
-            if e in pinned.get(layer, ()) or e in lru:
-                hits += 1
-                if e in lru:
-                    lru.remove(e)
-                    lru.append(e)
-            else:
-                missed.append(e)
+        missed = lru_touch(lru, needed, pinned.get(layer, ()))
+        hits += len(needed) - len(missed)
         misses += len(missed)
         for e in missed:
             if slots:
@@ -251,15 +258,8 @@ def test_expert_cache_on_random_traces_matches_naive_lru():
         lru, hits, misses = [], 0, 0
         for _ in range(60):
             needed = sorted(rng.sample(range(n_experts), rng.randint(1, min(3, n_experts))))
-            missed = []
-            for e in needed:
-                if e in pinned or e in lru:
-                    hits += 1
-                    if e in lru:
-                        lru.remove(e)
-                        lru.append(e)
-                else:
-                    missed.append(e)
+            missed = lru_touch(lru, needed, pinned)
+            hits += len(needed) - len(missed)
             misses += len(missed)
             for e in needed:
                 assert cache.lookup(e) == (e in pinned or e in cache.cached())

@@ -103,15 +103,14 @@ class Fp16Weight(_FloatWeight):
 
 
 @dataclass(frozen=True, eq=False)
-class Int8Weight:
+class _Int8Codes:
     q: np.ndarray  # int8 [out, in]
-    scale: np.ndarray  # float32 [out]
+    scale: np.ndarray  # float32, layout set by the subclass
 
     def __post_init__(self) -> None:
+        name = type(self).__name__
         _check(self.q.dtype == np.int8 and self.q.ndim == 2 and self.q.flags.c_contiguous,
-               "Int8Weight.q must be C-contiguous int8 [out, in]")
-        _check(self.scale.dtype == np.float32 and self.scale.shape == (self.q.shape[0],),
-               f"Int8Weight.scale must be float32 [{self.q.shape[0]}]")
+               f"{name}.q must be C-contiguous int8 [out, in]")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -120,6 +119,16 @@ class Int8Weight:
     @property
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes
+
+
+@dataclass(frozen=True, eq=False)
+class Int8Weight(_Int8Codes):
+    scale: np.ndarray  # float32 [out]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.scale.dtype == np.float32 and self.scale.shape == (self.q.shape[0],),
+               f"Int8Weight.scale must be float32 [{self.q.shape[0]}]")
 
     def dequantize(self) -> np.ndarray:
         return self.q.astype(np.float32) * self.scale[:, None]  # [out, in]
@@ -129,25 +138,15 @@ class Int8Weight:
 
 
 @dataclass(frozen=True, eq=False)
-class BlockInt8Weight:
-    q: np.ndarray  # int8 [out, in]
+class BlockInt8Weight(_Int8Codes):
     scale: np.ndarray  # float32 [out, in / 32]
 
     def __post_init__(self) -> None:
-        _check(self.q.dtype == np.int8 and self.q.ndim == 2 and self.q.flags.c_contiguous,
-               "BlockInt8Weight.q must be C-contiguous int8 [out, in]")
+        super().__post_init__()
         rows, cols = self.q.shape
         _check(cols % Q8_BLOCK == 0, f"BlockInt8Weight needs in_features divisible by {Q8_BLOCK}, got {cols}")
         _check(self.scale.dtype == np.float32 and self.scale.shape == (rows, cols // Q8_BLOCK)
                and self.scale.flags.c_contiguous, f"BlockInt8Weight.scale must be float32 [{rows}, {cols // Q8_BLOCK}]")
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.q.shape
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes
 
     def dequantize(self) -> np.ndarray:
         rows, cols = self.q.shape
