@@ -14,15 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.errors import ArtifactError, TandemError
 
 from .budget import format_bytes, parse_bytes
 from .hardware import PRESETS, load_hardware, save_hardware
-from .plan import Plan, load_plan, read_plan, save_plan
 from .predictor_info import load_predictor_info, no_predictors
 from .settings import GGUF_BYTES_PER_WEIGHT, WEIGHT_FORMATS, PlanSettings, resolve_bytes_per_weight
+
+if TYPE_CHECKING:  # the plan module loads torch: only the commands that read or write a plan import it
+    from .plan import Plan
 
 
 def add_parsers(subparsers: Any) -> None:
@@ -69,6 +71,7 @@ def checkpoint_bytes_per_weight(checkpoint: Any) -> float:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from .plan import load_plan, save_plan
     from online.loading import load_checkpoint  # lazily: loading pulls in the model readers
     from offline.profile_artifact import load_profile
     from .planner import check_budget, default_gpu_budget, make_plan
@@ -200,6 +203,7 @@ def plot_plan(plan: Plan, out_path: str | Path) -> Path:
 
 
 def cmd_show_plan(args: argparse.Namespace) -> int:
+    from .plan import read_plan
     plan = read_plan(args.plan_dir)
     print(f"plan {args.plan_dir}")
     print(format_plan_summary(plan))

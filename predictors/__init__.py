@@ -7,7 +7,15 @@ Example::
     pset.mode(layer)                    # "predictor" | "gate" | "exact"
     pset.active_indices(layer, x)       # mode "predictor": neuron ids predicted active for x [T, d]
 """
-from .artifact import load_predictors, save_predictors
-from .model import LayerEntry, LayerPredictor, PredictorSet
+from importlib import import_module
 
-__all__ = ["LayerEntry", "LayerPredictor", "PredictorSet", "load_predictors", "save_predictors"]
+_HOMES = {"LayerEntry": ".model", "LayerPredictor": ".model", "PredictorSet": ".model",
+          "load_predictors": ".artifact", "save_predictors": ".artifact"}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    """Import on first use: the CLI registers ``train-predictors`` without loading torch."""
+    if name in _HOMES:
+        return getattr(import_module(_HOMES[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,13 +16,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from typing import TYPE_CHECKING, Any
 
 from .errors import ArtifactError
+
+if TYPE_CHECKING:  # torch and safetensors load with the first artifact, not with ``tandem --help``
+    import torch
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -57,6 +56,8 @@ def save_artifact(out_dir: str | os.PathLike, name: str, tensors: dict[str, torc
 
     The whole directory is replaced in one rename; files of an older artifact are dropped.
     """
+    from safetensors.torch import save_file
+
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
@@ -82,6 +83,9 @@ def save_artifact(out_dir: str | os.PathLike, name: str, tensors: dict[str, torc
 def load_artifact(art_dir: str | os.PathLike, name: str, kind: str,
                   schema_version: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load and validate an artifact pair; every problem is an ArtifactError with one clear line."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     art_dir = Path(art_dir)
     meta_path, tensor_path = art_dir / f"{name}.json", art_dir / f"{name}.safetensors"
     if not art_dir.is_dir():
