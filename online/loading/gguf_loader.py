@@ -27,6 +27,7 @@ import torch
 from tandem.errors import TandemError
 from ..config import ModelConfig, freeze_mapping
 from .checkpoint import Checkpoint, RawQuantTensor
+from .gguf_header import GGUFHeader, read_gguf_header
 from .quants import dequantize, qtype_name
 from .tokenizer import Tokenizer
 
@@ -47,10 +48,8 @@ _READER_ERRORS = (ValueError, KeyError, IndexError, TypeError, OverflowError, st
                   MemoryError, UnicodeDecodeError, AttributeError)
 
 
-def read_gguf(path: str | Path) -> tuple[Any, dict[str, Any]]:
-    """Open a GGUF (memory-mapped) -> (GGUFReader, metadata as plain Python values)."""
-    from gguf import GGUFReader
-
+def read_gguf(path: str | Path) -> tuple[GGUFHeader, dict[str, Any]]:
+    """Open a GGUF (memory-mapped) -> (header with ``.tensors`` views, metadata as plain Python values)."""
     path = Path(path)
     if not path.exists():
         raise TandemError(f"model file not found: {path}")
@@ -60,102 +59,12 @@ def read_gguf(path: str | Path) -> tuple[Any, dict[str, Any]]:
         magic = f.read(4)
     if magic != b"GGUF":
         raise TandemError(f"{path} is not a GGUF file (bad magic {magic!r})")
-    check_gguf_layout(path)
     try:
-        reader = GGUFReader(path, "r")
-        fields = {name: field_value(field) for name, field in reader.fields.items()}
-        reader.fields.clear()  # ~10^5 small numpy parts (vocabulary); the plain copies are enough
+        header = read_gguf_header(path)
     except _READER_ERRORS as e:
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise TandemError(f"cannot parse GGUF {path}: truncated or corrupted file ({detail})") from None
-    file_bytes = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > file_bytes or t.data.nbytes != t.n_bytes:
-            raise TandemError(f"{path} is truncated: tensor {t.name} extends past the end of the file")
-    return reader, fields
-
-
-_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF scalar types
-_STRING, _ARRAY, _MAX_DIMS = 8, 9, 4
-
-
-def check_gguf_layout(path: Path) -> None:
-    """Walk the header (key/values, tensor infos) checking every length against the file size.
-
-    GGUFReader trusts the lengths it reads; a corrupted array length can make it loop for ages.
-    """
-    size = path.stat().st_size
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        pos = 0
-
-        def read(fmt: str, nbytes: int) -> int:
-            nonlocal pos
-            if pos + nbytes > size:
-                raise TandemError(f"{path} is truncated: the header extends past the end of the file")
-            pos += nbytes
-            return struct.unpack_from(fmt, mm, pos - nbytes)[0]
-
-        def skip(nbytes: int) -> None:
-            nonlocal pos
-            if nbytes < 0 or pos + nbytes > size:
-                raise TandemError(f"{path} is truncated or corrupted: a header entry extends past the end of the file")
-            pos += nbytes
-
-        def value(vtype: int, nested: bool = False) -> None:
-            if vtype in _VALUE_BYTES:
-                skip(_VALUE_BYTES[vtype])
-            elif vtype == _STRING:
-                skip(read("<Q", 8))
-            elif vtype == _ARRAY and not nested:
-                item_type, count = read("<I", 4), read("<Q", 8)
-                if item_type in _VALUE_BYTES:
-                    skip(count * _VALUE_BYTES[item_type])
-                elif item_type in (_STRING, _ARRAY):
-                    if count * 8 > size - pos:  # every item takes at least 8 bytes
-                        skip(size)  # -> the "extends past the end" error
-                    for _ in range(count):
-                        value(item_type, nested=True)
-                else:
-                    raise TandemError(f"{path} is corrupted: unknown GGUF array item type {item_type}")
-            else:
-                raise TandemError(f"{path} is corrupted: unknown GGUF value type {vtype}")
-
-        skip(4)  # magic, checked by the caller
-        version = read("<I", 4)
-        if version not in (2, 3):
-            raise TandemError(f"{path}: unsupported GGUF version {version} (supported: 2, 3; little-endian)")
-        n_tensors, n_kv = read("<Q", 8), read("<Q", 8)
-        if n_tensors > size or n_kv > size:
-            raise TandemError(f"{path} is corrupted: header claims {n_tensors} tensors and {n_kv} metadata keys")
-        for _ in range(n_kv):
-            skip(read("<Q", 8))  # key
-            value(read("<I", 4))
-        for _ in range(n_tensors):
-            skip(read("<Q", 8))  # name
-            n_dims = read("<I", 4)
-            if n_dims > _MAX_DIMS:
-                raise TandemError(f"{path} is corrupted: a tensor with {n_dims} dimensions")
-            skip(8 * n_dims + 4 + 8)  # dims, type, offset
-
-
-def field_value(field: Any) -> Any:
-    """A GGUFReader field as a plain value (str, int, float, bool or a list of them)."""
-    from gguf import GGUFValueType as V
-
-    types, parts = field.types, field.parts
-    if not types:
-        return None
-    if types[0] == V.ARRAY:
-        if types[-1] == V.STRING:
-            return [bytes(parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        if not field.data:
-            return []
-        return np.concatenate([parts[i] for i in field.data]).tolist()
-    if types[0] == V.STRING:
-        return bytes(parts[-1]).decode("utf-8", errors="replace")
-    if types[0] == V.FLOAT32:  # shortest decimal that round-trips (1e-05, not 9.99999974e-06)
-        return float(str(parts[-1][0]))
-    return parts[-1].tolist()[0]
+    return header, header.fields
 
 
 def _release_pages(reader: Any, offset: int, nbytes: int) -> None:
