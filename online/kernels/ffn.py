@@ -109,6 +109,7 @@ class QuantizedLinear:
         self._args = weight.kernel_args()
         self._all_rows = np.arange(self.out_features, dtype=np.int64)
         self._max_tokens = kernel_max_tokens(weight)
+        self._native_dequantize: Any = False  # False: not looked up yet; None: unavailable
 
     @classmethod
     def from_float(cls, w: torch.Tensor, fmt: str = "int8", bias: Any = None, group_size: int = 32,
@@ -134,7 +135,13 @@ class QuantizedLinear:
         if isinstance(self.weight, Fp32Weight):
             return torch.from_numpy(self.weight.w)
         out = np.empty((self.out_features, self.in_features), dtype=np.float32)
-        K.dequantize_into(self._args, out, K.clamp_threads(threads))
+        if self._native_dequantize is False:  # the C library where it loads: no JIT on the first prefill
+            from .native.dequant import native_dequantizer
+            self._native_dequantize = native_dequantizer(self.weight)
+        if self._native_dequantize is not None:
+            self._native_dequantize(out)
+        else:
+            K.dequantize_into(self._args, out, K.clamp_threads(threads))
         return torch.from_numpy(out)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
