@@ -74,12 +74,16 @@ def main() -> None:
     models_dir = Path(args.models_dir)
     models_dir.mkdir(parents=True, exist_ok=True)
     timing = ["--threads", str(args.threads), "--runs", str(args.runs), "--decode-tokens", str(args.decode_tokens)]
+    calibration = models_dir / f"fused-calibration-{args.threads}t.json"
+    if not calibration.exists():
+        cli("probe", "--threads", str(args.threads), "--fused", str(calibration))
     rows = []
     for shape in args.shapes:
         for sparsity in args.sparsities:
             gguf, work = prepare(shape, sparsity, models_dir)
             tandem = run_system([sys.executable, "bench/systems/tandem_synthetic.py", "--gguf", str(gguf), "--plan",
-                                 str(work / "plan"), "--predictors", str(work / "predictors"), *timing])
+                                 str(work / "plan"), "--predictors", str(work / "predictors"),
+                                 "--calibration", str(calibration), *timing])
             peer = run_system([str(PEER_PYTHON), "bench/systems/llamacpp.py", "--gguf", str(gguf), *timing]) \
                 if PEER_PYTHON.exists() else None
             rows.append((shape, sparsity, gguf, tandem, peer, predictor_quality(work)))
@@ -101,13 +105,17 @@ def write_table(rows, args) -> None:
              "low-rank predictor (int8) and reads only the predicted gate/up rows and active down rows.",
              "- bytes/token: weight bytes each mode reads per token (attention, output layer, FFN rows, predictor); "
              "limit: bytes/token against the read bandwidth measured in the same process; achieved = tok/s / limit.",
+             "- modeled: the fused-step cost terms from `tandem probe --fused` (per call, per layer, bandwidth share; "
+             "fitted on dense random Llama models, not on these) applied to each mode's bytes/token; in brackets "
+             "modeled / measured (goal: 0.75-1.25).",
              "",
              "| shape | sparsity (measured) | llama.cpp tok/s | dense tok/s | exact tok/s | predictor tok/s | predictor / llama.cpp "
-             "| predictor recall / precision (rank) | MB/token dense / exact / predictor | predictor limit tok/s (achieved) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| predictor recall / precision (rank) | MB/token dense / exact / predictor | predictor limit tok/s (achieved) "
+             "| modeled tok/s dense / exact / predictor (modeled / measured) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape, sparsity, gguf, tandem, peer, q in rows:
         if tandem is None:
-            lines.append(f"| {shape} | {sparsity:.0%} | failed | | | | | | | |")
+            lines.append(f"| {shape} | {sparsity:.0%} | failed | | | | | | | | |")
             continue
         modes = {m["mode"]: m for m in tandem["modes"]}
         ll = statistics.median(peer["decode_tok_s"]) if peer else float("nan")
@@ -117,7 +125,9 @@ def write_table(rows, args) -> None:
             f"| {shape} | {sparsity:.0%} ({p['sparsity']:.1%}) | {ll:.1f} | {d['decode_tok_s_median']:.1f} | "
             f"{e['decode_tok_s_median']:.1f} | {p['decode_tok_s_median']:.1f} | {p['decode_tok_s_median'] / ll:.2f}x | {pq} | "
             f"{d['bytes_per_token'] / 1e6:.0f} / {e['bytes_per_token'] / 1e6:.0f} / {p['bytes_per_token'] / 1e6:.0f} | "
-            f"{p['bytes_limit_tok_s']:.1f} ({p['decode_tok_s_median'] / p['bytes_limit_tok_s']:.0%}) |")
+            f"{p['bytes_limit_tok_s']:.1f} ({p['decode_tok_s_median'] / p['bytes_limit_tok_s']:.0%}) | "
+            + " / ".join(f"{m.get('modeled_tok_s', float('nan')):.1f} ({m.get('modeled_tok_s', float('nan')) / m['decode_tok_s_median']:.2f})"
+                         for m in (d, e, p)) + " |")
     (BENCH_DIR / "synthetic.md").write_text("\n".join(lines) + "\n")
     assemble_results()
     print("\n".join(lines))

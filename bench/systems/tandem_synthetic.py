@@ -38,24 +38,25 @@ def run_mode(engine, step, mode: str, ids: list[int], n_tokens: int, runs: int, 
         layer.threshold = -1.0 if mode == "dense" else 0.0
         layer.pred = preds[i] if mode == "predictor" and preds[i] else null
     rates, counters = [], engine.executor.counters
-    rows0 = step.predictor_rows()
-    act0, tot0 = counters.ffn_neurons_active, counters.ffn_neurons_total
+    active = total = predicted = computed = 0
     for run in range(runs + 1):
         cache = engine._kv_cache(len(ids) + n_tokens + 1)
         tok = int(prefill(engine.model, engine.executor, cache, ids).argmax())
-        if run == 0:
-            act0, tot0, rows0 = counters.ffn_neurons_active, counters.ffn_neurons_total, step.predictor_rows()
+        act0, tot0, rows0 = counters.ffn_neurons_active, counters.ffn_neurons_total, step.predictor_rows()
         t0 = time.perf_counter()
         for i in range(n_tokens):
             tok = int(step(tok, len(ids) + i, cache).argmax())
-        if run:
-            rates.append(n_tokens / (time.perf_counter() - t0))
+        elapsed = time.perf_counter() - t0
+        if run:  # the first run warms up
+            rates.append(n_tokens / elapsed)
+            rows = step.predictor_rows()
+            active += counters.ffn_neurons_active - act0
+            total += counters.ffn_neurons_total - tot0
+            predicted += rows[0] - rows0[0]
+            computed += rows[1] - rows0[1]
     steps = runs * n_tokens
-    rows = step.predictor_rows()
-    active = (counters.ffn_neurons_active - act0) / steps  # down rows per token, all layers
-    predicted, computed = ((rows[0] - rows0[0]) / steps, (rows[1] - rows0[1]) / steps)
-    return {"mode": mode, "decode_tok_s": rates, "down_rows": active, "predicted_rows": predicted,
-            "computed_up_rows": computed, "neurons": (counters.ffn_neurons_total - tot0) / steps}
+    return {"mode": mode, "decode_tok_s": rates, "down_rows": active / steps, "predicted_rows": predicted / steps,
+            "computed_up_rows": computed / steps, "neurons": total / steps}
 
 
 def main() -> None:
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--plan", required=True)
     ap.add_argument("--predictors", required=True)
+    ap.add_argument("--calibration", help="fused-step calibration (tandem probe --fused): modeled tok/s per mode")
     args = ap.parse_args()
     from online import Engine
     from placement.probe import measure_read_bandwidth
@@ -74,7 +76,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     bandwidth = measure_read_bandwidth("cpu")
     step = engine.compiled_decode
-    preds = [layer.pred for layer in step._layers]
+    # independent pointer objects (a field read shares the struct's memory and would follow the toggles)
+    preds = [ctypes.pointer(layer.pred.contents) if layer.pred else None for layer in step._layers]
     ids = engine.tokenizer.encode(BENCH_PROMPT)[:64]
     gate_b, up_b, down_b, rest = ffn_bytes(engine)
     pred_bytes = sum(r.desc.w1.rows * r.desc.w1.row_bytes + r.desc.w2.rows * r.desc.w2.row_bytes
@@ -94,6 +97,11 @@ def main() -> None:
         rec.update(bytes_per_token=read, bytes_limit_tok_s=bandwidth / read, read_bandwidth=bandwidth,
                    predictor_bytes=extra, sparsity=1 - rec["down_rows"] / (n_layers * n_ff))
         rec["decode_tok_s_median"] = statistics.median(rec["decode_tok_s"])
+        if args.calibration:
+            from placement.fused_calibration import load_calibration
+            cal = load_calibration(args.calibration)
+            fmt = engine.executor.settings.weight_format
+            rec["modeled_tok_s"] = 1.0 / cal.step_seconds(fmt, n_layers, read)
         out.append(rec)
     emit({"system": "tandem", "modes": out, "weight_format": engine.executor.settings.weight_format})
 
