@@ -32,6 +32,7 @@ from online.execution.dense import ffn_hidden
 from online.execution.weights import FFNWeights
 from tandem.errors import TandemError
 from .model import LayerPredictor
+from .rrr_init import init_reduced_rank
 
 RANK_LADDER = (16, 32, 64, 128, 256, 512)
 
@@ -140,6 +141,7 @@ def train_predictor(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.T
     rate = y_train.float().mean(dim=0).clamp(1e-4, 1 - 1e-4)  # [F] base rates
     with torch.no_grad():
         pred.up.bias.copy_(torch.log(rate / (1 - rate)))  # start from each neuron's prior
+    init_reduced_rank(pred, x_train, y_train)  # the deciding input directions, in closed form
     active = float(rate.mean())
     pos_weight = torch.tensor(min(max((1 - active) / max(active, 1e-6), 1.0), settings.max_pos_weight))
     opt = torch.optim.Adam(pred.parameters(), lr=settings.learning_rate)
