@@ -126,3 +126,10 @@ def test_readme_pipeline_on_a_synthetic_model_decodes_fused(tiny90, tmp_path, ca
     assert runs[0]["decode_path"] == "fused" and runs[1]["decode_path"] == "modules"
     # int8 scores/activations vs the module path's float ones: near-ties of a random model may flip late tokens
     assert runs[0]["token_ids"][:4] == runs[1]["token_ids"][:4]
+    from placement.fused_calibration import FusedCalibration, FusedTerms, save_calibration
+    cal = FusedCalibration(2, 30e9, (FusedTerms("int4", 20e-6, 2e-6, 0.8), FusedTerms("int8", 20e-6, 2e-6, 0.8)))
+    save_calibration(cal, d / "cal.json")
+    assert main(["show-plan", str(d / "plan"), "--calibration", str(d / "cal.json"), "--measure", m,
+                 "--predictors", str(d / "predictors"), "--threads", "2"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "modeled (calibrated" in line and "measured" in line and "fused decode path" in line
