@@ -21,17 +21,28 @@ LOGIT_SCALE = 8.0  # centred labels (-rate .. 1 - rate) -> logits of useful size
 
 
 @torch.no_grad()
-def init_reduced_rank(pred, x: torch.Tensor, y: torch.Tensor) -> None:
-    rank = pred.rank
-    k = rank // 2
+def reduced_rank_basis(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(directions u [d, d] strongest first, their singular values [d]) of the ridge map x -> centred y.
+    Computed once per layer (eigen-decomposition of B B^T, d x d) and shared by every rank tried."""
     xs = x[:MAX_TOKENS].float()  # [N, d]
-    ys = y[:MAX_TOKENS].float()
-    yc = ys - ys.mean(0, keepdim=True)  # [N, F]
+    yc = y[:MAX_TOKENS].float()
+    yc = yc - yc.mean(0, keepdim=True)  # [N, F]
     d = xs.shape[1]
     gram = xs.T @ xs  # [d, d]
     gram += RIDGE * gram.diagonal().mean() * torch.eye(d)
     b = torch.linalg.solve(gram, xs.T @ yc)  # [d, F]
-    u, sv, _ = torch.linalg.svd(b, full_matrices=False)  # [d, m]
+    evals, evecs = torch.linalg.eigh(b @ b.T)  # ascending
+    return evecs.flip(1), evals.flip(0).clamp_min(0).sqrt()
+
+
+@torch.no_grad()
+def init_reduced_rank(pred, x: torch.Tensor, y: torch.Tensor, basis=None) -> None:
+    rank = pred.rank
+    k = rank // 2
+    u, sv = basis if basis is not None else reduced_rank_basis(x, y)
+    xs = x[:MAX_TOKENS].float()
+    yc = y[:MAX_TOKENS].float()
+    yc = yc - yc.mean(0, keepdim=True)
     energy = torch.cumsum(sv ** 2, 0) / (sv ** 2).sum().clamp_min(1e-12)
     effective = int((energy < 0.95).sum()) + 1  # directions holding 95% of the map
     w1 = pred.down.weight.detach().clone()  # rows not set below keep their random start
