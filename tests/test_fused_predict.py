@@ -75,11 +75,12 @@ def module_and_fused(model, executor, predictor_format: str, tokens=(3, 99, 4, 8
     return step, out
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])  # int4: the gathered four-row kernel
 @pytest.mark.parametrize("act", ["relu", "fatrelu", "drelu", "silu"])
-def test_predicted_rows_match_the_module_path(tiny_model_dir, act):
+def test_predicted_rows_match_the_module_path(tiny_model_dir, act, fmt):
     """Same predicted rows, same neurons used, same logits as the module path (float predictor weights)."""
     folder, _ = tiny_model_dir("llama-relu")
-    model, executor = packed(folder, act, predictors=random_gates(64, 128, 2))
+    model, executor = packed(folder, act, predictors=random_gates(64, 128, 2), fmt=fmt)
     step, out = module_and_fused(model, executor, "fp32")
     for got, ref, used_fused, used_module in out:
         torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
@@ -113,11 +114,12 @@ def test_perfect_predictor_gives_the_dense_output(tiny_model_dir, act):
     assert 0 < predicted < len(PROMPT) * 2 * 128  # really sparse, yet the same output
 
 
-def test_relu_layers_skip_up_rows_exactly(tiny_model_dir):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_relu_layers_skip_up_rows_exactly(tiny_model_dir, fmt):
     """ReLU without a predictor: up rows whose gate is <= 0 are skipped; the output is the dense one."""
     folder, _ = tiny_model_dir("llama-relu")
-    sparse_model, sparse_exec = packed(folder, "relu")
-    dense_model, dense_exec = packed(folder, "relu", sparse=False)
+    sparse_model, sparse_exec = packed(folder, "relu", fmt=fmt)
+    dense_model, dense_exec = packed(folder, "relu", sparse=False, fmt=fmt)
     a = FusedDecodeStep.build(sparse_model, sparse_exec, residual_ratio=0.0)
     b = FusedDecodeStep.build(dense_model, dense_exec, residual_ratio=0.0)
     ca, cb = KVCache(sparse_model.cfg, 32), KVCache(dense_model.cfg, 32)

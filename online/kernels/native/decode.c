@@ -221,22 +221,23 @@ static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, t
     int gate_cut = m->gated && zero_act && thr >= 0.0f;
     qvec zq;
     if (P) predict_hidden(P, &tb->x, t, nt, (float)m->residual_ratio, &zq);
-    for (int64_t b0 = t * FFN_SLICE; b0 < m->n_ff; b0 += nt * FFN_SLICE) {
+    for (int64_t b0 = t * SPARSE_SLICE; (P || gate_cut) && b0 < m->n_ff; b0 += nt * SPARSE_SLICE) {
+        float g[SPARSE_SLICE], u[SPARSE_SLICE], h[SPARSE_SLICE];
+        int32_t rows[SPARSE_SLICE];
+        int64_t n = b0 + SPARSE_SLICE < m->n_ff ? SPARSE_SLICE : m->n_ff - b0;
+        n = sparse_rows(P, &L->gate, &L->up, m->gated, gate_cut, m->act == ACT_FATRELU ? alpha : 0.0f, b0, n, &zq,
+                        &tb->x, rows, g, u, t);
+        activate(m->act, alpha, m->gated, g, u, h, n);
+        for (int64_t i = 0; i < n; i++) {
+            tb->h[n_act] = h[i];
+            tb->idx[n_act] = rows[i];
+            n_act += fabsf(h[i]) > thr;
+        }
+    }
+    for (int64_t b0 = t * FFN_SLICE; !(P || gate_cut) && b0 < m->n_ff; b0 += nt * FFN_SLICE) {
         int64_t b1 = b0 + FFN_SLICE < m->n_ff ? b0 + FFN_SLICE : m->n_ff;
         float g[FFN_SLICE], u[FFN_SLICE], h[FFN_SLICE];
         int64_t n = b1 - b0;
-        if (P || gate_cut) {
-            int32_t rows[FFN_SLICE];
-            n = sparse_rows(P, &L->gate, &L->up, m->gated, gate_cut, m->act == ACT_FATRELU ? alpha : 0.0f, b0, n,
-                            &zq, &tb->x, rows, g, u, t);
-            activate(m->act, alpha, m->gated, g, u, h, n);
-            for (int64_t i = 0; i < n; i++) {
-                tb->h[n_act] = h[i];
-                tb->idx[n_act] = rows[i];
-                n_act += fabsf(h[i]) > thr;
-            }
-            continue;
-        }
         dot_rows(&L->up, b0, n, &tb->x, u);
         if (m->gated) dot_rows(&L->gate, b0, n, &tb->x, g);
         activate(m->act, alpha, m->gated, g, u, h, n);

@@ -49,13 +49,69 @@ static void predict_hidden(const tdm_predictor *P, const qvec *x, int t, int nt,
     if (P->w2.kind != KIND_F32) quantize_q8(P->z, P->rank, zq, residual_ratio);
 }
 
-/* Neurons b0 .. b0+n-1 (n <= 64): the candidate rows (predicted active, or all with a predictor-less
+#define SPARSE_SLICE 256 /* neurons per slice of the sparse path (rows are gathered four at a time) */
+
+#ifdef TDM_SIMD
+/* out[k] = W[rows[k]] . x for four arbitrary rows of int4 groups of 32 (dot4_i4g32 with gathered
+ * rows); fetches the first lines of the four rows at next[] meanwhile (NULL: none). */
+static void dot4_i4g32_idx(const tdm_weight *w, const int32_t *rows, const int32_t *next, const qvec *x, float *out) {
+    int64_t rb = w->row_bytes, ss = w->scale_stride, ng = w->cols / 32;
+    const uint8_t *p[4];
+    const float *d[4], *m[4];
+    for (int k = 0; k < 4; k++) {
+        p[k] = w->data + rows[k] * rb;
+        d[k] = w->scale + rows[k] * ss;
+        m[k] = w->minimum + rows[k] * ss;
+    }
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = 0; g < ng; g++) {
+        if (next && (g & 3) == 0)
+            for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(w->data + next[k] * rb + 16 * g), _MM_HINT_T0);
+        if (next && (g & 15) == 0)
+            for (int k = 0; k < 4; k++) {
+                _mm_prefetch((const char *)(w->scale + next[k] * ss + g), _MM_HINT_T0);
+                _mm_prefetch((const char *)(w->minimum + next[k] * ss + g), _MM_HINT_T0);
+            }
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * g));
+        float xd = x->d[g];
+        for (int k = 0; k < 4; k++)
+            acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d[k][g] * xd), dot32_u8s8(nibbles32(p[k] + 16 * g), xv), acc[k]);
+    }
+    for (int64_t f = 0; f < x->n_flagged; f++) { /* the residual of outlier blocks */
+        int64_t g = x->flagged[f];
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(x->r + 32 * g));
+        for (int k = 0; k < 4; k++)
+            acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d[k][g] * x->dr[g]), dot32_u8s8(nibbles32(p[k] + 16 * g), xv), acc[k]);
+    }
+    __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t g = 0;
+    for (; g + 8 <= ng; g += 8) { /* the minimum terms: m . block sums */
+        __m256 xs = _mm256_loadu_ps(x->s + g);
+        for (int k = 0; k < 4; k++) s[k] = _mm256_fmadd_ps(_mm256_loadu_ps(m[k] + g), xs, s[k]);
+    }
+    _mm_storeu_ps(out, _mm_add_ps(hsum4x8(acc[0], acc[1], acc[2], acc[3]), hsum4x8(s[0], s[1], s[2], s[3])));
+    for (; g < ng; g++)
+        for (int k = 0; k < 4; k++) out[k] += m[k][g] * x->s[g];
+}
+#endif
+
+/* out[i] = W[rows[i]] . x: four gathered rows at a time where the format has the kernel */
+static void dot_rows_idx(const tdm_weight *w, const int32_t *rows, int64_t n, const qvec *x, float *out) {
+    int64_t i = 0;
+#ifdef TDM_SIMD
+    if (w->kind == KIND_I4 && w->group == 32)
+        for (; i + 4 <= n; i += 4) dot4_i4g32_idx(w, rows + i, i + 8 <= n ? rows + i + 4 : NULL, x, out + i);
+#endif
+    for (; i < n; i++) out[i] = dot_row(w, rows[i], x);
+}
+
+/* Neurons b0 .. b0+n-1 (n <= SPARSE_SLICE): the candidate rows (predicted active, or all with a predictor-less
  * gate cut), their gate values, then up only where the gate does not already zero h (gate_cut:
  * h = 0 unless g > cut). Fills rows/g/u compacted; returns how many. */
 static int64_t sparse_rows(const tdm_predictor *P, const tdm_weight *gate, const tdm_weight *up, int64_t gated,
                            int gate_cut, float cut, int64_t b0, int64_t n, const qvec *zq, const qvec *x,
                            int32_t *rows, float *g, float *u, int t) {
-    float s[64];
+    float s[SPARSE_SLICE];
     int64_t k = 0, kept = 0;
     if (P) {
         dot_rows(&P->w2, b0, n, zq, s);
@@ -64,8 +120,7 @@ static int64_t sparse_rows(const tdm_predictor *P, const tdm_weight *gate, const
             k += s[i] + P->b2[b0 + i] >= (float)P->threshold;
         }
         P->predicted[t] += k;
-        if (gated)
-            for (int64_t j = 0; j < k; j++) g[j] = dot_row(gate, rows[j], x);
+        if (gated) dot_rows_idx(gate, rows, k, x, g);
     } else {
         dot_rows(gate, b0, n, x, s);
         for (int64_t i = 0; i < n; i++) {
@@ -75,12 +130,11 @@ static int64_t sparse_rows(const tdm_predictor *P, const tdm_weight *gate, const
         }
     }
     for (int64_t j = 0; j < k; j++) {
-        if (gated && gate_cut && !(g[j] > cut)) continue;
         rows[kept] = rows[j];
         g[kept] = g[j];
-        u[kept] = dot_row(up, rows[j], x);
-        kept++;
+        kept += !(gated && gate_cut) || g[j] > cut;
     }
+    dot_rows_idx(up, rows, kept, x, u);
     if (P) P->computed[t] += kept;
     return kept;
 }
