@@ -81,7 +81,10 @@ def synthesize(spec: SynthSpec, out_dir: str | Path, tokenizer_gguf: str | Path,
     from online.loading.gguf_loader import read_gguf
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TandemError(f"cannot create output directory {out_dir}: {e.strerror or e}") from None
     _, fields = read_gguf(tokenizer_gguf)
     vocab = len(fields.get("tokenizer.ggml.tokens") or [])
     if vocab < 2:
@@ -99,9 +102,11 @@ def synthesize(spec: SynthSpec, out_dir: str | Path, tokenizer_gguf: str | Path,
         tmp_json.write_text(json.dumps({"synthetic_weights": True, "request": spec.request(), **stats}, indent=1))
         os.replace(tmp, path)
         os.replace(tmp_json, sidecar)
-    except BaseException:
+    except BaseException as e:
         for p in (tmp, out_dir / f".{path.name}.synth.json.tmp"):
             p.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise TandemError(f"cannot write {path}: {e.strerror or e}") from None
         raise
     return SynthResult(path=path, stats=stats)
 

@@ -104,6 +104,9 @@ def test_synth_cli_errors(tmp_path, capsys):
     assert "--hot-share" in capsys.readouterr().err
     assert main(["synth", "--shape", "tiny", "--out", str(tmp_path), "--qtype", "Q8_0"]) == 2
     assert not list(tmp_path.iterdir())
+    (tmp_path / "file").write_text("x")
+    assert main(["synth", "--shape", "tiny", "--out", str(tmp_path / "file")]) == 2
+    assert "cannot create output directory" in capsys.readouterr().err
 
 
 def test_readme_pipeline_on_a_synthetic_model_decodes_fused(tiny90, tmp_path, capsys):
