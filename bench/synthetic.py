@@ -70,11 +70,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=48)
+    ap.add_argument("--from-log", help="re-render the table from the JSON lines a previous run printed")
     args = ap.parse_args()
     models_dir = Path(args.models_dir)
+    calibration = models_dir / f"fused-calibration-{args.threads}t.json"
+    if args.from_log:
+        rows = []
+        for line in Path(args.from_log).read_text().splitlines():
+            if line.startswith('{"shape"'):
+                r = json.loads(line)
+                work = models_dir / Path(r["gguf"]).stem
+                rows.append((r["shape"], r["sparsity"], Path(r["gguf"]), r["tandem"], r["llama.cpp"], predictor_quality(work)))
+        write_table(rows, args, calibration)
+        return
     models_dir.mkdir(parents=True, exist_ok=True)
     timing = ["--threads", str(args.threads), "--runs", str(args.runs), "--decode-tokens", str(args.decode_tokens)]
-    calibration = models_dir / f"fused-calibration-{args.threads}t.json"
     if not calibration.exists():
         cli("probe", "--threads", str(args.threads), "--fused", str(calibration))
     rows = []
@@ -87,11 +97,13 @@ def main() -> None:
             peer = run_system([str(PEER_PYTHON), "bench/systems/llamacpp.py", "--gguf", str(gguf), *timing]) \
                 if PEER_PYTHON.exists() else None
             rows.append((shape, sparsity, gguf, tandem, peer, predictor_quality(work)))
-            print(json.dumps({"shape": shape, "sparsity": sparsity, "tandem": tandem, "llama.cpp": peer}), flush=True)
-    write_table(rows, args)
+            print(json.dumps({"shape": shape, "sparsity": sparsity, "gguf": str(gguf), "tandem": tandem,
+                              "llama.cpp": peer}), flush=True)
+    write_table(rows, args, calibration)
 
 
-def write_table(rows, args) -> None:
+def write_table(rows, args, calibration: Path) -> None:
+    rows = sorted(rows, key=lambda r: (r[0], r[1]))
     lines = ["## Synthetic-weights models: sparse Tandem vs llama.cpp (synthetic weights, measured)", "",
              f"- Date: {dt.date.today().isoformat()}; machine: {machine_line()}; threads: {args.threads}; command: "
              f"`python -m bench.synthetic --shapes {' '.join(args.shapes)} --sparsities "
@@ -128,9 +140,54 @@ def write_table(rows, args) -> None:
             f"{p['bytes_limit_tok_s']:.1f} ({p['decode_tok_s_median'] / p['bytes_limit_tok_s']:.0%}) | "
             + " / ".join(f"{m.get('modeled_tok_s', float('nan')):.1f} ({m.get('modeled_tok_s', float('nan')) / m['decode_tok_s_median']:.2f})"
                          for m in (d, e, p)) + " |")
+    lines += modeled_7b(rows, calibration)
     (BENCH_DIR / "synthetic.md").write_text("\n".join(lines) + "\n")
     assemble_results()
     print("\n".join(lines))
+
+
+
+def modeled_7b(rows, calibration: Path, shapes=("llama-2-7b", "llama-2-13b")) -> list[str]:
+    """7B-class rows, **modeled** (no machine here holds them with room to spare, no GPU lent): the
+    measured row fractions of the largest measured shape at each sparsity, applied to the big shape's
+    bytes, at the fused-step rates of the calibration; llama.cpp at the bandwidth share it reached."""
+    from placement.fused_calibration import load_calibration
+    from synth import get_shape
+
+    if not calibration.exists():
+        return []
+    cal = load_calibration(calibration)
+    measured = {}
+    for shape, sparsity, gguf, tandem, peer, q in rows:
+        if tandem and peer:
+            measured[sparsity] = (shape, tandem, peer)  # rows are sorted: the last shape wins
+    if not measured:
+        return []
+    q4 = 18 / 32  # Q4_0 bytes per weight, as llama.cpp reads them
+
+    def q4_dense_bytes(shape) -> float:
+        d, kv = shape.hidden, shape.n_kv_heads * shape.head_dim
+        return (shape.n_layers * (2 * d * d + 2 * d * kv + 3 * d * shape.n_ff) + 49152 * d) * q4
+
+    out = ["", "### 7B-class shapes: **modeled** (not measured: no GPU machine was lent to this run)", "",
+           "Each mode's bytes per token measured above on the named smaller shape at the same sparsity, scaled by the "
+           "ratio of the two shapes' Q4_0 sizes (same row fractions, same formats); time = the fused-step terms of "
+           f"`tandem probe --fused` (this machine, {cal.threads} threads); llama.cpp = the big shape's Q4_0 bytes at "
+           "the read rate llama.cpp reached on the smaller shape.", "",
+           "| shape | sparsity | from | modeled llama.cpp tok/s | modeled Tandem dense | modeled Tandem exact "
+           "| modeled Tandem predictor | predictor / llama.cpp |",
+           "|---|---|---|---|---|---|---|---|"]
+    for name in shapes:
+        big = get_shape(name)
+        for sparsity, (src, tandem, peer) in sorted(measured.items()):
+            modes = {m["mode"]: m for m in tandem["modes"]}
+            scale = q4_dense_bytes(big) / q4_dense_bytes(get_shape(src))
+            ll = statistics.median(peer["decode_tok_s"]) * q4_dense_bytes(get_shape(src)) / q4_dense_bytes(big)
+            rates = [1 / cal.step_seconds("int4", big.n_layers, modes[m]["bytes_per_token"] * scale)
+                     for m in ("dense", "relu-exact", "predictor")]
+            out.append(f"| {name} (modeled) | {sparsity:.0%} | {src} | {ll:.2f} | {rates[0]:.2f} | {rates[1]:.2f} | "
+                       f"{rates[2]:.2f} | {rates[2] / ll:.2f}x |")
+    return out
 
 
 if __name__ == "__main__":
