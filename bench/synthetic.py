@@ -20,6 +20,7 @@ from pathlib import Path
 from bench.run import BENCH_DIR, PEER_PYTHON, REPO, assemble_results, machine_line, run_system
 
 HOT_SHARE = 0.8
+MIN_QUIET_BANDWIDTH = 25e9  # rows measured under heavy contention (read GB/s far below ~30) are not modeled from
 
 
 def cli(*args: str) -> None:
@@ -70,17 +71,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=48)
-    ap.add_argument("--from-log", help="re-render the table from the JSON lines a previous run printed")
+    ap.add_argument("--from-log", nargs="+", help="re-render the table from the JSON lines previous runs printed")
     args = ap.parse_args()
     models_dir = Path(args.models_dir)
     calibration = models_dir / f"fused-calibration-{args.threads}t.json"
     if args.from_log:
-        rows = []
-        for line in Path(args.from_log).read_text().splitlines():
-            if line.startswith('{"shape"'):
-                r = json.loads(line)
-                work = models_dir / Path(r["gguf"]).stem
-                rows.append((r["shape"], r["sparsity"], Path(r["gguf"]), r["tandem"], r["llama.cpp"], predictor_quality(work)))
+        latest = {}  # (shape, sparsity) -> the last run's record (a re-timed row replaces the earlier one)
+        for log in args.from_log:
+            for line in Path(log).read_text().splitlines():
+                if line.startswith('{"shape"'):
+                    r = json.loads(line)
+                    latest[(r["shape"], r["sparsity"])] = r
+        rows = [(r["shape"], r["sparsity"], Path(r["gguf"]), r["tandem"], r["llama.cpp"],
+                 predictor_quality(models_dir / Path(r["gguf"]).stem)) for r in latest.values()]
         write_table(rows, args, calibration)
         return
     models_dir.mkdir(parents=True, exist_ok=True)
@@ -120,14 +123,17 @@ def write_table(rows, args, calibration: Path) -> None:
              "- modeled: the fused-step cost terms from `tandem probe --fused` (per call, per layer, bandwidth share; "
              "fitted on dense random Llama models, not on these) applied to each mode's bytes/token; in brackets "
              "modeled / measured (goal: 0.75-1.25).",
+             "- read GB/s: torch-sum read bandwidth measured inside the Tandem process of that row: the 2 cores are "
+             "shared with other jobs, and rows where it falls far below ~30 GB/s ran under contention (all "
+             "systems of a row share it, so compare within a row).",
              "",
              "| shape | sparsity (measured) | llama.cpp tok/s | dense tok/s | exact tok/s | predictor tok/s | predictor / llama.cpp "
              "| predictor recall / precision (rank) | MB/token dense / exact / predictor | predictor limit tok/s (achieved) "
-             "| modeled tok/s dense / exact / predictor (modeled / measured) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| modeled tok/s dense / exact / predictor (modeled / measured) | read GB/s in the run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape, sparsity, gguf, tandem, peer, q in rows:
         if tandem is None:
-            lines.append(f"| {shape} | {sparsity:.0%} | failed | | | | | | | | |")
+            lines.append(f"| {shape} | {sparsity:.0%} | failed | | | | | | | | | |")
             continue
         modes = {m["mode"]: m for m in tandem["modes"]}
         ll = statistics.median(peer["decode_tok_s"]) if peer else float("nan")
@@ -139,7 +145,7 @@ def write_table(rows, args, calibration: Path) -> None:
             f"{d['bytes_per_token'] / 1e6:.0f} / {e['bytes_per_token'] / 1e6:.0f} / {p['bytes_per_token'] / 1e6:.0f} | "
             f"{p['bytes_limit_tok_s']:.1f} ({p['decode_tok_s_median'] / p['bytes_limit_tok_s']:.0%}) | "
             + " / ".join(f"{m.get('modeled_tok_s', float('nan')):.1f} ({m.get('modeled_tok_s', float('nan')) / m['decode_tok_s_median']:.2f})"
-                         for m in (d, e, p)) + " |")
+                         for m in (d, e, p)) + f" | {p['read_bandwidth'] / 1e9:.1f} |")
     lines += modeled_7b(rows, calibration)
     (BENCH_DIR / "synthetic.md").write_text("\n".join(lines) + "\n")
     assemble_results()
@@ -159,7 +165,7 @@ def modeled_7b(rows, calibration: Path, shapes=("llama-2-7b", "llama-2-13b")) ->
     cal = load_calibration(calibration)
     measured = {}
     for shape, sparsity, gguf, tandem, peer, q in rows:
-        if tandem and peer:
+        if tandem and peer and tandem["modes"][0]["read_bandwidth"] >= MIN_QUIET_BANDWIDTH:
             measured[sparsity] = (shape, tandem, peer)  # rows are sorted: the last shape wins
     if not measured:
         return []
@@ -173,7 +179,7 @@ def modeled_7b(rows, calibration: Path, shapes=("llama-2-7b", "llama-2-13b")) ->
            "Each mode's bytes per token measured above on the named smaller shape at the same sparsity, scaled by the "
            "ratio of the two shapes' Q4_0 sizes (same row fractions, same formats); time = the fused-step terms of "
            f"`tandem probe --fused` (this machine, {cal.threads} threads); llama.cpp = the big shape's Q4_0 bytes at "
-           "the read rate llama.cpp reached on the smaller shape.", "",
+           "the read rate llama.cpp reached on the smaller shape (rows measured under contention are skipped).", "",
            "| shape | sparsity | from | modeled llama.cpp tok/s | modeled Tandem dense | modeled Tandem exact "
            "| modeled Tandem predictor | predictor / llama.cpp |",
            "|---|---|---|---|---|---|---|---|"]
