@@ -47,12 +47,19 @@ def add_parsers(subparsers: Any) -> None:
     show = subparsers.add_parser("show-plan", help="summarise a plan (modeled times, GPU bytes, per-layer split)")
     show.add_argument("plan_dir", help="plan directory")
     show.add_argument("--plot", help="write the per-layer split as a PNG")
+    show.add_argument("--calibration", help="fused-step calibration from `tandem probe --fused FILE`: also print "
+                                            "the calibrated modeled tok/s (cpu-only plans)")
+    show.add_argument("--measure", metavar="MODEL", help="also decode with the plan on MODEL and print measured tok/s")
+    show.add_argument("--predictors", help="predictor directory for --measure (default: beside the plan)")
+    show.add_argument("--threads", type=int, help="CPU threads for --measure")
     show.set_defaults(handler=cmd_show_plan)
 
     probe = subparsers.add_parser("probe", help="measure this machine's bandwidths and matmul rates")
     probe.add_argument("--out", help="write the hardware profile JSON here (default: print it)")
     probe.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
     probe.add_argument("--name", default="probed", help="profile name (default: probed)")
+    probe.add_argument("--fused", metavar="FILE", help="also time the fused decode step (fixed costs per call and "
+                                                      "layer, bandwidth share per weight format) and write them here")
     probe.set_defaults(handler=cmd_probe)
 
 
@@ -209,6 +216,9 @@ def cmd_show_plan(args: argparse.Namespace) -> int:
     print(format_plan_summary(plan))
     if args.plot:
         print(f"plot written to {plot_plan(plan, args.plot)}")
+    if args.calibration or args.measure:
+        from .plan_check import print_modeled_and_measured
+        print_modeled_and_measured(plan, args)
     return 0
 
 
@@ -223,4 +233,12 @@ def cmd_probe(args: argparse.Namespace) -> int:
             raise TandemError(f"cannot write {args.out}: {e.strerror or e}") from None
         print(f"hardware profile written to {args.out} (use it with --hardware {args.out})")
     print(json.dumps(hardware.to_dict(), indent=2))
+    if args.fused:
+        from .fused_calibration import measure_fused_calibration, save_calibration
+        cal = measure_fused_calibration(threads=hardware.cpu_threads)
+        save_calibration(cal, args.fused)
+        for t in cal.terms:
+            print(f"fused step {t.weight_format}: {1e6 * t.call_s:.0f} us per call, {1e6 * t.layer_s:.1f} us per layer, "
+                  f"{t.bandwidth_share:.0%} of {cal.read_bandwidth_bytes_per_s / 1e9:.1f} GB/s")
+        print(f"fused-step calibration written to {args.fused} (use it with show-plan --calibration)")
     return 0

@@ -16,13 +16,32 @@ from pathlib import Path
 from .artifact import load_predictors
 
 
+class LayerGate:
+    """``gate(x)`` -> int64 neuron ids predicted active for any token of x [T, d]; ``module`` and
+    ``threshold`` (a logit) let the fused C step run the same scorer."""
+
+    def __init__(self, pset, layer: int) -> None:
+        self.pset, self.layer = pset, layer
+
+    def __call__(self, x):
+        return self.pset.active_indices(self.layer, x)
+
+    @property
+    def module(self):
+        return self.pset.entry(self.layer).predictor
+
+    @property
+    def threshold(self) -> float:
+        return float(self.pset.threshold(self.layer))
+
+
 def load_runtime_predictors(predictors_dir: str | Path, model_fingerprint: str,
                             profile_fingerprint: str) -> tuple[list, str]:
     pset = load_predictors(predictors_dir, model_fingerprint, profile_fingerprint)
     per_layer = []
     for layer in range(len(pset.entries)):
         if pset.mode(layer) == "predictor":
-            per_layer.append(lambda x, layer=layer: pset.active_indices(layer, x))
+            per_layer.append(LayerGate(pset, layer))
         else:
             per_layer.append(None)
     return per_layer, pset.meta["predictors_fingerprint"]

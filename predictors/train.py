@@ -32,6 +32,7 @@ from online.execution.dense import ffn_hidden
 from online.execution.weights import FFNWeights
 from tandem.errors import TandemError
 from .model import LayerPredictor
+from .rrr_init import init_reduced_rank, reduced_rank_basis
 
 RANK_LADDER = (16, 32, 64, 128, 256, 512)
 
@@ -128,7 +129,7 @@ def _bce(logits: torch.Tensor, labels: torch.Tensor, pos_weight: torch.Tensor,
 
 def train_predictor(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
                     rank: int, settings: TrainSettings, w_train: torch.Tensor | None = None,
-                    progress=None) -> tuple[LayerPredictor, int]:
+                    progress=None, basis=None) -> tuple[LayerPredictor, int]:
     """Adam on class-weighted BCE with early stopping on held-out loss; returns (predictor, epochs run).
 
     ``w_train`` [N, F] optional per-entry loss weights (e.g. larger for large activations).
@@ -140,6 +141,7 @@ def train_predictor(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.T
     rate = y_train.float().mean(dim=0).clamp(1e-4, 1 - 1e-4)  # [F] base rates
     with torch.no_grad():
         pred.up.bias.copy_(torch.log(rate / (1 - rate)))  # start from each neuron's prior
+    init_reduced_rank(pred, x_train, y_train, basis)  # the deciding input directions, in closed form
     active = float(rate.mean())
     pos_weight = torch.tensor(min(max((1 - active) / max(active, 1e-6), 1.0), settings.max_pos_weight))
     opt = torch.optim.Adam(pred.parameters(), lr=settings.learning_rate)
@@ -179,11 +181,12 @@ def fit_layer(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor,
     ranks = [r for r in settings.ranks if r <= d]
     best: LayerFit | None = None
     tried: list[dict] = []
+    basis = reduced_rank_basis(x_train, y_train)  # once per layer, shared by the ranks tried
     for rank in ranks:
         pred_flops = 2 * rank * (d + n_ff)
         if best is not None and pred_flops + active * gate_up_flops >= best.work_flops:
             break  # even a perfect predictor of this size could not do less work
-        pred, epochs = train_predictor(x_train, y_train, x_val, y_val, rank, settings, w_train, progress)
+        pred, epochs = train_predictor(x_train, y_train, x_val, y_val, rank, settings, w_train, progress, basis)
         point = operating_point(predict_scores(pred, x_val), y_val, settings.target_recall)
         work = pred_flops + point.active_fraction * gate_up_flops
         tried.append({"rank": rank, "recall": point.recall, "precision": point.precision,

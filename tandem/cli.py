@@ -35,6 +35,7 @@ COMPONENT_PARSERS = [  # (module, function registering its subcommands)
     ("placement.cli", "add_parsers"),
     ("online.prepare_cli", "add_parsers"),
     ("online.server.cli", "add_serve_parser"),
+    ("synth.cli", "add_parsers"),
 ]
 
 

@@ -8,7 +8,9 @@ full, then only the down rows with |h| above the layer's threshold) and the outp
 parallel region. Activations are quantized to int8 per 32 values for the dot products (llama.cpp's
 scheme); the modular path stays the reference and the prefill path.
 
-Anything it does not cover (GPU-tier neurons, predictors, MoE, LayerNorm/learned positions, float32
+Layers with a predictor score their neurons first and read only the predicted gate/up/down rows
+(predict.h); ReLU-family layers skip the up rows their gate zeroes. Anything it does not cover
+(GPU-tier neurons, MoE, LayerNorm/learned positions, float32
 attention) makes ``FusedDecodeStep.build`` raise ``FusedDecodeUnavailable`` with the reason; the
 engine then decodes through the modules.
 
@@ -32,6 +34,7 @@ from ..kernels.cpu_numba import ACT_IDS, clamp_threads
 from ..kernels.native import NativeUnavailable, load_native
 from ..kernels.native.structs import TdmLayer, TdmModel, WeightRef, addr, describe
 from ..kv_cache import KVCache
+from .fused_predict import PredictorRef, build_predictor
 
 
 DEFAULT_RESIDUAL_RATIO = 2.0
@@ -74,8 +77,8 @@ def _check_model(model, executor) -> None:
     for i, split in enumerate(executor.splits):
         if split is None or split.cpu is None or split.gpu is not None:
             raise FusedDecodeUnavailable(f"no fused decode: layer {i} has FFN neurons on the GPU tier")
-        if split.predictor is not None:
-            raise FusedDecodeUnavailable(f"no fused decode: layer {i} uses an activation predictor")
+        if split.predictor is not None and getattr(split.predictor, "module", None) is None:
+            raise FusedDecodeUnavailable(f"no fused decode: layer {i}'s predictor is not an MLP scorer")
         if split.cpu.up_bias.size or split.cpu.gate_bias.size:
             raise FusedDecodeUnavailable("no fused decode for FFN biases on gate/up")
     for i, block in enumerate(model.layers):
@@ -103,9 +106,10 @@ class FusedDecodeStep:
 
     @classmethod
     def build(cls, model, executor, residual_ratio: float = DEFAULT_RESIDUAL_RATIO,
-              require_simd: bool = True) -> "FusedDecodeStep":
+              require_simd: bool = True, predictor_format: str = "int8") -> "FusedDecodeStep":
         """``require_simd``: refuse a library built without AVX2/FMA/F16C (its portable scalar code
-        decodes slower than the numba module path)."""
+        decodes slower than the numba module path). ``predictor_format``: int8 (default) or fp32
+        scorer weights for layers with a predictor."""
         _check_model(model, executor)
         try:
             native = load_native()
@@ -115,15 +119,17 @@ class FusedDecodeStep:
             raise FusedDecodeUnavailable("no fused decode: this CPU or compiler has no AVX2/FMA/F16C "
                                          "(the portable C code is slower than the module path)")
         try:
-            return cls(model, executor, native, *cls._describe_layers(model, executor), residual_ratio)
+            return cls(model, executor, native, *cls._describe_layers(model, executor, native, predictor_format),
+                       residual_ratio)
         except FusedDecodeUnavailable:
             raise
         except TandemError as exc:  # a shape or format the kernels do not read
             raise FusedDecodeUnavailable(f"no fused decode: {exc}") from None
 
     @staticmethod
-    def _describe_layers(model, executor) -> tuple[list, list]:
+    def _describe_layers(model, executor, native, predictor_format: str = "int8") -> tuple[list, list]:
         layers, keep = [], []
+        threads = clamp_threads(executor.settings.threads)
         for i, block in enumerate(model.layers):
             attn, split = block.self_attn, executor.splits[i]
             ffn = split.cpu
@@ -133,8 +139,13 @@ class FusedDecodeStep:
             arrays = dict(attn_norm=_np(block.input_layernorm.weight), ffn_norm=_np(block.post_attention_layernorm.weight),
                           qkv_bias=_bias(attn.qkv_proj.linear.bias), o_bias=_bias(attn.o_proj.linear.bias),
                           down_bias=_np(split.down_bias) if split.down_bias is not None else _bias(ffn.down_bias))
-            layers.append(TdmLayer(threshold=float(split.threshold),
-                                   **{k: r.desc for k, r in refs.items()}, **{k: addr(a) for k, a in arrays.items()}))
+            layer = TdmLayer(threshold=float(split.threshold),
+                             **{k: r.desc for k, r in refs.items()}, **{k: addr(a) for k, a in arrays.items()})
+            if split.predictor is not None:  # predict.h: only the predicted rows are read
+                pred = build_predictor(split.predictor, threads, native.lib, predictor_format)
+                layer.pred = ctypes.pointer(pred.desc)
+                keep.append(pred)
+            layers.append(layer)
             keep += list(refs.values()) + [a for a in arrays.values() if a is not None]
         return layers, keep
 
@@ -181,3 +192,8 @@ class FusedDecodeStep:
         counters.ffn_neurons_total += self.cfg.num_layers * self._desc.n_ff
         counters.ffn_neurons_active += int(active)
         return logits
+
+    def predictor_rows(self) -> tuple[int, int]:
+        """(rows predicted active, up rows computed) summed over predictor layers and calls so far."""
+        refs = [k for k in self._keep if isinstance(k, PredictorRef)]
+        return int(sum(int(r.predicted.sum()) for r in refs)), int(sum(int(r.computed.sum()) for r in refs))

@@ -199,6 +199,8 @@ def config_from_gguf(fields: dict[str, Any], tensors: dict[str, Any], tokenizer:
         mlp_bias="blk.0.ffn_up.bias" in names, intermediate_size=int(key("feed_forward_length", 0) or 0),
         sliding_window=int(key("attention.sliding_window", 0) or 0),
         pad_token_id=fields.get("tokenizer.ggml.padding_token_id"))
+    if fields.get("tandem.activation"):  # ours (tandem synth): a ReLU model stored in llama's SiLU layout
+        kw["hidden_act"] = str(fields["tandem.activation"])
     moe_layers = tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in names)
     experts = int(key("expert_count", 0) or 0)
     if moe_layers and not experts:

@@ -30,7 +30,7 @@ from .structs import bind_signatures
 
 SOURCE_DIR = Path(__file__).parent
 SOURCE = SOURCE_DIR / "decode.c"
-SOURCES = ("decode.c", "rows.h", "attention.h", "dequant.h")  # everything the build reads (the cache key)
+SOURCES = ("decode.c", "rows.h", "attention.h", "dequant.h", "predict.h")  # everything the build reads (the cache key)
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
 HOST_FLAGS = ("-march=native",)
 COMPILE_TIMEOUT_S = 120

@@ -24,6 +24,7 @@
 #include "attention.h"
 #include "rows.h"
 #include "dequant.h"
+#include "predict.h"
 
 enum { ACT_SILU = 0, ACT_RELU = 1, ACT_FATRELU = 2, ACT_DRELU = 3, ACT_GELU = 4, ACT_GELU_TANH = 5 };
 typedef struct {
@@ -32,6 +33,7 @@ typedef struct {
     float *k_cache, *v_cache;                   /* [n_kv, capacity, head_dim] */
     tdm_weight qkv, o, gate, up, down_t;        /* down_t: [n_ff, d], rows = neurons */
     double threshold;                           /* |h| > threshold is computed; < 0: all */
+    const tdm_predictor *pred;                  /* NULL: no predictor (predict.h) */
 } tdm_layer;
 
 typedef struct {
@@ -214,7 +216,26 @@ static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, t
     float alpha = (float)m->act_alpha, thr = (float)L->threshold;
     float *part = sb->partial + t * d;
     norm_and_quantize(m, tb->res, L->ffn_norm, tb);
-    for (int64_t b0 = t * FFN_SLICE; b0 < m->n_ff; b0 += nt * FFN_SLICE) {
+    /* predicted rows (predict.h); exact-zero activations also skip up rows their gate zeroes */
+    const tdm_predictor *P = L->pred && L->pred->rank > 0 ? L->pred : NULL;
+    int zero_act = m->act == ACT_RELU || m->act == ACT_FATRELU || m->act == ACT_DRELU;
+    int gate_cut = m->gated && zero_act && thr >= 0.0f;
+    qvec zq;
+    if (P) predict_hidden(P, &tb->x, t, nt, (float)m->residual_ratio, &zq);
+    for (int64_t b0 = t * SPARSE_SLICE; (P || gate_cut) && b0 < m->n_ff; b0 += nt * SPARSE_SLICE) {
+        float g[SPARSE_SLICE], u[SPARSE_SLICE], h[SPARSE_SLICE];
+        int32_t rows[SPARSE_SLICE];
+        int64_t n = b0 + SPARSE_SLICE < m->n_ff ? SPARSE_SLICE : m->n_ff - b0;
+        n = sparse_rows(P, &L->gate, &L->up, m->gated, gate_cut, m->act == ACT_FATRELU ? alpha : 0.0f, b0, n, &zq,
+                        &tb->x, rows, g, u, t);
+        activate(m->act, alpha, m->gated, g, u, h, n);
+        for (int64_t i = 0; i < n; i++) {
+            tb->h[n_act] = h[i];
+            tb->idx[n_act] = rows[i];
+            n_act += fabsf(h[i]) > thr;
+        }
+    }
+    for (int64_t b0 = t * FFN_SLICE; !(P || gate_cut) && b0 < m->n_ff; b0 += nt * FFN_SLICE) {
         int64_t b1 = b0 + FFN_SLICE < m->n_ff ? b0 + FFN_SLICE : m->n_ff;
         float g[FFN_SLICE], u[FFN_SLICE], h[FFN_SLICE];
         int64_t n = b1 - b0;

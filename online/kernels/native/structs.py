@@ -22,10 +22,16 @@ class TdmWeight(ctypes.Structure):
                 ("scale", _P), ("minimum", _P), ("scale_stride", _I)]
 
 
+class TdmPredictor(ctypes.Structure):  # predict.h
+    _fields_ = [("rank", _I), ("w1", TdmWeight), ("w2", TdmWeight), ("b1", _P), ("b2", _P),
+                ("threshold", ctypes.c_double), ("z", _P), ("scratch", _P), ("predicted", _P), ("computed", _P)]
+
+
 class TdmLayer(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("qkv_bias", _P), ("o_bias", _P), ("down_bias", _P),
                 ("k_cache", _P), ("v_cache", _P), ("qkv", TdmWeight), ("o", TdmWeight), ("gate", TdmWeight),
-                ("up", TdmWeight), ("down_t", TdmWeight), ("threshold", ctypes.c_double)]
+                ("up", TdmWeight), ("down_t", TdmWeight), ("threshold", ctypes.c_double),
+                ("pred", ctypes.POINTER(TdmPredictor))]
 
 
 class TdmModel(ctypes.Structure):
@@ -44,6 +50,8 @@ def bind_signatures(lib: ctypes.CDLL) -> None:
     lib.tdm_work_bytes.restype = _I
     lib.tdm_dot_rows.argtypes = [ctypes.POINTER(TdmWeight), _I, _I, _P, ctypes.c_double, _P]
     lib.tdm_dot_rows.restype = None
+    lib.tdm_pred_scratch_bytes.argtypes = [_I, _I]
+    lib.tdm_pred_scratch_bytes.restype = _I
     lib.tdm_has_avx2.argtypes = []
     lib.tdm_has_avx2.restype = _I
     lib.tdm_dequantize_rows.argtypes = [ctypes.POINTER(TdmWeight), _I, _I, _P]

@@ -1,0 +1,110 @@
+"""Tandem's fused decode step on a synthetic-weights GGUF: dense, exact-ReLU and predictor-gated rows.
+
+One engine (the cpu-only plan with predictors) is loaded once; the three modes toggle the step's
+per-layer threshold and predictor pointer. For each mode: decode tok/s (greedy, after a module-path
+prefill of the benchmark prompt), FFN rows read and the weight bytes read per token, and the
+bytes-limit tok/s (bytes per token against the read bandwidth measured in the same process).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from bench.prompt import BENCH_PROMPT  # noqa: E402
+from bench.systems.common import emit, timing_arguments  # noqa: E402
+
+
+def ffn_bytes(engine) -> tuple[int, int, int, int]:
+    """(gate, up, down rows bytes per neuron summed over layers -> per-neuron-row bytes, n_ff, predictor bytes, rest)."""
+    splits = engine.executor.splits
+    n_ff = splits[0].cpu.n_neurons
+    gate = sum(s.cpu.gate.nbytes for s in splits) / len(splits) / n_ff
+    up = sum(s.cpu.up.nbytes for s in splits) / len(splits) / n_ff
+    down = sum(s.cpu.down_t.nbytes for s in splits) / len(splits) / n_ff
+    ffn_total = sum(s.cpu.gate.nbytes + s.cpu.up.nbytes + s.cpu.down_t.nbytes for s in splits)
+    return gate, up, down, engine.weight_bytes_per_token - ffn_total
+
+
+def run_mode(engine, step, mode: str, ids: list[int], n_tokens: int, runs: int, preds: list) -> dict:
+    from online.generate import prefill
+    from online.kernels.native.structs import TdmPredictor
+
+    null = ctypes.POINTER(TdmPredictor)()
+    for i, layer in enumerate(step._layers):
+        layer.threshold = -1.0 if mode == "dense" else 0.0
+        layer.pred = preds[i] if mode == "predictor" and preds[i] else null
+    rates, counters = [], engine.executor.counters
+    active = total = predicted = computed = 0
+    for run in range(runs + 1):
+        cache = engine._kv_cache(len(ids) + n_tokens + 1)
+        tok = int(prefill(engine.model, engine.executor, cache, ids).argmax())
+        act0, tot0, rows0 = counters.ffn_neurons_active, counters.ffn_neurons_total, step.predictor_rows()
+        t0 = time.perf_counter()
+        for i in range(n_tokens):
+            tok = int(step(tok, len(ids) + i, cache).argmax())
+        elapsed = time.perf_counter() - t0
+        if run:  # the first run warms up
+            rates.append(n_tokens / elapsed)
+            rows = step.predictor_rows()
+            active += counters.ffn_neurons_active - act0
+            total += counters.ffn_neurons_total - tot0
+            predicted += rows[0] - rows0[0]
+            computed += rows[1] - rows0[1]
+    steps = runs * n_tokens
+    return {"mode": mode, "decode_tok_s": rates, "down_rows": active / steps, "predicted_rows": predicted / steps,
+            "computed_up_rows": computed / steps, "neurons": total / steps}
+
+
+def main() -> None:
+    ap = timing_arguments(__doc__)
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--predictors", required=True)
+    ap.add_argument("--calibration", help="fused-step calibration (tandem probe --fused): modeled tok/s per mode")
+    args = ap.parse_args()
+    from online import Engine
+    from placement.probe import measure_read_bandwidth
+    import torch
+
+    engine = Engine.load(args.gguf, threads=args.threads, plan=args.plan, predictors=args.predictors)
+    if engine.decode_path != "fused":
+        raise SystemExit(f"no fused decode: {engine.decode_path_reason}")
+    torch.set_num_threads(args.threads)
+    bandwidth = measure_read_bandwidth("cpu")
+    step = engine.compiled_decode
+    # independent pointer objects (a field read shares the struct's memory and would follow the toggles)
+    preds = [ctypes.pointer(layer.pred.contents) if layer.pred else None for layer in step._layers]
+    ids = engine.tokenizer.encode(BENCH_PROMPT)[:64]
+    gate_b, up_b, down_b, rest = ffn_bytes(engine)
+    pred_bytes = sum(r.desc.w1.rows * r.desc.w1.row_bytes + r.desc.w2.rows * r.desc.w2.row_bytes
+                     for r in step._keep if hasattr(r, "predicted"))
+    n_layers, n_ff = engine.config.num_layers, engine.executor.splits[0].cpu.n_neurons
+    out = []
+    for mode in ("dense", "relu-exact", "predictor"):
+        rec = run_mode(engine, step, mode, ids, args.decode_tokens, args.runs, preds)
+        if mode == "dense":
+            gate_rows = up_rows = down_rows = n_layers * n_ff
+            extra = 0
+        elif mode == "relu-exact":
+            gate_rows, up_rows, down_rows, extra = n_layers * n_ff, rec["down_rows"], rec["down_rows"], 0
+        else:
+            gate_rows, up_rows, down_rows, extra = rec["predicted_rows"], rec["computed_up_rows"], rec["down_rows"], pred_bytes
+        read = rest + extra + gate_rows * gate_b + up_rows * up_b + down_rows * down_b
+        rec.update(bytes_per_token=read, bytes_limit_tok_s=bandwidth / read, read_bandwidth=bandwidth,
+                   predictor_bytes=extra, sparsity=1 - rec["down_rows"] / (n_layers * n_ff))
+        rec["decode_tok_s_median"] = statistics.median(rec["decode_tok_s"])
+        if args.calibration:
+            from placement.fused_calibration import load_calibration
+            cal = load_calibration(args.calibration)
+            fmt = engine.executor.settings.weight_format
+            rec["modeled_tok_s"] = 1.0 / cal.step_seconds(fmt, n_layers, read)
+        out.append(rec)
+    emit({"system": "tandem", "modes": out, "weight_format": engine.executor.settings.weight_format})
+
+
+if __name__ == "__main__":
+    main()

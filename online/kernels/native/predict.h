@@ -1,0 +1,142 @@
+/* Predictor-gated sparse FFN rows for the decode step (PowerInfer / Deja Vu): a low-rank scorer
+ * z = relu(W1 x + b1), score = W2 z + b2 picks the neurons whose gate/up rows (and down rows) are
+ * read; layers whose activation makes exact zeros (ReLU, FATReLU, dReLU) also skip the up row
+ * wherever the gate already zeroes h. Included by decode.c only (after rows.h). */
+#ifndef TANDEM_PREDICT_H
+#define TANDEM_PREDICT_H
+#include <stdint.h>
+
+#include "rows.h"
+
+typedef struct {
+    int64_t rank;          /* hidden width of the scorer */
+    tdm_weight w1, w2;     /* [rank, d], [n_ff, rank]: int8 rows, or fp32 (rank % 32 != 0, tests) */
+    const float *b1, *b2;  /* [rank], [n_ff] */
+    double threshold;      /* a neuron is predicted active when its score >= threshold (a logit) */
+    float *z;              /* [rank] shared scratch */
+    uint8_t *scratch;      /* tdm_pred_scratch_bytes(rank, threads): each thread's quantized z */
+    int64_t *predicted;    /* [threads] rows predicted active, summed over calls */
+    int64_t *computed;     /* [threads] up rows computed (after the gate cut), summed over calls */
+} tdm_predictor;
+
+static int64_t pred_align(int64_t n) { return (n + 63) & ~(int64_t)63; }
+
+static int64_t pred_thread_bytes(int64_t rank) {
+    return 2 * pred_align(rank) + 4 * pred_align(4 * (rank / QB + 1));
+}
+
+int64_t tdm_pred_scratch_bytes(int64_t rank, int64_t threads) { return threads * pred_thread_bytes(rank) + 64; }
+
+/* z = relu(W1 x + b1), rows dealt over the threads; after the barrier every thread quantizes all of z
+ * into its own buffers for the W2 dot products. */
+static void predict_hidden(const tdm_predictor *P, const qvec *x, int t, int nt, float residual_ratio, qvec *zq) {
+    int64_t lo = P->rank * t / nt, hi = P->rank * (t + 1) / nt, nb = P->rank / QB + 1;
+    dot_rows(&P->w1, lo, hi - lo, x, P->z + lo);
+    for (int64_t r = lo; r < hi; r++) {
+        float v = P->z[r] + P->b1[r];
+        P->z[r] = v > 0.0f ? v : 0.0f;
+    }
+#pragma omp barrier
+    uint8_t *p = (uint8_t *)(((uintptr_t)P->scratch + 63) & ~(uintptr_t)63) + t * pred_thread_bytes(P->rank);
+    zq->f = P->z;
+    zq->q = (int8_t *)p; p += pred_align(P->rank);
+    zq->r = (int8_t *)p; p += pred_align(P->rank);
+    zq->d = (float *)p; p += pred_align(4 * nb);
+    zq->dr = (float *)p; p += pred_align(4 * nb);
+    zq->s = (float *)p; p += pred_align(4 * nb);
+    zq->flagged = (int32_t *)p;
+    zq->n_flagged = 0;
+    if (P->w2.kind != KIND_F32) quantize_q8(P->z, P->rank, zq, residual_ratio);
+}
+
+#define SPARSE_SLICE 256 /* neurons per slice of the sparse path (rows are gathered four at a time) */
+
+#ifdef TDM_SIMD
+/* out[k] = W[rows[k]] . x for four arbitrary rows of int4 groups of 32 (dot4_i4g32 with gathered
+ * rows); fetches the first lines of the four rows at next[] meanwhile (NULL: none). */
+static void dot4_i4g32_idx(const tdm_weight *w, const int32_t *rows, const int32_t *next, const qvec *x, float *out) {
+    int64_t rb = w->row_bytes, ss = w->scale_stride, ng = w->cols / 32;
+    const uint8_t *p[4];
+    const float *d[4], *m[4];
+    for (int k = 0; k < 4; k++) {
+        p[k] = w->data + rows[k] * rb;
+        d[k] = w->scale + rows[k] * ss;
+        m[k] = w->minimum + rows[k] * ss;
+    }
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = 0; g < ng; g++) {
+        if (next && (g & 3) == 0)
+            for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(w->data + next[k] * rb + 16 * g), _MM_HINT_T0);
+        if (next && (g & 15) == 0)
+            for (int k = 0; k < 4; k++) {
+                _mm_prefetch((const char *)(w->scale + next[k] * ss + g), _MM_HINT_T0);
+                _mm_prefetch((const char *)(w->minimum + next[k] * ss + g), _MM_HINT_T0);
+            }
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * g));
+        float xd = x->d[g];
+        for (int k = 0; k < 4; k++)
+            acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d[k][g] * xd), dot32_u8s8(nibbles32(p[k] + 16 * g), xv), acc[k]);
+    }
+    for (int64_t f = 0; f < x->n_flagged; f++) { /* the residual of outlier blocks */
+        int64_t g = x->flagged[f];
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(x->r + 32 * g));
+        for (int k = 0; k < 4; k++)
+            acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d[k][g] * x->dr[g]), dot32_u8s8(nibbles32(p[k] + 16 * g), xv), acc[k]);
+    }
+    __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t g = 0;
+    for (; g + 8 <= ng; g += 8) { /* the minimum terms: m . block sums */
+        __m256 xs = _mm256_loadu_ps(x->s + g);
+        for (int k = 0; k < 4; k++) s[k] = _mm256_fmadd_ps(_mm256_loadu_ps(m[k] + g), xs, s[k]);
+    }
+    _mm_storeu_ps(out, _mm_add_ps(hsum4x8(acc[0], acc[1], acc[2], acc[3]), hsum4x8(s[0], s[1], s[2], s[3])));
+    for (; g < ng; g++)
+        for (int k = 0; k < 4; k++) out[k] += m[k][g] * x->s[g];
+}
+#endif
+
+/* out[i] = W[rows[i]] . x: four gathered rows at a time where the format has the kernel */
+static void dot_rows_idx(const tdm_weight *w, const int32_t *rows, int64_t n, const qvec *x, float *out) {
+    int64_t i = 0;
+#ifdef TDM_SIMD
+    if (w->kind == KIND_I4 && w->group == 32)
+        for (; i + 4 <= n; i += 4) dot4_i4g32_idx(w, rows + i, i + 8 <= n ? rows + i + 4 : NULL, x, out + i);
+#endif
+    for (; i < n; i++) out[i] = dot_row(w, rows[i], x);
+}
+
+/* Neurons b0 .. b0+n-1 (n <= SPARSE_SLICE): the candidate rows (predicted active, or all with a predictor-less
+ * gate cut), their gate values, then up only where the gate does not already zero h (gate_cut:
+ * h = 0 unless g > cut). Fills rows/g/u compacted; returns how many. */
+static int64_t sparse_rows(const tdm_predictor *P, const tdm_weight *gate, const tdm_weight *up, int64_t gated,
+                           int gate_cut, float cut, int64_t b0, int64_t n, const qvec *zq, const qvec *x,
+                           int32_t *rows, float *g, float *u, int t) {
+    float s[SPARSE_SLICE];
+    int64_t k = 0, kept = 0;
+    if (P) {
+        dot_rows(&P->w2, b0, n, zq, s);
+        for (int64_t i = 0; i < n; i++) {
+            rows[k] = (int32_t)(b0 + i);
+            k += s[i] + P->b2[b0 + i] >= (float)P->threshold;
+        }
+        P->predicted[t] += k;
+        if (gated) dot_rows_idx(gate, rows, k, x, g);
+    } else {
+        dot_rows(gate, b0, n, x, s);
+        for (int64_t i = 0; i < n; i++) {
+            rows[k] = (int32_t)(b0 + i);
+            g[k] = s[i];
+            k += s[i] > cut;
+        }
+    }
+    for (int64_t j = 0; j < k; j++) {
+        rows[kept] = rows[j];
+        g[kept] = g[j];
+        kept += !(gated && gate_cut) || g[j] > cut;
+    }
+    dot_rows_idx(up, rows, kept, x, u);
+    if (P) P->computed[t] += kept;
+    return kept;
+}
+
+#endif
