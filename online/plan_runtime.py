@@ -11,12 +11,13 @@ Example::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tandem.errors import TandemError
 from .execution.gpu_tier import GpuTier
 from .execution.hybrid import ExecutionSettings, HybridExecutor
+from .execution.tier_format import expert_format_for, tier_format_for
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
                      predictors_fingerprint=predictors_fingerprint,
                      gpu_budget_bytes=gpu_budget_bytes if gpu_budget_bytes is not None else plan.gpu_budget_bytes)
     tier = GpuTier.create(plan.gpu_budget_bytes, settings.gpu_device)
+    settings = replace(settings, tier_format=tier_format_for(plan.settings.bytes_per_weight))  # the plan's bytes
     thresholds = [float(t) for t in profile.thresholds.tolist()]
     gpu_neurons = [plan.gpu_neurons(i) if not cfg.is_moe_layer(i) else None for i in range(cfg.num_layers)]
     executor = HybridExecutor.build(cfg, ffn_layers, tier, settings, gpu_neurons=gpu_neurons, thresholds=thresholds,
@@ -75,7 +77,8 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
     if cfg.is_moe:
         from .experts.runtime import ExpertRuntime, default_cost_model
         slots = plan.expert_cache_slots if expert_slots is None else expert_slots
-        executor.attach_experts(ExpertRuntime(cfg, executor.layers, tier, weight_format=settings.weight_format,
+        executor.attach_experts(ExpertRuntime(cfg, executor.layers, tier,
+                                              weight_format=expert_format_for(plan.settings.bytes_per_weight),
                                               slots=slots, pinned=plan.expert_pinned, prefetch=prefetch,
                                               cost_model=default_cost_model(tier, plan.hardware),
                                               threads=settings.threads, fit_to_budget=expert_slots is None))

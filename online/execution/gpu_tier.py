@@ -9,12 +9,26 @@ Example::
     if tier.can_allocate(w.numel() * w.element_size()):
         w_gpu = tier.allocate("layers.3.hot_up", w)      # copied to the tier's device, bytes charged
     tier.used_bytes, tier.peak_bytes
+    tier.bytes_by_kind()                                 # {"ffn_neurons": ..., ...} as plan.json names them
 """
 from __future__ import annotations
 
 import torch
 
 from tandem.errors import TandemError
+
+# name pattern -> the plan's ``gpu_bytes_by_kind`` key (first match wins)
+_KIND_BY_PART = (("experts.", "experts"), (".shared_expert", "shared_experts"), (".hot_", "ffn_neurons"),
+                 (".predictor", "predictors"), (".attention", "attention_and_kv"), (".kv_", "attention_and_kv"),
+                 ("output_head", "output_head"), ("embeddings", "embeddings"))
+
+
+def kind_of(name: str) -> str:
+    """The plan's byte kind for a tier tensor name (``layers.3.hot_up`` -> ``ffn_neurons``)."""
+    for part, kind in _KIND_BY_PART:
+        if name.startswith(part) or part in name:
+            return kind
+    return "other"
 
 
 class GpuTier:
@@ -27,6 +41,7 @@ class GpuTier:
         self.peak_bytes = 0
         self.bytes_copied = 0  # host -> tier traffic, for bytes_moved_per_token
         self._owned: dict[str, int] = {}
+        self._kinds: dict[str, str] = {}
 
     @classmethod
     def create(cls, budget_bytes: int, device: str | None = None) -> "GpuTier":
@@ -58,6 +73,7 @@ class GpuTier:
             raise TandemError(f"GPU budget exceeded placing {name}: {nbytes} bytes needed, "
                               f"{self.free_bytes} of {self.budget_bytes} free")
         self._owned[name] = nbytes
+        self._kinds[name] = kind_of(name)
         self.used_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         if tensor.device != self.device:
@@ -67,3 +83,11 @@ class GpuTier:
 
     def release(self, name: str) -> None:
         self.used_bytes -= self._owned.pop(name)
+        del self._kinds[name]
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        """Bytes held now, by the plan's kinds (``ffn_neurons``, ``experts``, ``attention_and_kv``, ...)."""
+        out: dict[str, int] = {}
+        for name, nbytes in self._owned.items():
+            out[self._kinds[name]] = out.get(self._kinds[name], 0) + nbytes
+        return out

@@ -1,0 +1,96 @@
+"""Plans on the GPU tier (run on the CPU here): formats, bytes the plan names, every preset loads."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from online import Engine
+from online.execution.gpu_tier import GpuTier
+from online.execution.tier_format import TIER_FORMATS, TierMatrix, tier_format_for
+from placement.plan import read_plan
+
+from helpers_plans import tiny_plan
+
+# kinds the runtime places today; the plan's other kinds must not exceed what the runtime has room for
+PLACED_KINDS = ("ffn_neurons", "experts")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("fmt,qtype", [("q8", "Q8_0"), ("q4", "Q4_0")])
+def test_tier_blocks_dequantize_as_gguf_does(fmt, qtype):
+    """The tier's packed rows, rewritten as GGUF blocks, dequantize identically with gguf's own dequantizer."""
+    from gguf.quants import GGMLQuantizationType, dequantize
+    w = torch.randn(6, 96, generator=torch.Generator().manual_seed(0))  # [R, C]
+    tier = GpuTier.create(1 << 20, "cpu")
+    m = TierMatrix.pack(w, fmt, tier, "layers.0.hot_up")
+    assert m.nbytes == tier.used_bytes == int(6 * 96 * TIER_FORMATS[fmt])
+    scale = m.scale.numpy().view(np.uint8).reshape(6, 3, 2)  # [R, blocks, 2] f16 bytes
+    codes = m.data.numpy().view(np.uint8).reshape(6, 3, -1)  # [R, blocks, 32 or 16]
+    raw = np.concatenate([scale, codes], axis=-1).reshape(6, -1)
+    ref = dequantize(raw, GGMLQuantizationType[qtype])  # [6, 96]
+    np.testing.assert_array_equal(m.dequantize().numpy(), ref)
+    tolerance = {"q8": 0.01, "q4": 0.2}[fmt]
+    assert (m.dequantize() - w).abs().max() <= tolerance * w.abs().max()
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(m.linear(x), x @ torch.from_numpy(ref).T, rtol=1e-5, atol=1e-5)
+
+
+def test_tier_format_follows_the_plans_bytes_per_weight():
+    assert [tier_format_for(b) for b in (4.0, 2.0, 1.0625, 0.5625, 3.0)] == ["fp32", "fp16", "q8", "q4", "fp16"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "opt", "mixtral", "qwen2_moe"])
+def test_runtime_tier_bytes_equal_the_plan(tiny_model_dir, tmp_path_factory, kind):
+    """At 0/10/50/100% of the model's bytes the tier holds, by kind, what plan.json says (within the reserve)."""
+    folder, _ = tiny_model_dir(kind)
+    out = tmp_path_factory.mktemp(f"plans-{kind}")
+    for fraction in (0.0, 0.1, 0.5, 1.0):
+        plan_dir = tiny_plan(folder, out, "rtx4090", fraction)
+        plan = read_plan(plan_dir)
+        engine = Engine.load(str(folder), plan=plan_dir, gpu_device="cpu", fused_decode=False)
+        tier = engine.executor.tier
+        runtime = tier.bytes_by_kind()
+        assert tier.used_bytes <= plan.gpu_budget_bytes
+        for key in PLACED_KINDS:
+            assert runtime.get(key, 0) == plan.gpu_bytes_by_kind[key], (fraction, key, runtime, plan.gpu_bytes_by_kind)
+        if fraction == 1.0 and not engine.config.is_moe:
+            assert plan.gpu_bytes_by_kind["ffn_neurons"] > 0
+
+
+@pytest.mark.parametrize("hardware", ["rtx4090", "rtx2080ti", "t4"])
+def test_every_preset_plan_loads_and_generates_on_the_cpu_tier(tiny_model_dir, tmp_path_factory, hardware):
+    folder, _ = tiny_model_dir("llama")
+    out = tmp_path_factory.mktemp(f"preset-{hardware}")
+    for fraction, fmt in ((0.25, "int4"), (0.6, "int8"), (1.0, "fp16")):
+        plan_dir = tiny_plan(folder, out, hardware, fraction, weight_format=fmt)
+        engine = Engine.load(str(folder), plan=plan_dir, gpu_device="cpu")
+        result = engine.generate([5, 17, 42], max_new_tokens=4)
+        assert len(result.token_ids) == 4
+        assert engine.executor.tier.used_bytes <= read_plan(plan_dir).gpu_budget_bytes
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
+def test_planned_expert_slot_bytes_equal_the_packed_expert(fmt, gated, bias):
+    from online.config import ModelConfig
+    from online.execution.tier_format import expert_layout_bytes
+    from online.execution.weights import FFNWeights
+    from online.experts.packing import pack_expert
+    d, n_ff = 64, 48
+    g = torch.Generator().manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    w = FFNWeights(up=r(n_ff, d), down=r(d, n_ff), gate=r(n_ff, d) if gated else None,
+                   up_bias=r(n_ff) if bias else None, gate_bias=r(n_ff) if bias and gated else None,
+                   down_bias=r(d) if bias else None)
+    cfg = ModelConfig(arch="llama" if gated else "opt", vocab_size=32, hidden_size=d, intermediate_size=n_ff,
+                      num_layers=1, num_heads=4, num_kv_heads=4, head_dim=16,
+                      hidden_act="silu" if gated else "relu", mlp_gated=gated, mlp_bias=bias)
+    assert expert_layout_bytes(d, n_ff, gated, fmt, bias=bias) == pack_expert(cfg, w, fmt).nbytes
