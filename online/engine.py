@@ -148,6 +148,8 @@ class Engine:
                                                           head_weight=head, raw=raw,
                                                           gpu_budget_bytes=gpu_budget_bytes,
                                                           expert_slots=expert_slots, prefetch=prefetch, profile_dir=profile, predictors_dir=predictors)
+                from .plan_runtime import place_planned_units
+                place_planned_units(net, executor, plan_info)
             elif expert_slots is not None:
                 from .experts.runtime import ExpertRuntime, tier_bytes_needed
                 from .execution.gpu_tier import GpuTier

@@ -29,6 +29,12 @@ class PlanInfo:
     gpu_budget_bytes: int
     gpu_bytes_planned: int
     modeled_tokens_per_s: float | None
+    attention_on_gpu: tuple[bool, ...] = ()
+    output_head_on_gpu: bool = False
+    embeddings_on_gpu: bool = False
+    tier_format: str = "fp32"
+    kv_bytes_per_element: float = 4.0
+    context_tokens: int = 0
 
 
 def _sibling(plan_dir: Path, explicit: str | Path | None, name: str) -> Path | None:
@@ -84,5 +90,17 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
                                               threads=settings.threads, fit_to_budget=expert_slots is None))
     info = PlanInfo(plan_dir=plan_dir, profile_dir=profile_path, predictors_dir=predictors_path if predictors else None,
                     hardware=plan.hardware.name, gpu_budget_bytes=plan.gpu_budget_bytes, gpu_bytes_planned=plan.gpu_bytes,
-                    modeled_tokens_per_s=plan.modeled.get("tokens_per_s"))
+                    modeled_tokens_per_s=plan.modeled.get("tokens_per_s"),
+                    attention_on_gpu=tuple(plan.attention_on_gpu), output_head_on_gpu=plan.output_head_on_gpu,
+                    embeddings_on_gpu=plan.embeddings_on_gpu, tier_format=settings.tier_format,
+                    kv_bytes_per_element=plan.settings.kv_bytes_per_element, context_tokens=plan.settings.context_tokens)
     return executor, info
+
+
+def place_planned_units(model, executor: HybridExecutor, info: PlanInfo) -> None:
+    """Attention + KV, the output layer and the embeddings where the plan put them (before packing the rest)."""
+    from .execution.tier_units import kv_dtype_for, place_plan_units
+    place_plan_units(model, executor, executor.tier, attention_on_gpu=list(info.attention_on_gpu),
+                     output_head_on_gpu=info.output_head_on_gpu, embeddings_on_gpu=info.embeddings_on_gpu,
+                     tier_format=info.tier_format, kv_dtype=kv_dtype_for(info.kv_bytes_per_element),
+                     kv_capacity_tokens=info.context_tokens)

@@ -200,6 +200,8 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
     q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     attention_weights = d * q_dim * 2 + d * kv_dim * 2
     kv_cache_bytes = math.ceil(2 * kv_dim * settings.context_tokens * settings.kv_bytes_per_element)
+    attention_bias_bytes = BIAS_BYTES * ((q_dim + 2 * kv_dim if config.attention_bias else 0)
+                                         + (d if config.attention_out_bias else 0))
     attended_tokens = settings.context_tokens / 2
     rows_total = 3 if config.mlp_gated else 2
     bias_rows = (rows_total - 1) if config.mlp_bias else 0  # up (+ gate) biases; the down bias is per layer
@@ -209,8 +211,10 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
         is_moe = config.is_moe_layer(i)
         weights = attention_weights + (config.num_experts * d if is_moe else 0)
         weight_bytes = math.ceil(weights * bpw)
+        # on the tier: q/k/v/o in the plan's format, fp32 biases, the KV cache (the router stays with the experts)
+        attention_tier_bytes = math.ceil(attention_weights * bpw) + attention_bias_bytes
         attention = DenseUnit(
-            gpu_bytes=weight_bytes + kv_cache_bytes,
+            gpu_bytes=attention_tier_bytes + kv_cache_bytes,
             gpu_s=cost_model.gpu_weight_seconds(weight_bytes, bpw, hw) + cost_model.attention_kv_seconds(config, attended_tokens, settings.kv_bytes_per_element, hw.gpu_bandwidth_bytes_per_s, hw.gpu_matmul_flops),
             cpu_s=cost_model.cpu_weight_seconds(weight_bytes, bpw, hw) + cost_model.attention_kv_seconds(config, attended_tokens, settings.kv_bytes_per_element, hw.cpu_bandwidth_bytes_per_s, hw.cpu_matmul_flops))
         info = predictors.layers[i]

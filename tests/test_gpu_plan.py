@@ -12,8 +12,8 @@ from placement.plan import read_plan
 
 from helpers_plans import tiny_plan
 
-# kinds the runtime places today; the plan's other kinds must not exceed what the runtime has room for
-PLACED_KINDS = ("ffn_neurons", "experts")
+# every kind the runtime places (predictors and Qwen2-MoE shared experts are not placed on the tier yet)
+PLACED_KINDS = ("ffn_neurons", "experts", "attention_and_kv", "output_head", "embeddings")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -94,3 +94,39 @@ def test_planned_expert_slot_bytes_equal_the_packed_expert(fmt, gated, bias):
                       num_layers=1, num_heads=4, num_kv_heads=4, head_dim=16,
                       hidden_act="silu" if gated else "relu", mlp_gated=gated, mlp_bias=bias)
     assert expert_layout_bytes(d, n_ff, gated, fmt, bias=bias) == pack_expert(cfg, w, fmt).nbytes
+
+
+@pytest.mark.parametrize("kind", ["llama", "opt", "qwen2"])
+@pytest.mark.parametrize("attention,head,embeddings", [((True, False), False, True), ((False, True), True, False),
+                                                        ((True, True), True, True)])
+def test_tier_units_equal_dense(tiny_model_dir, kind, attention, head, embeddings):
+    """fp32 tier, all neurons active: attention + KV, output layer and embeddings on the tier change nothing."""
+    from online.execution import DenseExecutor
+    from online.execution.hybrid import ExecutionSettings, HybridExecutor
+    from online.execution.tier_units import place_plan_units
+    from online.generate import prefill
+    from online.kv_cache import KVCache
+    from online.loading.hf_loader import load_hf_folder
+    from online.model.build import build_model
+    folder, _ = tiny_model_dir(kind)
+    ids = [5, 17, 42, 9, 77, 3, 101]
+
+    def run(model, executor):  # prefill 4 tokens, then 3 single-token decode steps
+        cache = KVCache(model.cfg, 64)
+        out = [prefill(model, executor, cache, ids[:4], all_logits=True)]
+        for pos in range(4, len(ids)):
+            out.append(model(torch.tensor([ids[pos]]), pos, cache, executor))
+        return torch.cat(out)
+    model, ffn = build_model(load_hf_folder(folder))
+    ref = run(model, DenseExecutor(model.cfg, ffn))
+    model, ffn = build_model(load_hf_folder(folder))
+    tier = GpuTier.create(1 << 24, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    hot = [torch.randperm(model.cfg.intermediate_size, generator=gen)[:40] for _ in range(model.cfg.num_layers)]
+    executor = HybridExecutor.build(model.cfg, ffn, tier, ExecutionSettings(weight_format="fp32", sparse=False),
+                                    gpu_neurons=hot, head_weight=model.lm_head.weight)
+    place_plan_units(model, executor, tier, attention_on_gpu=list(attention), output_head_on_gpu=head,
+                     embeddings_on_gpu=embeddings, tier_format="fp32", kv_dtype=torch.float32, kv_capacity_tokens=16)
+    kinds = tier.bytes_by_kind()
+    assert (kinds.get("attention_and_kv", 0) > 0) == any(attention) and (kinds.get("output_head", 0) > 0) == head
+    torch.testing.assert_close(run(model, executor), ref, rtol=1e-4, atol=1e-5)

@@ -115,6 +115,7 @@ class HybridExecutor(DenseExecutor):
         self.head = head
         self.counters = ExecutionCounters()
         self.experts = None  # online.experts.ExpertRuntime for MoE layers (attach_experts)
+        self.tier_head = None  # TierMatrix: the output layer on the GPU tier (tier_units.place_plan_units)
 
     def attach_experts(self, runtime) -> None:
         """Run MoE layers through ``runtime``; it holds the (packed) experts, so the float ones go."""
@@ -210,6 +211,8 @@ class HybridExecutor(DenseExecutor):
         return y
 
     def output_logits(self, x: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        if self.tier_head is not None:
+            return self.tier_head.linear(x.to(self.tier.device, non_blocking=True)).to(x.device)  # [T, vocab]
         if self.head is None:
             return F.linear(x, lm_head_weight)
         return self.head.forward(x)
@@ -231,6 +234,8 @@ class HybridExecutor(DenseExecutor):
 
     @property
     def head_nbytes(self) -> int | None:
+        if self.tier_head is not None:
+            return self.tier_head.nbytes
         return None if self.head is None else self.head.nbytes
 
 

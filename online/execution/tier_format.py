@@ -97,6 +97,14 @@ class TierMatrix:
             w = codes * self.scale.float()[..., None]
         return w.reshape(self.rows, -1)[:, :self.cols]
 
+    def take_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n, cols]``: rows ``ids`` only (an embedding lookup)."""
+        data = self.data[ids]
+        if self.fmt in ("fp32", "fp16"):
+            return data.float()
+        sub = TierMatrix(self.fmt, ids.numel(), self.cols, data, self.scale[ids])
+        return sub.dequantize()
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x ``[T, cols]`` -> ``[T, rows]`` (dequantize, then one matmul)."""
         return F.linear(x, self.dequantize(), bias)
