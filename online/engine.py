@@ -286,6 +286,9 @@ class Engine:
         if counters is None:
             return None
         snapshot = counters.snapshot()
+        tier = getattr(self.executor, "tier", None)
+        if tier is not None:
+            snapshot.update({f"tier.{k}": v for k, v in tier.link_counters().items()})
         experts = getattr(self.executor, "experts", None)
         if experts is not None:
             snapshot.update({f"experts.{k}": v for k, v in experts.counters().items()})
@@ -322,6 +325,11 @@ class Engine:
             stats["bytes_moved_per_token"] = int(bytes_moved / max(steps, 1))
             stats["predictor_time_share"] = round(delta["predictor_s"] / max(t.end_s - t.start_s, 1e-9), 4)
             stats["weight_format"] = self.executor.settings.weight_format
+            if "tier.tier_syncs" in delta:  # per forward step: the prefill call + each decoded token
+                forward_steps = 1 + max(t.decode_steps, 0)
+                stats["tier_calls_per_token"] = round(delta["tier.tier_calls"] / forward_steps, 3)
+                stats["tier_syncs_per_token"] = round(delta["tier.tier_syncs"] / forward_steps, 3)
+                stats["link_bytes_per_token"] = int(delta["tier.link_bytes"] / forward_steps)
         if self.plan_info is not None:
             stats["plan"] = str(self.plan_info.plan_dir)
         return stats

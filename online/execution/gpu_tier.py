@@ -42,6 +42,11 @@ class GpuTier:
         self.bytes_copied = 0  # host -> tier traffic, for bytes_moved_per_token
         self._owned: dict[str, int] = {}
         self._kinds: dict[str, str] = {}
+        # host <-> tier exchanges: counted on every device (on a CPU tier they are the same structure, no copy)
+        self.exchanges = 0  # results handed back to the host (a sync on CUDA)
+        self.link_bytes = 0  # activation bytes sent to and fetched from the tier
+        self.tier_calls = 0  # units computed on the tier (each a short burst of kernel launches)
+        self._pinned: dict[tuple, torch.Tensor] = {}
 
     @classmethod
     def create(cls, budget_bytes: int, device: str | None = None) -> "GpuTier":
@@ -80,6 +85,50 @@ class GpuTier:
             self.bytes_copied += nbytes
             return tensor.to(self.device, non_blocking=self.is_cuda)
         return tensor.clone()
+
+    # --- the link: one send and one fetch per unit that uses the tier --------------------------
+    def _staging(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        slot = (key, tuple(like.shape), like.dtype)
+        buf = self._pinned.get(slot)
+        if buf is None:
+            buf = self._pinned[slot] = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        return buf
+
+    def send(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (host) on the tier; on CUDA through a pinned buffer, asynchronously."""
+        self.tier_calls += 1
+        self.link_bytes += x.numel() * x.element_size()
+        if not self.is_cuda:
+            return x
+        staged = self._staging("in", x)
+        staged.copy_(x)
+        return staged.to(self.device, non_blocking=True)
+
+    def fetch_async(self, y: torch.Tensor):
+        """Start copying ``y`` (on the tier) back to the host; ``wait`` the handle to get it."""
+        self.link_bytes += y.numel() * y.element_size()
+        if not self.is_cuda:
+            return y, None
+        staged = self._staging("out", y)
+        staged.copy_(y, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return staged, event
+
+    def wait(self, handle) -> torch.Tensor:
+        """The host tensor of a ``fetch_async`` (the one sync of that unit)."""
+        y, event = handle
+        self.exchanges += 1
+        if event is not None:
+            event.synchronize()
+            return y.clone()
+        return y
+
+    def fetch(self, y: torch.Tensor) -> torch.Tensor:
+        return self.wait(self.fetch_async(y))
+
+    def link_counters(self) -> dict[str, int]:
+        return {"tier_calls": self.tier_calls, "tier_syncs": self.exchanges, "link_bytes": self.link_bytes}
 
     def release(self, name: str) -> None:
         self.used_bytes -= self._owned.pop(name)

@@ -162,12 +162,14 @@ class HybridExecutor(DenseExecutor):
             return self.moe_forward(layer, x)
         start = time.perf_counter()
         n_tokens = x.shape[0]
-        y = None
-        if split.gpu is not None:
-            y = self._gpu_forward(split.gpu, x)
+        y = handle = None
+        if split.gpu is not None:  # launched first; on CUDA it runs while the CPU computes the cold part
+            handle = self.tier.fetch_async(self._gpu_forward(split.gpu, x))
         if split.cpu is not None:
-            y_cpu = self._cpu_forward(split, x)
-            y = y_cpu if y is None else y + y_cpu
+            y = self._cpu_forward(split, x)
+        if handle is not None:
+            y_gpu = self.tier.wait(handle)  # the layer's one exchange back
+            y = y_gpu if y is None else y + y_gpu
         if split.down_bias is not None:
             y = y + split.down_bias
         self.counters.ffn_neurons_total += n_tokens * self._n_neurons(split)
@@ -178,7 +180,7 @@ class HybridExecutor(DenseExecutor):
         return split.cpu_neurons.numel() + (split.gpu.neurons.numel() if split.gpu is not None else 0)
 
     def _gpu_forward(self, part: GpuPart, x: torch.Tensor) -> torch.Tensor:
-        x_tier = x.to(self.tier.device, non_blocking=True)
+        x_tier = self.tier.send(x)
         cfg = self.cfg
         up = part.up.linear(x_tier, part.up_bias)  # [T, n_hot]
         if part.gate is None:
@@ -189,8 +191,7 @@ class HybridExecutor(DenseExecutor):
         self.counters.ffn_neurons_active += h.shape[0] * h.shape[1]
         if self.tier.is_cuda:
             self.counters.bytes_moved += x.numel() * x.element_size() + y.numel() * y.element_size()
-            return y.to("cpu")
-        return y
+        return y  # [T, d] on the tier
 
     def _cpu_forward(self, split: LayerSplit, x: torch.Tensor) -> torch.Tensor:
         if split.predictor is not None and x.shape[0] <= PREDICTOR_MAX_TOKENS:
@@ -212,7 +213,7 @@ class HybridExecutor(DenseExecutor):
 
     def output_logits(self, x: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         if self.tier_head is not None:
-            return self.tier_head.linear(x.to(self.tier.device, non_blocking=True)).to(x.device)  # [T, vocab]
+            return self.tier.fetch(self.tier_head.linear(self.tier.send(x)))  # [T, vocab]
         if self.head is None:
             return F.linear(x, lm_head_weight)
         return self.head.forward(x)

@@ -63,7 +63,7 @@ class TierAttention(nn.Module):
             raise TandemError(f"context of {end} tokens exceeds the {self.capacity_tokens}-token KV cache the plan "
                               f"put on the GPU tier (plan again with a larger --context)")
         dev = self.tier.device
-        qkv = self.qkv.linear(x.to(dev, non_blocking=True), self.qkv_bias)  # [T, q + 2 kv]
+        qkv = self.qkv.linear(self.tier.send(x), self.qkv_bias)  # [T, q + 2 kv]
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q = qkv[:, :q_dim].reshape(n_tokens, self.n_heads, self.head_dim)  # [T, H, hd]
         k = qkv[:, q_dim:q_dim + kv_dim].reshape(n_tokens, self.n_kv_heads, self.head_dim)  # [T, KV, hd]
@@ -80,7 +80,7 @@ class TierAttention(nn.Module):
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
                                              attn_mask=mask, is_causal=causal, enable_gqa=True)  # [1, H, T, hd]
         y = self.o.linear(out[0].transpose(0, 1).reshape(n_tokens, -1), self.o_bias)  # [T, d]
-        return y.to(x.device)
+        return self.tier.fetch(y)
 
 
 class TierEmbedding(nn.Module):
@@ -92,7 +92,8 @@ class TierEmbedding(nn.Module):
         self.table, self.tier = table, tier
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.table.take_rows(token_ids.to(self.tier.device)).to(token_ids.device)  # [T, d]
+        ids = self.tier.send(token_ids)
+        return self.tier.fetch(self.table.take_rows(ids))  # [T, d]
 
 
 def place_plan_units(model, executor, tier, *, attention_on_gpu: list[bool], output_head_on_gpu: bool,
