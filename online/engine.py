@@ -147,9 +147,8 @@ class Engine:
                 executor, plan_info = build_plan_executor(plan, cfg, ffn_layers, fingerprint, settings,
                                                           head_weight=head, raw=raw,
                                                           gpu_budget_bytes=gpu_budget_bytes,
-                                                          expert_slots=expert_slots, prefetch=prefetch, profile_dir=profile, predictors_dir=predictors)
-                from .plan_runtime import place_planned_units
-                place_planned_units(net, executor, plan_info)
+                                                          expert_slots=expert_slots, prefetch=prefetch, profile_dir=profile, predictors_dir=predictors,
+                                                          model=net)
             elif expert_slots is not None:
                 from .experts.runtime import ExpertRuntime, tier_bytes_needed
                 from .execution.gpu_tier import GpuTier

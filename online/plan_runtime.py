@@ -48,8 +48,9 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
                         settings: ExecutionSettings, head_weight=None, raw: dict | None = None,
                         gpu_budget_bytes: int | None = None, profile_dir: str | Path | None = None,
                         predictors_dir: str | Path | None = None, expert_slots: int | None = None,
-                        prefetch: bool = True) -> tuple[HybridExecutor, PlanInfo]:
-    """MoE layers get the plan's expert cache (slots, pinned experts); ``expert_slots`` overrides the slots."""
+                        prefetch: bool = True, model=None) -> tuple[HybridExecutor, PlanInfo]:
+    """MoE layers get the plan's expert cache (slots, pinned experts); ``expert_slots`` overrides the slots.
+    With ``model`` the plan's attention/KV, output layer and embeddings go on the tier first (experts get the rest)."""
     from offline.profile_artifact import load_profile
     from placement.plan import load_plan, read_plan
     plan_dir = Path(plan_dir)
@@ -80,6 +81,12 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
     gpu_neurons = [plan.gpu_neurons(i) if not cfg.is_moe_layer(i) else None for i in range(cfg.num_layers)]
     executor = HybridExecutor.build(cfg, ffn_layers, tier, settings, gpu_neurons=gpu_neurons, thresholds=thresholds,
                                     predictors=predictors, head_weight=head_weight, raw=raw)
+    if model is not None:
+        from .execution.tier_units import kv_dtype_for, place_plan_units
+        place_plan_units(model, executor, tier, attention_on_gpu=plan.attention_on_gpu,
+                         output_head_on_gpu=plan.output_head_on_gpu, embeddings_on_gpu=plan.embeddings_on_gpu,
+                         tier_format=settings.tier_format, kv_dtype=kv_dtype_for(plan.settings.kv_bytes_per_element),
+                         kv_capacity_tokens=plan.settings.context_tokens)
     if cfg.is_moe:
         from .experts.runtime import ExpertRuntime, default_cost_model
         slots = plan.expert_cache_slots if expert_slots is None else expert_slots
@@ -96,11 +103,3 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
                     kv_bytes_per_element=plan.settings.kv_bytes_per_element, context_tokens=plan.settings.context_tokens)
     return executor, info
 
-
-def place_planned_units(model, executor: HybridExecutor, info: PlanInfo) -> None:
-    """Attention + KV, the output layer and the embeddings where the plan put them (before packing the rest)."""
-    from .execution.tier_units import kv_dtype_for, place_plan_units
-    place_plan_units(model, executor, executor.tier, attention_on_gpu=list(info.attention_on_gpu),
-                     output_head_on_gpu=info.output_head_on_gpu, embeddings_on_gpu=info.embeddings_on_gpu,
-                     tier_format=info.tier_format, kv_dtype=kv_dtype_for(info.kv_bytes_per_element),
-                     kv_capacity_tokens=info.context_tokens)
