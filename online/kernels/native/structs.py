@@ -46,6 +46,8 @@ def bind_signatures(lib: ctypes.CDLL) -> None:
     lib.tdm_dot_rows.restype = None
     lib.tdm_has_avx2.argtypes = []
     lib.tdm_has_avx2.restype = _I
+    lib.tdm_decode_range.argtypes = [ctypes.POINTER(TdmModel), _I, _I, _I, _P, _P]
+    lib.tdm_decode_range.restype = _I
 
 
 def addr(a: np.ndarray | None) -> int | None:
