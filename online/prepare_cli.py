@@ -22,6 +22,7 @@ def add_parsers(sub) -> None:
                    help="auto: train for ReLU-family models only (on SwiGLU models predictors were measured not to pay)")
     p.add_argument("--tokens", type=int, default=None, help="calibration tokens for profiling/training")
     p.add_argument("--max-quality-loss", type=float, default=0.02)
+    p.add_argument("--no-quality", action="store_true", help="plan without measuring its held-out quality")
     p.add_argument("--calib", nargs="+", default=None, metavar="FILE")
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(handler=run_prepare)
@@ -88,6 +89,8 @@ def run_prepare(args) -> int:
                  "--out", str(plan_dir)] + (["--gpu-budget", str(budget)] if budget is not None else [])
     if predictors_dir is not None:
         plan_argv += ["--predictors", str(predictors_dir)]
+    if args.no_quality:
+        plan_argv.append("--no-quality")
     if (plan_dir / "plan.json").is_file() and not _plan_matches(plan_dir, fingerprint, profile_dir):
         print(f"[prepare] the plan in {plan_dir} is stale (its profile or model changed): planning again")
         plan_argv.append("--replan")

@@ -150,3 +150,35 @@ def test_stats_count_one_exchange_per_tier_unit(tiny_model_dir, tmp_path_factory
         per_decode_token = 4 * ((sum(plan.attention_on_gpu) + hot_layers) * 2 * d
                                 + plan.output_head_on_gpu * (d + vocab)) + 4 * d * plan.embeddings_on_gpu + 8 * plan.embeddings_on_gpu
         assert units > 0 and stats["link_bytes_per_token"] >= per_decode_token
+
+
+def test_plan_quality_is_measured_recorded_shown_and_warned(tiny_model_dir, tmp_path, capsys):
+    """Dense perplexity against transformers on the same tokens; the record round-trips, prints, warns."""
+    import math
+    import warnings
+    from placement.cli import format_plan_summary
+    from placement.plan import save_plan
+    from placement.quality import measure_plan_quality
+    folder, hf_model = tiny_model_dir("llama")
+    plan_dir = tiny_plan(folder, tmp_path, "rtx4090", 0.5)
+    docs = [torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(2)]
+    q = measure_plan_quality(folder, plan_dir, max_tokens=100, gpu_device="cpu", token_docs=docs, max_quality_loss=0.5)
+    tokens = (docs[0] + docs[1])[:100]
+    window = q["window_tokens"]  # non-overlapping windows of the plan's context
+    with torch.no_grad():
+        parts = [hf_model(torch.tensor([tokens[b:b + window + 1]])).logits[0, :-1] for b in range(0, 99, window)]
+    nll = torch.nn.functional.cross_entropy(torch.cat(parts).double(), torch.tensor(tokens[1:]))
+    assert q["held_out_tokens"] == 99 and abs(q["dense_perplexity"] - math.exp(float(nll))) < 1e-3 * q["dense_perplexity"]
+    assert 0.0 <= q["greedy_agreement"] <= 1.0 and q["perplexity"] > 0
+    plan = read_plan(plan_dir)
+    plan.quality = dict(q, perplexity_increase=0.9)  # outside its 50% budget
+    save_plan(plan, plan_dir)
+    assert read_plan(plan_dir).quality["perplexity_increase"] == 0.9
+    assert "greedy agreement" in format_plan_summary(read_plan(plan_dir))
+    with pytest.warns(UserWarning, match="above dense"):
+        Engine.load(str(folder), plan=plan_dir, gpu_device="cpu")
+    plan.quality = dict(q, perplexity_increase=0.1)
+    save_plan(plan, plan_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Engine.load(str(folder), plan=plan_dir, gpu_device="cpu")
