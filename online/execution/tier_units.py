@@ -18,6 +18,7 @@ from torch import nn
 
 from tandem.errors import TandemError
 
+from ..model.decoder import Attention
 from ..model.rope import apply_rope
 from .tier_format import TierMatrix
 
@@ -37,7 +38,7 @@ class TierAttention(nn.Module):
         super().__init__()
         self.tier, self.layer = tier, layer
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        self.use_rope, self.sliding_window, self._mask = attn.use_rope, attn.sliding_window, attn._mask
+        self.use_rope, self.sliding_window = attn.use_rope, attn.sliding_window
         prefix = f"layers.{layer}.attention"
         qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])  # [q + 2 kv, d]
         self.qkv = TierMatrix.pack(qkv_w, fmt, tier, f"{prefix}.qkv")
@@ -50,6 +51,9 @@ class TierAttention(nn.Module):
         self.keys = tier.allocate(f"layers.{layer}.kv_keys", torch.zeros(shape, dtype=kv_dtype))  # [KV, C, hd]
         self.values = tier.allocate(f"layers.{layer}.kv_values", torch.zeros(shape, dtype=kv_dtype))
         self.capacity_tokens = kv_capacity_tokens
+
+    def _mask(self, n_tokens: int, start_pos: int, n_keys: int):
+        return Attention._mask(self, n_tokens, start_pos, n_keys)  # reads only self.sliding_window
 
     @property
     def nbytes(self) -> int:
