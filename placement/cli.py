@@ -115,7 +115,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise TandemError(f"--quality-tokens must be at least 16, got {args.quality_tokens}")
         from .quality import measure_plan_quality
         plan.quality = measure_plan_quality(args.model, out, max_tokens=args.quality_tokens, gpu_device=args.gpu_device,
-                                            max_quality_loss=profile.quality.get("max_quality_loss"))
+                                            max_quality_loss=profile.quality.get("max_quality_loss"),
+                                            profile_dir=args.profile, predictors_dir=args.predictors)
         save_plan(plan, out)
     print(f"plan written to {out}")
     print(_headline(plan))

@@ -51,7 +51,8 @@ def _scores(engine, tokens: list[int], window_tokens: int) -> tuple[float, torch
 
 def measure_plan_quality(model: str | Path, plan_dir: str | Path, *, max_tokens: int = DEFAULT_QUALITY_TOKENS,
                          gpu_device: str | None = None, token_docs: list[list[int]] | None = None,
-                         max_quality_loss: float | None = None) -> dict[str, Any]:
+                         max_quality_loss: float | None = None, profile_dir: str | Path | None = None,
+                         predictors_dir: str | Path | None = None) -> dict[str, Any]:
     """Perplexity of the plan's runtime and of dense float32 on the same held-out tokens, and how often
     their greedy next-token choices agree."""
     from online import Engine
@@ -62,7 +63,7 @@ def measure_plan_quality(model: str | Path, plan_dir: str | Path, *, max_tokens:
     tokens = held_out_tokens(dense, max_tokens, token_docs)
     dense_nll, dense_greedy = _scores(dense, tokens, window)
     del dense
-    planned = Engine.load(str(model), plan=plan_dir, gpu_device=gpu_device)
+    planned = Engine.load(str(model), plan=plan_dir, gpu_device=gpu_device, profile=profile_dir, predictors=predictors_dir)
     plan_nll, plan_greedy = _scores(planned, tokens, window)
     scored = len(tokens) - 1
     ppl, dense_ppl = math.exp(plan_nll / scored), math.exp(dense_nll / scored)
