@@ -77,9 +77,9 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
                      gpu_budget_bytes=gpu_budget_bytes if gpu_budget_bytes is not None else plan.gpu_budget_bytes)
     from placement.quality import quality_warning
     warning = quality_warning(plan.quality)
-    if warning is not None:
-        import warnings
-        warnings.warn(f"{plan_dir}: {warning}", UserWarning, stacklevel=3)
+    if warning is not None:  # one line on stderr, as the CLI's errors
+        import sys
+        print(f"warning: {plan_dir}: {warning}", file=sys.stderr)
     tier = GpuTier.create(plan.gpu_budget_bytes, settings.gpu_device)
     settings = replace(settings, tier_format=tier_format_for(plan.settings.bytes_per_weight))  # the plan's bytes
     thresholds = [float(t) for t in profile.thresholds.tolist()]
