@@ -24,7 +24,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("fmt,qtype", [("q8", "Q8_0"), ("q4", "Q4_0")])
+@pytest.mark.parametrize("fmt,qtype", [("q8", "Q8_0"), ("q4", "Q4_0"), ("q4_1", "Q4_1")])
 def test_tier_blocks_dequantize_as_gguf_does(fmt, qtype):
     """The tier's packed rows, rewritten as GGUF blocks, dequantize identically with gguf's own dequantizer."""
     from gguf.quants import GGMLQuantizationType, dequantize
@@ -34,17 +34,18 @@ def test_tier_blocks_dequantize_as_gguf_does(fmt, qtype):
     assert m.nbytes == tier.used_bytes == int(6 * 96 * TIER_FORMATS[fmt])
     scale = m.scale.numpy().view(np.uint8).reshape(6, 3, 2)  # [R, blocks, 2] f16 bytes
     codes = m.data.numpy().view(np.uint8).reshape(6, 3, -1)  # [R, blocks, 32 or 16]
-    raw = np.concatenate([scale, codes], axis=-1).reshape(6, -1)
+    head = [scale] if m.minimum is None else [scale, m.minimum.numpy().view(np.uint8).reshape(6, 3, 2)]
+    raw = np.concatenate(head + [codes], axis=-1).reshape(6, -1)
     ref = dequantize(raw, GGMLQuantizationType[qtype])  # [6, 96]
     np.testing.assert_array_equal(m.dequantize().numpy(), ref)
-    tolerance = {"q8": 0.01, "q4": 0.2}[fmt]
+    tolerance = {"q8": 0.01, "q4": 0.2, "q4_1": 0.2}[fmt]
     assert (m.dequantize() - w).abs().max() <= tolerance * w.abs().max()
     x = torch.randn(3, 96)
     torch.testing.assert_close(m.linear(x), x @ torch.from_numpy(ref).T, rtol=1e-5, atol=1e-5)
 
 
 def test_tier_format_follows_the_plans_bytes_per_weight():
-    assert [tier_format_for(b) for b in (4.0, 2.0, 1.0625, 0.5625, 3.0)] == ["fp32", "fp16", "q8", "q4", "fp16"]
+    assert [tier_format_for(b) for b in (4.0, 2.0, 1.0625, 0.625, 0.5625, 3.0)] == ["fp32", "fp16", "q8", "q4_1", "q4", "fp16"]
 
 
 @pytest.mark.parametrize("kind", ["llama", "opt", "mixtral", "qwen2_moe"])
@@ -69,12 +70,15 @@ def test_runtime_tier_bytes_equal_the_plan(tiny_model_dir, tmp_path_factory, kin
 def test_every_preset_plan_loads_and_generates_on_the_cpu_tier(tiny_model_dir, tmp_path_factory, hardware):
     folder, _ = tiny_model_dir("llama")
     out = tmp_path_factory.mktemp(f"preset-{hardware}")
-    for fraction, fmt in ((0.25, "int4"), (0.6, "int8"), (1.0, "fp16")):
+    for fraction, fmt in ((0.25, "int4"), (0.4, 0.625), (0.6, "int8"), (1.0, "fp16")):  # 0.625: Q4_1 checkpoints
         plan_dir = tiny_plan(folder, out, hardware, fraction, weight_format=fmt)
         engine = Engine.load(str(folder), plan=plan_dir, gpu_device="cpu")
         result = engine.generate([5, 17, 42], max_new_tokens=4)
         assert len(result.token_ids) == 4
-        assert engine.executor.tier.used_bytes <= read_plan(plan_dir).gpu_budget_bytes
+        plan = read_plan(plan_dir)
+        assert engine.executor.tier.used_bytes <= plan.gpu_budget_bytes
+        placed = engine.executor.tier.bytes_by_kind()
+        assert all(placed.get(k, 0) == plan.gpu_bytes_by_kind[k] for k in PLACED_KINDS), (fmt, placed, plan.gpu_bytes_by_kind)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "int4"])

@@ -132,7 +132,7 @@ def _check_model_range(model, executor, n_gpu_layers: int) -> None:
     _check_model(_M, _E)
 
 
-TIER_FORMAT_OF = {"fp32": "fp32", "int8": "q8", "int4": "q4"}
+TIER_FORMAT_OF = {"fp32": "fp32", "int8": "q8", "int4": "q4_1"}  # int4 on the CPU is Q4_1-style too
 
 
 def build_layer_offload(model, ffn_layers: list, settings, budget_bytes: int, kv_capacity_tokens: int, raw: dict):

@@ -4,6 +4,8 @@ Formats (bytes per weight as the planner counts them, ``placement.settings.WEIGH
 
 - ``fp32`` (4), ``fp16`` (2): the rows as they are.
 - ``q8`` (1.0625): GGUF Q8_0 layout, int8 codes ``[R, C]`` + float16 scale per 32 inputs ``[R, C/32]``.
+- ``q4_1`` (0.625): GGUF Q4_1 layout, as ``q4`` plus a float16 block minimum ``[R, C/32]``:
+  w = scale * q + minimum (the format of Q4_1 checkpoints, whose blocks re-encode almost exactly).
 - ``q4`` (0.5625): GGUF Q4_0 layout, codes 0..15 packed two per byte ``[R, C/2]`` (inside block g,
   byte j holds element 32g + j in its low nibble and 32g + 16 + j in its high nibble, as GGUF and the
   CPU tier's ``Int4Weight`` order them) + float16 scale ``[R, C/32]``; w = scale * (q - 8).
@@ -25,15 +27,15 @@ import torch.nn.functional as F
 
 from tandem.errors import TandemError
 
-TIER_FORMATS = {"fp32": 4.0, "fp16": 2.0, "q8": 1.0625, "q4": 0.5625}
+TIER_FORMATS = {"fp32": 4.0, "fp16": 2.0, "q8": 1.0625, "q4_1": 0.625, "q4": 0.5625}
 BLOCK = 32
 
 
 def tier_format_for(bytes_per_weight: float) -> str:
     """The densest tier format that still holds ``bytes_per_weight`` (the plan's) or more bytes of detail.
 
-    >>> tier_format_for(0.5625), tier_format_for(2.0), tier_format_for(1.5)
-    ('q4', 'fp16', 'q8')
+    >>> tier_format_for(0.5625), tier_format_for(0.625), tier_format_for(2.0), tier_format_for(1.5)
+    ('q4', 'q4_1', 'fp16', 'q8')
     """
     fitting = [(bpw, name) for name, bpw in TIER_FORMATS.items() if bpw <= bytes_per_weight + 1e-9]
     if not fitting:
@@ -54,6 +56,7 @@ class TierMatrix:
     cols: int
     data: torch.Tensor
     scale: torch.Tensor | None = None
+    minimum: torch.Tensor | None = None  # q4_1 only
 
     @classmethod
     def pack(cls, w: torch.Tensor, fmt: str, tier, name: str) -> "TierMatrix":
@@ -72,6 +75,14 @@ class TierMatrix:
             inv = torch.where(scale.float() > 0, 1.0 / scale.float(), torch.zeros_like(amax))
             codes = torch.clamp(torch.round(blocks * inv[..., None]), -127, 127).to(torch.int8)
             data = codes.reshape(rows, -1)  # [R, C_pad]
+        elif fmt == "q4_1":
+            lo, hi = blocks.amin(dim=-1), blocks.amax(dim=-1)  # [R, C/32]
+            minimum, scale = lo.half(), ((hi - lo) / 15.0).half()
+            inv = torch.where(scale.float() > 0, 1.0 / scale.float(), torch.zeros_like(amax))
+            codes = torch.clamp(torch.round((blocks - minimum.float()[..., None]) * inv[..., None]), 0, 15).to(torch.uint8)
+            data = (codes[..., :BLOCK // 2] | (codes[..., BLOCK // 2:] << 4)).reshape(rows, -1)  # [R, C_pad/2]
+            return cls(fmt, rows, cols, tier.allocate(name, data.contiguous()),
+                       tier.allocate(name + ".scale", scale.contiguous()), tier.allocate(name + ".min", minimum.contiguous()))
         else:
             scale = (amax / 7.0).half()
             inv = torch.where(scale.float() > 0, 1.0 / scale.float(), torch.zeros_like(amax))
@@ -82,8 +93,8 @@ class TierMatrix:
 
     @property
     def nbytes(self) -> int:
-        total = self.data.numel() * self.data.element_size()
-        return total + (0 if self.scale is None else self.scale.numel() * self.scale.element_size())
+        parts = (self.data, self.scale, self.minimum)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[rows, cols]`` on the tier's device."""
@@ -93,8 +104,11 @@ class TierMatrix:
             w = self.data.float().reshape(self.rows, -1, BLOCK) * self.scale.float()[..., None]
         else:
             packed = self.data.reshape(self.rows, -1, BLOCK // 2)  # [R, C/32, 16]
-            codes = torch.cat([packed & 0xF, packed >> 4], dim=-1).float() - 8.0  # [R, C/32, 32]
-            w = codes * self.scale.float()[..., None]
+            codes = torch.cat([packed & 0xF, packed >> 4], dim=-1).float()  # [R, C/32, 32]
+            if self.minimum is None:
+                w = (codes - 8.0) * self.scale.float()[..., None]
+            else:
+                w = codes * self.scale.float()[..., None] + self.minimum.float()[..., None]
         return w.reshape(self.rows, -1)[:, :self.cols]
 
     def take_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -102,7 +116,8 @@ class TierMatrix:
         data = self.data[ids]
         if self.fmt in ("fp32", "fp16"):
             return data.float()
-        sub = TierMatrix(self.fmt, ids.numel(), self.cols, data, self.scale[ids])
+        sub = TierMatrix(self.fmt, ids.numel(), self.cols, data, self.scale[ids],
+                         None if self.minimum is None else self.minimum[ids])
         return sub.dequantize()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
