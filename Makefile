@@ -9,7 +9,7 @@ DEFAULT_GGUF := $(MODELS_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 THREADS ?= 2
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: setup run test test-fast bench bench-peers clean
+.PHONY: setup run test test-fast bench bench-gpu bench-peers clean
 
 setup: $(STAMP) $(DEFAULT_GGUF)
 
@@ -36,6 +36,11 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python -m bench.run --threads $(THREADS)
+
+# On a CUDA machine: dense on the GPU, layer offload and plans at 10/25/50/100% -> bench/gpu.md
+# (without CUDA the same rows run on the CPU tier and are labelled so).
+bench-gpu: setup
+	bash bench/gpu.sh
 
 bench-peers: setup
 	bash bench/build_peers.sh

@@ -58,6 +58,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-slots", type=int, default=None, metavar="N",
                    help="MoE: expert cache slots per layer on the GPU tier (overrides the plan's; works without one)")
     p.add_argument("--no-prefetch", action="store_true", help="MoE: no speculative prefetch of the next layer's experts")
+    p.add_argument("--layer-offload", action="store_true",
+                   help="llama.cpp -ngl policy: whole layers on the GPU tier in order until --gpu-budget is spent")
 
 
 def load_engine(args):
@@ -70,7 +72,7 @@ def load_engine(args):
                        weight_format=args.weight_format, gpu_budget_bytes=budget, gpu_device=args.gpu_device,
                        sparse=not args.no_sparse, profile=args.profile, predictors=args.predictors,
                        expert_slots=args.expert_slots, prefetch=not args.no_prefetch, down_format=args.down_format,
-                       fused_decode=not args.no_fused_decode)
+                       fused_decode=not args.no_fused_decode, layer_offload=args.layer_offload)
 
 
 def parse_prompt_ids(text: str) -> list[int]:

@@ -100,7 +100,7 @@ class Engine:
              gpu_budget_bytes: int | None = None, gpu_device: str | None = None,
              sparse: bool = True, expert_slots: int | None = None, prefetch: bool = True,
              profile: str | Path | None = None, predictors: str | Path | None = None,
-             fused_decode: bool = True, down_format: str | None = None) -> "Engine":
+             fused_decode: bool = True, down_format: str | None = None, layer_offload: bool = False) -> "Engine":
         """Load a model: alias ("smollm2"), a .gguf file or a Hugging Face folder.
 
         Without ``plan`` and ``weight_format`` the runtime is dense float32 (the reference). With a
@@ -123,7 +123,7 @@ class Engine:
             raise TandemError(f"--expert-slots must be an integer >= 0, got {expert_slots!r}")
         if plan is None and weight_format is None and expert_slots is None and down_format is not None:
             raise TandemError("--down-format needs --plan or --weight-format (the dense float32 runtime has no packed FFN)")
-        if plan is None and expert_slots is None and gpu_budget_bytes is not None:
+        if plan is None and expert_slots is None and gpu_budget_bytes is not None and not layer_offload:
             raise TandemError("--gpu-budget needs --plan (or --expert-slots for a MoE model)")
         ckpt = load_checkpoint(model)
         fingerprint = ckpt.fingerprint
@@ -132,7 +132,22 @@ class Engine:
             raise TandemError(f"--expert-slots needs a MoE model; {ckpt.model_id} has no experts")
         net, ffn_layers = build_model(ckpt)
         plan_info = None
-        if plan is None and weight_format is None and expert_slots is None:
+        n_gpu_layers = None
+        if layer_offload:  # llama.cpp -ngl on our kernels (online/execution/layer_offload.py)
+            if plan is not None or expert_slots is not None:
+                raise TandemError("--layer-offload replaces a plan: drop --plan / --expert-slots")
+            if gpu_budget_bytes is None:
+                raise TandemError("--layer-offload needs --gpu-budget (whole layers go on the GPU tier until it is spent)")
+            from .execution.hybrid import ExecutionSettings
+            from .execution.layer_offload import build_layer_offload
+            from .execution.quantized_linear import quantize_attention
+            settings = ExecutionSettings(weight_format=weight_format or default_weight_format(raw), sparse=False,
+                                         threads=threads or torch.get_num_threads(), gpu_device=gpu_device)
+            capacity = min(context_length or cfg.max_context, cfg.max_context)
+            executor, n_gpu_layers = build_layer_offload(net, ffn_layers, settings, gpu_budget_bytes, capacity, raw)
+            if settings.weight_format != "fp32":
+                quantize_attention(net, settings.weight_format, settings.threads, raw)
+        elif plan is None and weight_format is None and expert_slots is None:
             executor = DenseExecutor(cfg, ffn_layers)
         else:
             from .execution.hybrid import ExecutionSettings, HybridExecutor
@@ -147,7 +162,8 @@ class Engine:
                 executor, plan_info = build_plan_executor(plan, cfg, ffn_layers, fingerprint, settings,
                                                           head_weight=head, raw=raw,
                                                           gpu_budget_bytes=gpu_budget_bytes,
-                                                          expert_slots=expert_slots, prefetch=prefetch, profile_dir=profile, predictors_dir=predictors)
+                                                          expert_slots=expert_slots, prefetch=prefetch, profile_dir=profile, predictors_dir=predictors,
+                                                          model=net)
             elif expert_slots is not None:
                 from .experts.runtime import ExpertRuntime, tier_bytes_needed
                 from .execution.gpu_tier import GpuTier
@@ -165,7 +181,11 @@ class Engine:
                 quantize_attention(net, settings.weight_format, settings.threads, raw)
         engine = cls(net, executor, tokenizer, cfg, ckpt.source_path, ckpt.model_id, fingerprint, threads, context_length)
         engine.plan_info = plan_info
-        if fused_decode and hasattr(executor, "settings"):
+        engine.layer_offload_gpu_layers = n_gpu_layers
+        if n_gpu_layers is not None:
+            if fused_decode:
+                engine._use_layer_offload_step(n_gpu_layers)
+        elif fused_decode and hasattr(executor, "settings"):
             engine._use_fused_decode()
         return engine
 
@@ -174,6 +194,15 @@ class Engine:
         try:
             self.compiled_decode = FusedDecodeStep.build(self.model, self.executor)
             self.decode_path, self.decode_path_reason = "fused", ""
+        except FusedDecodeUnavailable as exc:
+            self.decode_path_reason = str(exc)
+
+    def _use_layer_offload_step(self, n_gpu_layers: int) -> None:
+        from .execution.fused_decode import FusedDecodeUnavailable
+        from .execution.layer_offload import LayerOffloadStep
+        try:
+            self.compiled_decode = LayerOffloadStep.build_offload(self.model, self.executor, n_gpu_layers)
+            self.decode_path, self.decode_path_reason = "layer-offload", ""
         except FusedDecodeUnavailable as exc:
             self.decode_path_reason = str(exc)
 
@@ -284,6 +313,9 @@ class Engine:
         if counters is None:
             return None
         snapshot = counters.snapshot()
+        tier = getattr(self.executor, "tier", None)
+        if tier is not None:
+            snapshot.update({f"tier.{k}": v for k, v in tier.link_counters().items()})
         experts = getattr(self.executor, "experts", None)
         if experts is not None:
             snapshot.update({f"experts.{k}": v for k, v in experts.counters().items()})
@@ -320,8 +352,15 @@ class Engine:
             stats["bytes_moved_per_token"] = int(bytes_moved / max(steps, 1))
             stats["predictor_time_share"] = round(delta["predictor_s"] / max(t.end_s - t.start_s, 1e-9), 4)
             stats["weight_format"] = self.executor.settings.weight_format
+            if "tier.tier_syncs" in delta:  # per forward step: the prefill call + each decoded token
+                forward_steps = 1 + max(t.decode_steps, 0)
+                stats["tier_calls_per_token"] = round(delta["tier.tier_calls"] / forward_steps, 3)
+                stats["tier_syncs_per_token"] = round(delta["tier.tier_syncs"] / forward_steps, 3)
+                stats["link_bytes_per_token"] = int(delta["tier.link_bytes"] / forward_steps)
         if self.plan_info is not None:
             stats["plan"] = str(self.plan_info.plan_dir)
+        if getattr(self, "layer_offload_gpu_layers", None) is not None:
+            stats["layer_offload_gpu_layers"] = self.layer_offload_gpu_layers
         return stats
 
     @property

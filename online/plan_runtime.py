@@ -11,12 +11,13 @@ Example::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tandem.errors import TandemError
 from .execution.gpu_tier import GpuTier
 from .execution.hybrid import ExecutionSettings, HybridExecutor
+from .execution.tier_format import expert_format_for, tier_format_for
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,12 @@ class PlanInfo:
     gpu_budget_bytes: int
     gpu_bytes_planned: int
     modeled_tokens_per_s: float | None
+    attention_on_gpu: tuple[bool, ...] = ()
+    output_head_on_gpu: bool = False
+    embeddings_on_gpu: bool = False
+    tier_format: str = "fp32"
+    kv_bytes_per_element: float = 4.0
+    context_tokens: int = 0
 
 
 def _sibling(plan_dir: Path, explicit: str | Path | None, name: str) -> Path | None:
@@ -41,8 +48,9 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
                         settings: ExecutionSettings, head_weight=None, raw: dict | None = None,
                         gpu_budget_bytes: int | None = None, profile_dir: str | Path | None = None,
                         predictors_dir: str | Path | None = None, expert_slots: int | None = None,
-                        prefetch: bool = True) -> tuple[HybridExecutor, PlanInfo]:
-    """MoE layers get the plan's expert cache (slots, pinned experts); ``expert_slots`` overrides the slots."""
+                        prefetch: bool = True, model=None) -> tuple[HybridExecutor, PlanInfo]:
+    """MoE layers get the plan's expert cache (slots, pinned experts); ``expert_slots`` overrides the slots.
+    With ``model`` the plan's attention/KV, output layer and embeddings go on the tier first (experts get the rest)."""
     from offline.profile_artifact import load_profile
     from placement.plan import load_plan, read_plan
     plan_dir = Path(plan_dir)
@@ -67,19 +75,36 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
     plan = load_plan(plan_dir, model_fingerprint=model_fingerprint, profile_fingerprint=profile.fingerprint,
                      predictors_fingerprint=predictors_fingerprint,
                      gpu_budget_bytes=gpu_budget_bytes if gpu_budget_bytes is not None else plan.gpu_budget_bytes)
+    from placement.quality import quality_warning
+    warning = quality_warning(plan.quality)
+    if warning is not None:  # one line on stderr, as the CLI's errors
+        import sys
+        print(f"warning: {plan_dir}: {warning}", file=sys.stderr)
     tier = GpuTier.create(plan.gpu_budget_bytes, settings.gpu_device)
+    settings = replace(settings, tier_format=tier_format_for(plan.settings.bytes_per_weight))  # the plan's bytes
     thresholds = [float(t) for t in profile.thresholds.tolist()]
     gpu_neurons = [plan.gpu_neurons(i) if not cfg.is_moe_layer(i) else None for i in range(cfg.num_layers)]
     executor = HybridExecutor.build(cfg, ffn_layers, tier, settings, gpu_neurons=gpu_neurons, thresholds=thresholds,
                                     predictors=predictors, head_weight=head_weight, raw=raw)
+    if model is not None:
+        from .execution.tier_units import kv_dtype_for, place_plan_units
+        place_plan_units(model, executor, tier, attention_on_gpu=plan.attention_on_gpu,
+                         output_head_on_gpu=plan.output_head_on_gpu, embeddings_on_gpu=plan.embeddings_on_gpu,
+                         tier_format=settings.tier_format, kv_dtype=kv_dtype_for(plan.settings.kv_bytes_per_element),
+                         kv_capacity_tokens=plan.settings.context_tokens)
     if cfg.is_moe:
         from .experts.runtime import ExpertRuntime, default_cost_model
         slots = plan.expert_cache_slots if expert_slots is None else expert_slots
-        executor.attach_experts(ExpertRuntime(cfg, executor.layers, tier, weight_format=settings.weight_format,
+        executor.attach_experts(ExpertRuntime(cfg, executor.layers, tier,
+                                              weight_format=expert_format_for(plan.settings.bytes_per_weight),
                                               slots=slots, pinned=plan.expert_pinned, prefetch=prefetch,
                                               cost_model=default_cost_model(tier, plan.hardware),
                                               threads=settings.threads, fit_to_budget=expert_slots is None))
     info = PlanInfo(plan_dir=plan_dir, profile_dir=profile_path, predictors_dir=predictors_path if predictors else None,
                     hardware=plan.hardware.name, gpu_budget_bytes=plan.gpu_budget_bytes, gpu_bytes_planned=plan.gpu_bytes,
-                    modeled_tokens_per_s=plan.modeled.get("tokens_per_s"))
+                    modeled_tokens_per_s=plan.modeled.get("tokens_per_s"),
+                    attention_on_gpu=tuple(plan.attention_on_gpu), output_head_on_gpu=plan.output_head_on_gpu,
+                    embeddings_on_gpu=plan.embeddings_on_gpu, tier_format=settings.tier_format,
+                    kv_bytes_per_element=plan.settings.kv_bytes_per_element, context_tokens=plan.settings.context_tokens)
     return executor, info
+

@@ -21,6 +21,7 @@ def add_parsers(sub) -> None:
                    help="auto: train for ReLU-family models only (on SwiGLU models predictors were measured not to pay)")
     p.add_argument("--tokens", type=int, default=None, help="calibration tokens for profiling/training")
     p.add_argument("--max-quality-loss", type=float, default=0.02)
+    p.add_argument("--no-quality", action="store_true", help="plan without measuring its held-out quality")
     p.add_argument("--calib", nargs="+", default=None, metavar="FILE")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--print-plan-path", action="store_true",
@@ -32,7 +33,8 @@ def run_prepare(args) -> int:
     from tandem.pipeline import PrepareSettings, prepare
     settings = PrepareSettings(model=args.model, hardware=args.hardware, gpu_budget=args.gpu_budget, out=args.out,
                                predictors=args.predictors, tokens=args.tokens, max_quality_loss=args.max_quality_loss,
-                               calib=tuple(args.calib) if args.calib else None, threads=args.threads)
+                               calib=tuple(args.calib) if args.calib else None, threads=args.threads,
+                               measure_quality=not args.no_quality)
     result = prepare(settings, log=sys.stderr if args.print_plan_path else sys.stdout)
     if args.print_plan_path:
         print(result.plan_dir)

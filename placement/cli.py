@@ -42,6 +42,11 @@ def add_parsers(subparsers: Any) -> None:
     plan.add_argument("--context", type=int, help="KV cache context in tokens (default: min(model context, 2048))")
     plan.add_argument("--neurons-per-chunk", type=int, default=64)
     plan.add_argument("--min-gpu-neurons", type=int, default=128, help="a layer puts at least this many neurons on the GPU, or none")
+    plan.add_argument("--no-quality", action="store_true",
+                      help="skip measuring held-out perplexity / greedy agreement through the plan's runtime")
+    plan.add_argument("--quality-tokens", type=int, default=256, help="held-out tokens for the quality measurement")
+    plan.add_argument("--gpu-device", choices=("cuda", "cpu"), default=None,
+                      help="where the quality measurement runs the GPU tier (default: cuda when present)")
     plan.set_defaults(handler=cmd_plan)
 
     show = subparsers.add_parser("show-plan", help="summarise a plan (modeled times, GPU bytes, per-layer split)")
@@ -115,9 +120,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
         save_plan(plan, out)
     except OSError as e:
         raise TandemError(f"cannot write the plan to {out}: {e.strerror or e}") from None
+    if not args.no_quality:
+        if args.quality_tokens < 16:
+            raise TandemError(f"--quality-tokens must be at least 16, got {args.quality_tokens}")
+        from .quality import measure_plan_quality
+        plan.quality = measure_plan_quality(args.model, out, max_tokens=args.quality_tokens, gpu_device=args.gpu_device,
+                                            max_quality_loss=profile.quality.get("max_quality_loss"),
+                                            profile_dir=args.profile, predictors_dir=args.predictors)
+        save_plan(plan, out)
     print(f"plan written to {out}")
     print(_headline(plan))
+    if plan.quality:
+        print(_quality_line(plan.quality))
     return 0
+
+
+def _quality_line(q: dict) -> str:
+    return (f"quality (measured, {q['held_out_tokens']} held-out tokens): perplexity {q['perplexity']:.4f} vs dense "
+            f"{q['dense_perplexity']:.4f} ({q['perplexity_increase']:+.2%}), greedy agreement {q['greedy_agreement']:.1%}")
 
 
 def _number_or_name(text: str) -> str | float:
@@ -151,7 +171,9 @@ def format_plan_summary(plan: Plan) -> str:
              f"chunks of {plan.solver['neurons_per_chunk']} neurons"
              + (" (coarsened for the model's size)" if plan.solver.get("chunks_coarsened") else "")
              + f", solved in {plan.solver['solve_time_s']:.1f}s",
-             _headline(plan), "", "GPU bytes by kind:"]
+             _headline(plan),
+             _quality_line(plan.quality) if plan.quality else "quality: not measured (planned with --no-quality)",
+             "", "GPU bytes by kind:"]
     for kind, num_bytes in plan.gpu_bytes_by_kind.items():
         if num_bytes:
             lines.append(f"  {kind:<18} {format_bytes(num_bytes):>10}")

@@ -52,6 +52,7 @@ class Plan:
     output_head_on_gpu: bool
     embeddings_on_gpu: bool
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    quality: dict[str, Any] = field(default_factory=dict)  # measured through the runtime (placement/quality.py)
 
     # --- accessors ---------------------------------------------------------------------------
     @property
@@ -90,7 +91,8 @@ class Plan:
                 "settings": self.settings.to_dict(), "settings_fingerprint": self.settings.fingerprint,
                 "model_config": self.model_config, "solver": self.solver, "modeled": self.modeled,
                 "gpu_bytes_by_kind": self.gpu_bytes_by_kind, "gpu_bytes": self.gpu_bytes, "layers": self.layers,
-                "output_head_on_gpu": self.output_head_on_gpu, "embeddings_on_gpu": self.embeddings_on_gpu}
+                "output_head_on_gpu": self.output_head_on_gpu, "embeddings_on_gpu": self.embeddings_on_gpu,
+                "quality": self.quality}
 
 
 def save_plan(plan: Plan, out_dir: str | Path) -> Path:
@@ -127,7 +129,7 @@ def read_plan(plan_dir: str | Path) -> Plan:
                     model_config=meta["model_config"], solver=meta["solver"], modeled=meta["modeled"],
                     gpu_bytes_by_kind=meta["gpu_bytes_by_kind"], layers=meta["layers"],
                     output_head_on_gpu=bool(meta["output_head_on_gpu"]), embeddings_on_gpu=bool(meta["embeddings_on_gpu"]),
-                    tensors=tensors)
+                    tensors=tensors, quality=dict(meta.get("quality") or {}))
     except (KeyError, TypeError, ValueError) as e:
         raise ArtifactError(f"plan metadata in {plan_dir} is incomplete or malformed ({e})") from None
     if meta.get("hardware_fingerprint") != plan.hardware.fingerprint or meta.get("settings_fingerprint") != plan.settings.fingerprint:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from online.config import ModelConfig
+from online.execution.tier_format import expert_format_for, expert_layout_bytes
 from tandem.errors import TandemError
 
 from . import cost_model
@@ -31,6 +32,7 @@ from .settings import ActivationStats, PlanSettings
 
 GPU_WORKSPACE_BYTES = 8 * MiB  # cuBLAS-style workspace + allocator slack reserved in every GPU budget
 INDEX_BYTES_PER_GPU_NEURON = 8  # int64 entry of the GPU-row -> neuron index map
+BIAS_BYTES = 4  # float32 up/gate bias entries of a hot neuron (models with FFN biases)
 
 
 @dataclass(frozen=True)
@@ -146,9 +148,12 @@ def _expert_options(config: ModelConfig, hw: HardwareProfile, bpw: float, expert
                     repeat_rate: float, gpu_enabled: bool) -> tuple[list[ExpertOption], np.ndarray]:
     rows = 3 if config.mlp_gated else 2
     expert_bytes = math.ceil(rows * config.hidden_size * config.moe_intermediate_size * bpw)
+    # a cache slot holds one expert as the runtime packs it (one buffer, its own format and alignment)
+    slot_bytes = expert_layout_bytes(config.hidden_size, config.moe_intermediate_size, config.mlp_gated,
+                                     expert_format_for(bpw), bias=config.mlp_bias)
     gpu_s = cost_model.gpu_weight_seconds(expert_bytes, bpw, hw)
     cpu_s = cost_model.cpu_weight_seconds(expert_bytes, bpw, hw)
-    copy_s = expert_bytes / hw.h2d_bandwidth_bytes_per_s if hw.h2d_bandwidth_bytes_per_s > 0 else math.inf
+    copy_s = slot_bytes / hw.h2d_bandwidth_bytes_per_s if hw.h2d_bandwidth_bytes_per_s > 0 else math.inf
     order = np.argsort(-expert_freq, kind="stable")
     freq_sorted = expert_freq[order]
     num_experts = len(expert_freq)
@@ -175,7 +180,7 @@ def _expert_options(config: ModelConfig, hw: HardwareProfile, bpw: float, expert
             option_cpu = miss_mass * cpu_s
         total_mass = pinned_mass + unpinned_mass
         on_gpu_mass = pinned_mass + unpinned_mass * hit + (miss_mass if copy_instead else 0.0)
-        options.append(ExpertOption(pinned_count=pinned, cache_slots=slots, gpu_bytes=(pinned + slots) * expert_bytes,
+        options.append(ExpertOption(pinned_count=pinned, cache_slots=slots, gpu_bytes=(pinned + slots) * slot_bytes,
                                     gpu_s=option_gpu, cpu_s=option_cpu,
                                     gpu_share=on_gpu_mass / total_mass if total_mass > 0 else 0.0,
                                     uses_gpu=pinned + slots > 0, uses_cpu=option_cpu > 0))
@@ -195,16 +200,21 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
     q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     attention_weights = d * q_dim * 2 + d * kv_dim * 2
     kv_cache_bytes = math.ceil(2 * kv_dim * settings.context_tokens * settings.kv_bytes_per_element)
+    attention_bias_bytes = BIAS_BYTES * ((q_dim + 2 * kv_dim if config.attention_bias else 0)
+                                         + (d if config.attention_out_bias else 0))
     attended_tokens = settings.context_tokens / 2
     rows_total = 3 if config.mlp_gated else 2
-    neuron_bytes = math.ceil(rows_total * d * bpw) + INDEX_BYTES_PER_GPU_NEURON
+    bias_rows = (rows_total - 1) if config.mlp_bias else 0  # up (+ gate) biases; the down bias is per layer
+    neuron_bytes = math.ceil(rows_total * d * bpw) + INDEX_BYTES_PER_GPU_NEURON + BIAS_BYTES * bias_rows
     layers = []
     for i in range(config.num_layers):
         is_moe = config.is_moe_layer(i)
         weights = attention_weights + (config.num_experts * d if is_moe else 0)
         weight_bytes = math.ceil(weights * bpw)
+        # on the tier: q/k/v/o in the plan's format, fp32 biases, the KV cache (the router stays with the experts)
+        attention_tier_bytes = math.ceil(attention_weights * bpw) + attention_bias_bytes
         attention = DenseUnit(
-            gpu_bytes=weight_bytes + kv_cache_bytes,
+            gpu_bytes=attention_tier_bytes + kv_cache_bytes,
             gpu_s=cost_model.gpu_weight_seconds(weight_bytes, bpw, hw) + cost_model.attention_kv_seconds(config, attended_tokens, settings.kv_bytes_per_element, hw.gpu_bandwidth_bytes_per_s, hw.gpu_matmul_flops),
             cpu_s=cost_model.cpu_weight_seconds(weight_bytes, bpw, hw) + cost_model.attention_kv_seconds(config, attended_tokens, settings.kv_bytes_per_element, hw.cpu_bandwidth_bytes_per_s, hw.cpu_matmul_flops))
         info = predictors.layers[i]

@@ -40,6 +40,7 @@ class PrepareSettings:
     max_quality_loss: float = 0.02
     calib: tuple[str, ...] | None = None
     threads: int | None = None
+    measure_quality: bool = True  # record the plan's held-out quality through its runtime
 
     def __post_init__(self) -> None:
         if self.predictors not in PREDICTOR_CHOICES:
@@ -115,11 +116,12 @@ def probe(out: Path, *, threads: int | None = None) -> Path:
 
 
 def plan(model: str, profile_dir: Path, hardware: str, out: Path, *, gpu_budget: str | None = None,
-         predictors_dir: Path | None = None, replan: bool = False) -> Path:
+         predictors_dir: Path | None = None, replan: bool = False, measure_quality: bool = True) -> Path:
     """Plan the placement into ``out`` (``tandem plan``); returns ``out``."""
     from placement.cli import add_parsers
     _run(add_parsers, "plan", model=model, profile=str(profile_dir), hardware=hardware, out=str(out),
-         gpu_budget=gpu_budget, predictors=str(predictors_dir) if predictors_dir else None, replan=replan)
+         gpu_budget=gpu_budget, predictors=str(predictors_dir) if predictors_dir else None, replan=replan,
+         no_quality=not measure_quality)
     return Path(out)
 
 
@@ -174,7 +176,7 @@ def prepare(settings: PrepareSettings, log: TextIO | None = None) -> PrepareResu
         if stale:
             print(f"[prepare] the plan in {plan_dir} is stale (its profile or model changed): planning again")
         plan(settings.model, profile_dir, hardware, plan_dir, gpu_budget=budget, predictors_dir=predictors_dir,
-             replan=stale)
+             replan=stale, measure_quality=settings.measure_quality)
         steps.append(StepResult("plan", plan_dir, False))
     return PrepareResult(model_id=model_id, profile_dir=profile_dir, predictors_dir=predictors_dir,
                          hardware_path=hardware, plan_dir=plan_dir, steps=tuple(steps))

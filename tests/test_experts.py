@@ -411,8 +411,9 @@ def test_plan_slots_and_pinned_experts_reach_the_runtime(mixtral8, tmp_path):
     assert out.stats["expert_hit_rate"] > 0  # pinned experts are hits
     reference = Engine.load(folder, weight_format="int8", expert_slots=0, threads=1).generate(PROMPT, max_new_tokens=8)
     assert out.token_ids == reference.token_ids
-    override = Engine.load(folder, plan=tmp_path / "plan", threads=1, gpu_device="cpu", expert_slots=2)
-    assert all(c.num_slots == 2 for c in override.executor.experts.caches.values())
+    # the plan's attention/KV and output layer fill the rest of the budget, so an override can only shrink here
+    override = Engine.load(folder, plan=tmp_path / "plan", threads=1, gpu_device="cpu", expert_slots=0)
+    assert all(c.num_slots == 0 for c in override.executor.experts.caches.values())
     assert override.generate(PROMPT, max_new_tokens=8).token_ids == reference.token_ids
     with pytest.raises(TandemError, match="GPU budget too small"):
         Engine.load(folder, plan=tmp_path / "plan", threads=1, gpu_device="cpu", expert_slots=8)

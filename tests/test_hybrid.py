@@ -111,7 +111,7 @@ def test_gpu_budget_is_enforced(tiny_model_dir):
     model, ffn_layers = load(folder)
     d = model.cfg.hidden_size
     hot = random_splits(model.cfg, 0.5, seed=4)
-    need = sum(3 * h.numel() * d * 4 for h in hot)  # gate, up rows + down columns, float32
+    need = sum(3 * h.numel() * d * 4 + 8 * h.numel() for h in hot)  # gate, up rows + down columns, float32; int64 index
     with pytest.raises(TandemError, match="GPU budget exceeded"):
         HybridExecutor.build(model.cfg, ffn_layers, GpuTier.create(need - 1, "cpu"),
                              ExecutionSettings(weight_format="fp32", sparse=False), gpu_neurons=hot)

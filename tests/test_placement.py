@@ -458,7 +458,7 @@ def test_cli_plan_reuses_refuses_and_replans(tmp_path, monkeypatch, capsys):
     parser = argparse.ArgumentParser()
     placement_cli.add_parsers(parser.add_subparsers())
     base = ["plan", "--model", "tiny", "--profile", str(tmp_path / "profile"), "--hardware", str(tmp_path / "hw.json"),
-            "--out", str(tmp_path / "plan"), "--neurons-per-chunk", "64", "--context", "64", "--time-limit", "5"]
+            "--out", str(tmp_path / "plan"), "--neurons-per-chunk", "64", "--context", "64", "--time-limit", "5", "--no-quality"]
     def run(*extra):
         args = parser.parse_args(base + list(extra))
         return args.handler(args)

@@ -83,10 +83,14 @@ def _check_model(model, executor) -> None:
             raise FusedDecodeUnavailable("no fused decode for FFN biases on gate/up")
     for i, block in enumerate(model.layers):
         attn = block.self_attn
+        if getattr(attn, "on_tier", False):
+            raise FusedDecodeUnavailable(f"no fused decode: layer {i} attention is on the GPU tier")
         if attn.qkv_proj is None or not hasattr(attn.o_proj, "linear"):
             raise FusedDecodeUnavailable(f"no fused decode: layer {i} attention is not packed (float32 plan)")
     if getattr(executor, "head", None) is None:
         raise FusedDecodeUnavailable("no fused decode: the output layer is not packed")
+    if getattr(model.embed_tokens, "on_tier", False):
+        raise FusedDecodeUnavailable("no fused decode: the embeddings are on the GPU tier")
 
 
 class FusedDecodeStep:

@@ -25,8 +25,10 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..kernels.ffn import QuantizedFFN, QuantizedLinear
-from .dense import DenseExecutor, ffn_down, ffn_hidden
+from .activations import activate, gated_hidden
+from .dense import DenseExecutor
 from .gpu_tier import GpuTier
+from .tier_format import TIER_FORMATS, TierMatrix
 from .weights import FFNWeights, MoELayerWeights
 
 WEIGHT_FORMATS = ("fp32", "int8", "int4")
@@ -47,6 +49,7 @@ class ExecutionSettings:
     sparse: bool = True
     threads: int = 2
     gpu_device: str | None = None  # None: CUDA when present, else the CPU
+    tier_format: str = "fp32"  # how hot rows are stored on the GPU tier (a plan sets its own: fp16/q8/q4)
 
     def __post_init__(self) -> None:
         from tandem.errors import TandemError
@@ -56,12 +59,27 @@ class ExecutionSettings:
             raise TandemError(f"unknown down-projection format {self.down_format!r} (choose from {', '.join(DOWN_FORMATS)})")
         if self.threads < 1:
             raise TandemError(f"threads must be >= 1, got {self.threads}")
+        if self.tier_format not in TIER_FORMATS:
+            raise TandemError(f"unknown GPU-tier format {self.tier_format!r} (choose from {', '.join(TIER_FORMATS)})")
 
 
 @dataclass
 class GpuPart:
+    """The hot rows of one FFN layer, compacted on the tier in the tier format (no down bias: added once)."""
     neurons: torch.Tensor  # [n_hot] int64 (CPU), original neuron ids
-    weights: FFNWeights  # the hot rows, compacted on the tier (no down bias: added once per layer)
+    index: torch.Tensor  # [n_hot] int64 on the tier: compact row -> neuron id (the map the plan budgets)
+    up: TierMatrix  # [n_hot, d]
+    down_t: TierMatrix  # [n_hot, d]: down columns as rows, blocks along d
+    gate: TierMatrix | None = None  # [n_hot, d]
+    up_bias: torch.Tensor | None = None  # [n_hot] float32 on the tier
+    gate_bias: torch.Tensor | None = None  # [n_hot]
+
+    @property
+    def nbytes(self) -> int:
+        mats = (self.up, self.down_t, self.gate)
+        vecs = (self.index, self.up_bias, self.gate_bias)
+        return (sum(m.nbytes for m in mats if m is not None)
+                + sum(t.numel() * t.element_size() for t in vecs if t is not None))
 
 
 @dataclass
@@ -97,6 +115,7 @@ class HybridExecutor(DenseExecutor):
         self.head = head
         self.counters = ExecutionCounters()
         self.experts = None  # online.experts.ExpertRuntime for MoE layers (attach_experts)
+        self.tier_head = None  # TierMatrix: the output layer on the GPU tier (tier_units.place_plan_units)
 
     def attach_experts(self, runtime) -> None:
         """Run MoE layers through ``runtime``; it holds the (packed) experts, so the float ones go."""
@@ -143,12 +162,14 @@ class HybridExecutor(DenseExecutor):
             return self.moe_forward(layer, x)
         start = time.perf_counter()
         n_tokens = x.shape[0]
-        y = None
-        if split.gpu is not None:
-            y = self._gpu_forward(split.gpu, x)
+        y = handle = None
+        if split.gpu is not None:  # launched first; on CUDA it runs while the CPU computes the cold part
+            handle = self.tier.fetch_async(self._gpu_forward(split.gpu, x))
         if split.cpu is not None:
-            y_cpu = self._cpu_forward(split, x)
-            y = y_cpu if y is None else y + y_cpu
+            y = self._cpu_forward(split, x)
+        if handle is not None:
+            y_gpu = self.tier.wait(handle)  # the layer's one exchange back
+            y = y_gpu if y is None else y + y_gpu
         if split.down_bias is not None:
             y = y + split.down_bias
         self.counters.ffn_neurons_total += n_tokens * self._n_neurons(split)
@@ -159,14 +180,18 @@ class HybridExecutor(DenseExecutor):
         return split.cpu_neurons.numel() + (split.gpu.neurons.numel() if split.gpu is not None else 0)
 
     def _gpu_forward(self, part: GpuPart, x: torch.Tensor) -> torch.Tensor:
-        x_tier = x.to(self.tier.device, non_blocking=True)
-        h = ffn_hidden(self.cfg, part.weights, x_tier)  # [T, n_hot]
-        y = ffn_down(part.weights, h)  # [T, d]
+        x_tier = self.tier.send(x)
+        cfg = self.cfg
+        up = part.up.linear(x_tier, part.up_bias)  # [T, n_hot]
+        if part.gate is None:
+            h = activate(cfg.hidden_act, up, cfg.act_threshold)
+        else:
+            h = gated_hidden(cfg.hidden_act, part.gate.linear(x_tier, part.gate_bias), up, cfg.act_threshold)
+        y = h @ part.down_t.dequantize()  # [T, n_hot] @ [n_hot, d] -> [T, d]
         self.counters.ffn_neurons_active += h.shape[0] * h.shape[1]
         if self.tier.is_cuda:
             self.counters.bytes_moved += x.numel() * x.element_size() + y.numel() * y.element_size()
-            return y.to("cpu")
-        return y
+        return y  # [T, d] on the tier
 
     def _cpu_forward(self, split: LayerSplit, x: torch.Tensor) -> torch.Tensor:
         if split.predictor is not None and x.shape[0] <= PREDICTOR_MAX_TOKENS:
@@ -187,6 +212,8 @@ class HybridExecutor(DenseExecutor):
         return y
 
     def output_logits(self, x: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        if self.tier_head is not None:
+            return self.tier.fetch(self.tier_head.linear(self.tier.send(x)))  # [T, vocab]
         if self.head is None:
             return F.linear(x, lm_head_weight)
         return self.head.forward(x)
@@ -203,11 +230,13 @@ class HybridExecutor(DenseExecutor):
             if split.cpu is not None:
                 total += split.cpu.nbytes
             if split.gpu is not None:
-                total += split.gpu.weights.nbytes
+                total += split.gpu.nbytes
         return total
 
     @property
     def head_nbytes(self) -> int | None:
+        if self.tier_head is not None:
+            return self.tier_head.nbytes
         return None if self.head is None else self.head.nbytes
 
 
@@ -220,13 +249,17 @@ def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor,
     cold = torch.nonzero(cold_mask).flatten()
     gpu = None
     if hot.numel():
+        fmt, prefix = settings.tier_format, f"layers.{layer}"
+
         def put(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else tier.allocate(f"layers.{layer}.{name}", t.contiguous())
-        gpu = GpuPart(neurons=hot, weights=FFNWeights(
-            up=put("hot_up", w.up[hot]), down=put("hot_down", w.down[:, hot]),
-            gate=put("hot_gate", None if w.gate is None else w.gate[hot]),
+            return None if t is None else tier.allocate(f"{prefix}.{name}", t.float().contiguous())
+        gpu = GpuPart(
+            neurons=hot, index=tier.allocate(f"{prefix}.hot_index", hot.clone()),
+            up=TierMatrix.pack(w.up[hot], fmt, tier, f"{prefix}.hot_up"),
+            down_t=TierMatrix.pack(w.down[:, hot].t(), fmt, tier, f"{prefix}.hot_down"),
+            gate=None if w.gate is None else TierMatrix.pack(w.gate[hot], fmt, tier, f"{prefix}.hot_gate"),
             up_bias=put("hot_up_bias", None if w.up_bias is None else w.up_bias[hot]),
-            gate_bias=put("hot_gate_bias", None if w.gate_bias is None else w.gate_bias[hot])))
+            gate_bias=put("hot_gate_bias", None if w.gate_bias is None else w.gate_bias[hot]))
     cpu = None
     if cold.numel():
         kw = dict(act=cfg.hidden_act, act_threshold=cfg.act_threshold, threads=settings.threads)

@@ -42,6 +42,8 @@ def quantize_attention(model, fmt: str, threads: int, raw: dict | None = None) -
     raw = raw or {}
     for i, block in enumerate(model.layers):
         attn = block.self_attn
+        if getattr(attn, "on_tier", False):
+            continue  # the plan put this layer's attention on the GPU tier (tier_units.TierAttention)
         packed = {}
         for name in ATTENTION_PROJECTIONS:
             lin: nn.Linear = getattr(attn, name)

@@ -302,3 +302,33 @@ int64_t tdm_has_avx2(void) {
     return 0;
 #endif
 }
+
+/* Layer offload (llama.cpp -ngl): layers [first, last) of m->layers on the residual stream res [d]
+ * (in/out, the tokens' stream after the layers run elsewhere); with logits != NULL also the final
+ * norm and the output layer. Returns the FFN neurons computed. */
+int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_t pos, float *res, float *logits) {
+    shared_bufs sb = get_shared(m);
+    int nt = (int)m->threads;
+    for (int j = 0; j < nt; j++) sb.counts[j] = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        int t = omp_get_thread_num(), n = omp_get_num_threads();
+        thread_bufs tb = get_thread(m, t);
+        memcpy(tb.res, res, 4 * m->d);
+        for (int64_t l = first; l < last; l++) {
+            attention_block(m, &m->layers[l], pos, &sb, &tb, t, n);
+            ffn_block(m, &m->layers[l], &sb, &tb, t, n);
+        }
+#pragma omp barrier
+        if (t == 0) memcpy(res, tb.res, 4 * m->d); /* every thread's copy is bit-identical */
+        if (logits) {
+            norm_and_quantize(m, tb.res, m->final_norm, &tb);
+            int64_t lo, hi;
+            chunk(m->vocab, t, n, &lo, &hi);
+            dot_rows(&m->head, lo, hi - lo, &tb.x, logits + lo);
+        }
+    }
+    int64_t total = 0;
+    for (int j = 0; j < nt; j++) total += sb.counts[j];
+    return total;
+}

@@ -58,6 +58,8 @@ def bind_signatures(lib: ctypes.CDLL) -> None:
     lib.tdm_dequantize_rows.restype = None
     lib.tdm_gemv_float.argtypes = [ctypes.POINTER(TdmWeight), _I, _P, _P, _I]
     lib.tdm_gemv_float.restype = None
+    lib.tdm_decode_range.argtypes = [ctypes.POINTER(TdmModel), _I, _I, _I, _P, _P]
+    lib.tdm_decode_range.restype = _I
 
 
 def addr(a: np.ndarray | None) -> int | None:

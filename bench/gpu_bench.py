@@ -1,0 +1,125 @@
+"""GPU benchmark: dense fully on the tier, layer offload and plans at 10/25/50/100% of the model's bytes.
+
+Measured decode tok/s (median of rounds), the cost model's tok/s for the same placement, the budget
+and the bytes over the host<->tier link per token, written to bench/gpu.md. On a machine with CUDA
+the tier is the GPU; without one (or with ``--gpu-device cpu``) every row runs the same code on the
+CPU tier and is labelled "CPU tier": those rows test the script and the placements, they are not GPU
+numbers. ``bash bench/gpu.sh`` / ``make bench-gpu``; ``python -m bench.gpu_bench --help``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+FRACTIONS = (0.10, 0.25, 0.50, 1.00)
+CONTEXT_TOKENS = 2048  # the KV cache both the plans and layer offload size
+PROMPT = "Write a short story about a robot who learns to paint. Once upon a time"
+
+
+def model_bytes(model: str, profile_dir: Path, hardware: str, weight_format: str) -> tuple[int, int]:
+    """(bytes of every placeable unit as the planner counts them, the GPU buffers it reserves)."""
+    from offline.profile_artifact import load_profile
+    from online.loading import load_checkpoint
+    from placement.cli import checkpoint_bytes_per_weight
+    from placement.hardware import load_hardware
+    from placement.predictor_info import no_predictors
+    from placement.problem import build_problem
+    from placement.settings import ActivationStats, PlanSettings, resolve_bytes_per_weight
+    ckpt = load_checkpoint(model)
+    cfg = ckpt.config
+    bpw = checkpoint_bytes_per_weight(ckpt) if weight_format == "auto" else resolve_bytes_per_weight(weight_format)
+    settings = PlanSettings(bytes_per_weight=bpw, context_tokens=min(cfg.max_context, CONTEXT_TOKENS))
+    problem = build_problem(cfg, ActivationStats.from_profile(load_profile(profile_dir), cfg), no_predictors(cfg.num_layers),
+                            load_hardware(hardware), 1 << 50, settings)
+    total = problem.output_head.gpu_bytes + (problem.embeddings.gpu_bytes if problem.embeddings else 0)
+    for layer in problem.layers:
+        total += layer.attention.gpu_bytes + (layer.dense_ffn.gpu_bytes if not layer.is_moe else
+                                              max(o.gpu_bytes for o in layer.expert_options))
+    return total, problem.buffer_bytes
+
+
+def decode_tok_s(engine, tokens: int, rounds: int) -> tuple[float, dict]:
+    rates, stats = [], {}
+    for _ in range(rounds):
+        out = engine.generate(PROMPT, max_new_tokens=tokens, ignore_eos=True)
+        rates.append(out.stats["decode_tokens_per_s"])
+        stats = out.stats
+    return statistics.median(rates), stats
+
+
+def make_plan_dir(model: str, profile: Path, hardware: str, budget: int, out: Path) -> Path:
+    cmd = [sys.executable, "-m", "tandem.cli", "plan", "--model", model, "--profile", str(profile), "--hardware", hardware,
+           "--gpu-budget", str(budget), "--out", str(out), "--replan", "--no-quality", "--time-limit", "20"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    p.add_argument("--profile", default="profiles/SmolLM2-135M-Instruct.Q4_1/profile")
+    p.add_argument("--hardware", default="rtx4090", help="preset or `tandem probe` JSON the plans are made for")
+    p.add_argument("--gpu-device", choices=("cuda", "cpu"), default=None)
+    p.add_argument("--tokens", type=int, default=32, help="decoded tokens per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
+    p.add_argument("--out", default=str(BENCH_DIR / "gpu.md"))
+    p.add_argument("--work", default="/tmp/tandem-bench-gpu", help="where the plans are written")
+    args = p.parse_args(argv)
+    import torch
+    from online import Engine
+    from placement.budget import format_bytes
+    from placement.plan import read_plan
+    device = args.gpu_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tier_label = "GPU" if device == "cuda" else "CPU tier (no GPU: not GPU numbers)"
+    total, reserve = model_bytes(args.model, Path(args.profile), args.hardware, "auto")
+    rows = []
+
+    def row(name: str, budget: int, engine, modeled):
+        tok_s, stats = decode_tok_s(engine, args.tokens, args.rounds)
+        rows.append((name, format_bytes(budget), f"{tok_s:.2f}", "-" if modeled is None else f"{modeled:.1f}",
+                     str(stats.get("link_bytes_per_token", 0)), str(stats.get("tier_syncs_per_token", 0)),
+                     stats.get("decode_path", "?")))
+        print(" | ".join(rows[-1]), flush=True)
+
+    row("dense, all layers on the tier (layer offload, 100%)", reserve + 2 * total,
+        Engine.load(args.model, layer_offload=True, gpu_budget_bytes=reserve + 2 * total, gpu_device=device,
+                    context_length=CONTEXT_TOKENS), None)
+    for fraction in (float(f) for f in args.fractions.split(",")):
+        budget = reserve + int(fraction * total)  # X% of the model's bytes + the planner's buffer reserve
+        plan_dir = make_plan_dir(args.model, Path(args.profile), args.hardware, budget,
+                                 Path(args.work) / f"plan-{fraction:g}")
+        plan = read_plan(plan_dir)
+        row(f"layer offload at {fraction:.0%}", budget,
+            Engine.load(args.model, layer_offload=True, gpu_budget_bytes=budget, gpu_device=device,
+                        context_length=CONTEXT_TOKENS),
+            plan.modeled.get("layer_offload_tokens_per_s"))
+        row(f"plan at {fraction:.0%}", budget, Engine.load(args.model, plan=plan_dir, gpu_device=device, profile=args.profile),
+            plan.modeled.get("tokens_per_s"))
+    head = ["| run | budget | measured tok/s | modeled tok/s | link bytes/token | tier syncs/token | decode path |",
+            "|---|---|---|---|---|---|---|"]
+    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = "\n".join([
+        "# GPU benchmark (bench/gpu.sh)", "",
+        f"Tier: **{tier_label}**. Machine: {platform.node()} ({platform.machine()}), {torch.get_num_threads()} torch threads, "
+        f"{when}. Model {args.model}; model bytes as planned {format_bytes(total)} (budgets add the planner's {format_bytes(reserve)} buffer reserve); plans for `{args.hardware}`; "
+        f"{args.tokens} decoded tokens, median of {args.rounds} rounds. Modeled = the plan's cost model (not measured).",
+        f"Command: `python -m bench.gpu_bench {' '.join(argv if argv is not None else sys.argv[1:])}`", ""] + head
+        + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+    out = Path(args.out)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
