@@ -25,8 +25,7 @@ $(DEFAULT_GGUF): | $(STAMP)
 # The whole pipeline on the default model: profile + plan for this machine (reused when valid), then
 # hybrid sparse + quantized generation from the plan.
 run: setup
-	@set -eo pipefail; $(BIN)/tandem prepare --model smollm2 --threads $(THREADS) | tee .prepare.log; \
-	plan=$$(sed -n 's/^\[prepare\] plan ready: //p' .prepare.log); rm -f .prepare.log; \
+	@set -e; plan=$$($(BIN)/tandem prepare --model smollm2 --threads $(THREADS) --print-plan-path); \
 	$(BIN)/tandem generate --model smollm2 --plan "$$plan" --chat --prompt "$(PROMPT)" --max-new-tokens 64 --threads $(THREADS)
 
 test: setup

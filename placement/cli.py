@@ -16,12 +16,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tandem.errors import ArtifactError, TandemError
+from tandem.errors import TandemError
 
-from .budget import format_bytes, parse_bytes
-from .hardware import PRESETS, load_hardware, save_hardware
-from .predictor_info import load_predictor_info, no_predictors
-from .settings import GGUF_BYTES_PER_WEIGHT, WEIGHT_FORMATS, PlanSettings, resolve_bytes_per_weight
+from .budget import format_bytes
+from .hardware import PRESETS
+from .settings import GGUF_BYTES_PER_WEIGHT, WEIGHT_FORMATS
 
 if TYPE_CHECKING:  # the plan module loads torch: only the commands that read or write a plan import it
     from .plan import Plan
@@ -71,53 +70,18 @@ def checkpoint_bytes_per_weight(checkpoint: Any) -> float:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .plan import load_plan, save_plan
-    from online.loading import load_checkpoint  # lazily: loading pulls in the model readers
-    from offline.profile_artifact import load_profile
-    from .planner import check_budget, default_gpu_budget, make_plan
-    from .ilp import SolverSettings
-
-    hardware = load_hardware(args.hardware)
-    budget = default_gpu_budget(hardware) if args.gpu_budget is None else parse_bytes(args.gpu_budget)
-    checkpoint = load_checkpoint(args.model)
-    config = checkpoint.config
-    profile = load_profile(args.profile, expected_model_fingerprint=checkpoint.fingerprint)
-    predictors = (load_predictor_info(args.predictors, config.num_layers, checkpoint.fingerprint, profile.fingerprint)
-                  if args.predictors else no_predictors(config.num_layers))
-    bytes_per_weight = (checkpoint_bytes_per_weight(checkpoint) if args.weight_format == "auto"
-                        else resolve_bytes_per_weight(_number_or_name(args.weight_format)))
-    settings = PlanSettings(bytes_per_weight=bytes_per_weight,
-                            context_tokens=args.context or min(config.max_context, 2048),
-                            neurons_per_chunk=args.neurons_per_chunk, min_gpu_neurons_per_layer=args.min_gpu_neurons)
-    check_budget(config, hardware, budget, settings)
-    out = Path(args.out) if args.out else Path("profiles") / checkpoint.model_id / f"plan-{hardware.name}-{format_bytes(budget)}"
-    if (out / "plan.json").exists() and not args.replan:
-        try:
-            plan = load_plan(out, model_fingerprint=checkpoint.fingerprint, profile_fingerprint=profile.fingerprint,
-                             predictors_fingerprint=predictors.fingerprint, hardware=hardware,
-                             gpu_budget_bytes=budget, settings=settings)
-        except ArtifactError as e:
-            raise TandemError(f"refusing to overwrite: {e}") from None
-        print(f"reusing the plan in {out} (same model, profile, predictors, hardware, budget and settings)")
-        print(_headline(plan))
-        return 0
-    plan = make_plan(config, model_fingerprint=checkpoint.fingerprint, model_id=checkpoint.model_id, profile=profile,
-                     hardware=hardware, gpu_budget_bytes=budget, predictors=predictors, settings=settings,
-                     solver=SolverSettings(time_limit_s=args.time_limit))
-    try:
-        save_plan(plan, out)
-    except OSError as e:
-        raise TandemError(f"cannot write the plan to {out}: {e.strerror or e}") from None
-    print(f"plan written to {out}")
-    print(_headline(plan))
+    from tandem import pipeline
+    result = pipeline.plan(args.model, args.profile, args.hardware, gpu_budget=args.gpu_budget,
+                           predictors_dir=args.predictors, out=args.out, replan=args.replan,
+                           time_limit_s=args.time_limit, weight_format=args.weight_format,
+                           context_tokens=args.context, neurons_per_chunk=args.neurons_per_chunk,
+                           min_gpu_neurons=args.min_gpu_neurons)
+    if result.reused:
+        print(f"reusing the plan in {result.path} (same model, profile, predictors, hardware, budget and settings)")
+    else:
+        print(f"plan written to {result.path}")
+    print(_headline(result.plan))
     return 0
-
-
-def _number_or_name(text: str) -> str | float:
-    try:
-        return float(text)
-    except ValueError:
-        return text
 
 
 def _headline(plan: Plan) -> str:
@@ -213,14 +177,9 @@ def cmd_show_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from .probe import probe_machine
-
-    hardware = probe_machine(threads=args.threads, name=args.name)
+    from tandem import pipeline
+    hardware = pipeline.probe(args.out, threads=args.threads, name=args.name)
     if args.out:
-        try:
-            save_hardware(hardware, args.out)
-        except OSError as e:
-            raise TandemError(f"cannot write {args.out}: {e.strerror or e}") from None
         print(f"hardware profile written to {args.out} (use it with --hardware {args.out})")
     print(json.dumps(hardware.to_dict(), indent=2))
     return 0
