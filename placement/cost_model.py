@@ -15,13 +15,13 @@ Example::
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from online.config import ModelConfig
+from tandem.roofline import roofline_seconds
 
 if TYPE_CHECKING:
     from .hardware import HardwareProfile
@@ -31,9 +31,7 @@ if TYPE_CHECKING:
 # --- device time primitives ------------------------------------------------------------------
 def weight_seconds(read_bytes, bytes_per_weight: float, bandwidth: float, flops: float):
     """Time to stream ``read_bytes`` of weights and do 2 flops per weight (scalar or numpy array)."""
-    if bandwidth <= 0 or flops <= 0:
-        return read_bytes * math.inf if np.isscalar(read_bytes) else np.full_like(np.asarray(read_bytes, float), math.inf)
-    return np.maximum(read_bytes / bandwidth, 2.0 * (read_bytes / bytes_per_weight) / flops)
+    return roofline_seconds(read_bytes, 2.0 * (np.asarray(read_bytes, float) / bytes_per_weight), bandwidth, flops)
 
 
 def gpu_weight_seconds(read_bytes, bytes_per_weight: float, hw: "HardwareProfile"):
@@ -53,7 +51,7 @@ def attention_kv_seconds(config: ModelConfig, attended_tokens: float, kv_bytes_p
         bandwidth, flops = 1.0, 1.0  # only reached for a GPU that does not exist; never placed there
     kv_read_bytes = 2 * config.num_kv_heads * config.head_dim * attended_tokens * kv_bytes_per_element
     kv_flops = 4 * config.num_heads * config.head_dim * attended_tokens
-    return max(kv_read_bytes / bandwidth, kv_flops / flops)
+    return roofline_seconds(kv_read_bytes, kv_flops, bandwidth, flops)
 
 
 # --- placements ------------------------------------------------------------------------------

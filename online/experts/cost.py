@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from tandem.errors import TandemError
+from tandem.roofline import roofline_seconds
 
 ACTIVATION_BYTES = 4  # float32 hidden states
 
@@ -57,7 +58,7 @@ class MissCostModel:
 
     @staticmethod
     def _compute_s(nbytes: int, n_params: int, n_tokens: int, bandwidth: float, flops: float) -> float:
-        return max(nbytes / bandwidth, 2.0 * n_params * n_tokens / flops)
+        return roofline_seconds(nbytes, 2.0 * n_params * n_tokens, bandwidth, flops)
 
     def copy_seconds(self, expert_nbytes: int, n_params: int, n_tokens: int, d_model: int) -> float:
         if self.h2d_bytes_per_s <= 0:
