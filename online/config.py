@@ -15,7 +15,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,6 +150,3 @@ def freeze_mapping(m: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         return v
     return tuple(sorted((str(k), freeze(v)) for k, v in m.items()))
 
-
-def config_json(cfg: ModelConfig) -> str:
-    return json.dumps(cfg.to_dict(), sort_keys=True)

@@ -153,9 +153,6 @@ class PredictorSet:
     def mode(self, layer: int) -> str:
         return self.entry(layer).mode
 
-    def is_used(self, layer: int) -> bool:
-        return self.entry(layer).use
-
     def threshold(self, layer: int) -> float:
         return self.entry(layer).threshold
 

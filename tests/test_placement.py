@@ -449,7 +449,7 @@ def test_cli_plan_reuses_refuses_and_replans(tmp_path, monkeypatch, capsys):
     from offline.profile_artifact import save_profile
     config = tiny_config()
     tensors = {"model.embed_tokens.weight": torch.zeros(64, 32)}
-    checkpoint = Checkpoint(config=config, tensors=tensors, source_path=tmp_path, source_format="hf", model_id="tiny",
+    checkpoint = Checkpoint(config=config, tensors=tensors, source_path=tmp_path, model_id="tiny",
                             quant_types={})
     monkeypatch.setattr(loading, "load_checkpoint", lambda model: checkpoint)
     profile = power_law_profile(config, model_fingerprint=checkpoint.fingerprint)

@@ -242,14 +242,6 @@ class ExpertRuntime:
             total += w.shared_expert.nbytes if w.shared_expert is not None else 0
         return total
 
-    @property
-    def read_bytes_per_token(self) -> int:
-        """Expert weight bytes one decoded token reads (k experts + shared expert, routers)."""
-        total = 0
-        for i, w in self.moe.items():
-            total += self.cfg.num_experts_per_tok * self.packed[i][0].nbytes + w.router.numel() * w.router.element_size()
-            total += w.shared_expert.nbytes if w.shared_expert is not None else 0
-        return total
 
     def close(self) -> None:
         for cache in self.caches.values():

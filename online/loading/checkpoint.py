@@ -44,15 +44,15 @@ class Checkpoint:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]  # canonical names -> float32 tensors
     source_path: Path  # the resolved .gguf file or HF folder
-    source_format: str  # "gguf" | "hf"
     model_id: str  # short name for artifact folders, e.g. "SmolLM2-135M-Instruct.Q4_1"
     tokenizer: Any = None  # online.loading.tokenizer.Tokenizer | None
     quant_types: dict[str, str] = field(default_factory=dict)  # canonical name -> on-disk type
     raw: dict[str, RawQuantTensor] = field(default_factory=dict)  # canonical name -> raw blocks
+    # what artifacts are built for: computed once here, so emptying tensors later (build_model) cannot change it
+    fingerprint: str = field(init=False, default="")
 
-    @property
-    def fingerprint(self) -> str:
-        return model_fingerprint(self.config, {k: tuple(v.shape) for k, v in self.tensors.items()})
+    def __post_init__(self) -> None:
+        self.fingerprint = model_fingerprint(self.config, {k: tuple(v.shape) for k, v in self.tensors.items()})
 
 
 def model_fingerprint(config: ModelConfig, tensor_shapes: dict[str, tuple[int, ...]]) -> str:

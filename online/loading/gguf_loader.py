@@ -104,7 +104,7 @@ def load_gguf(path: str | Path, with_tokenizer: bool = True) -> Checkpoint:
             raw[name] = RawQuantTensor(qtype=qtype, shape=shape, data=data)
         _release_pages(reader, t.data_offset, t.n_bytes)
     _check_tensors(config, tensors, path)
-    return Checkpoint(config=config, tensors=tensors, source_path=path.resolve(), source_format="gguf",
+    return Checkpoint(config=config, tensors=tensors, source_path=path.resolve(),
                       model_id=path.stem, tokenizer=tokenizer, quant_types={k: v.qtype for k, v in raw.items()},
                       raw=raw)
 

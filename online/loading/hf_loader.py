@@ -99,6 +99,6 @@ def load_hf_folder(folder: str | Path) -> Checkpoint:
     if (folder / "tokenizer.json").is_file():
         from .tokenizer import Tokenizer
         tokenizer = Tokenizer.from_hf_folder(folder)
-    return Checkpoint(config=cfg, tensors=tensors, source_path=folder.resolve(), source_format="hf",
+    return Checkpoint(config=cfg, tensors=tensors, source_path=folder.resolve(),
                       model_id=folder.resolve().name, tokenizer=tokenizer,
                       quant_types={k: "F32" for k in tensors})
