@@ -47,3 +47,16 @@ def test_wrong_output_buffer_is_a_clear_error():
     lin = QuantizedLinear.from_float(torch.randn(32, 64), fmt="int8")
     with pytest.raises(Exception, match="float32 C-contiguous"):
         native_dequantizer(lin.weight)(np.empty((32, 63), np.float32))
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "int8", "int8b", "int4"])
+@pytest.mark.parametrize("n_tokens", [1, 3])
+def test_native_float_gemv_matches_float_matmul(fmt, n_tokens):
+    rng = np.random.default_rng(3)
+    lin = QuantizedLinear.from_float(torch.from_numpy(rng.standard_normal((80, 192)).astype(np.float32)), fmt=fmt)
+    x = rng.standard_normal((n_tokens, 192)).astype(np.float32)
+    y = native_dequantizer(lin.weight).gemv(x, np.empty((n_tokens, 80), np.float32), threads=2)
+    reference = x.astype(np.float64) @ lin.weight.dequantize().astype(np.float64).T  # [T, 80]
+    np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-4)
+    if n_tokens <= lin._max_tokens:  # few-token products take the C path
+        assert np.array_equal(lin.forward_numpy(x), y)

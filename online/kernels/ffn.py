@@ -135,14 +135,19 @@ class QuantizedLinear:
         if isinstance(self.weight, Fp32Weight):
             return torch.from_numpy(self.weight.w)
         out = np.empty((self.out_features, self.in_features), dtype=np.float32)
-        if self._native_dequantize is False:  # the C library where it loads: no JIT on the first prefill
-            from .native.dequant import native_dequantizer
-            self._native_dequantize = native_dequantizer(self.weight)
-        if self._native_dequantize is not None:
-            self._native_dequantize(out)
+        native = self._native()
+        if native is not None:
+            native(out)
         else:
             K.dequantize_into(self._args, out, K.clamp_threads(threads))
         return torch.from_numpy(out)
+
+    def _native(self) -> Any:
+        """The C dequantizer/GEMV of this weight (None: library unavailable): no JIT on the first request."""
+        if self._native_dequantize is False:
+            from .native.dequant import native_dequantizer
+            self._native_dequantize = native_dequantizer(self.weight)
+        return self._native_dequantize
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` as float32 [len, in] (embedding lookup through a tied output layer)."""
@@ -166,6 +171,8 @@ class QuantizedLinear:
             raise TandemError(f"output buffer must be float32 C-contiguous [{T}, {self.out_features}]")
         if T > self._max_tokens:
             torch.matmul(torch.from_numpy(xn), self.dequantize().T, out=torch.from_numpy(y))  # [T, out]
+        elif self._native() is not None:  # float activations, as the numba kernel (the fallback)
+            self._native().gemv(xn, y, self.threads)
         else:
             K.gemv_rows(self._args, self._all_rows, xn, y, self.threads)
         if self.bias.size:

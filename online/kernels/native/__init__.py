@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -104,6 +105,15 @@ def _build(cc: str, flags: tuple[str, ...], out: Path) -> str | None:
             os.unlink(tmp)
 
 
+@functools.lru_cache(maxsize=8)
+def _open_library(path: str) -> ctypes.CDLL:
+    """dlopen + signatures once per process and library file (content-keyed, never rewritten):
+    every packed weight asks for the library on its first product."""
+    lib = ctypes.CDLL(path)
+    bind_signatures(lib)
+    return lib
+
+
 def load_native() -> NativeLibrary:
     """Build (once per machine and source version) and load the C kernels."""
     if os.environ.get("TANDEM_NATIVE", "1") == "0":
@@ -122,10 +132,9 @@ def load_native() -> NativeLibrary:
                 errors.append(error)
                 continue
         try:
-            lib = ctypes.CDLL(str(path))
+            lib = _open_library(str(path))
         except OSError as exc:
             errors.append(str(exc))
             continue
-        bind_signatures(lib)
         return NativeLibrary(lib=lib, path=path, has_avx2=bool(lib.tdm_has_avx2()))
     raise NativeUnavailable("could not build the C decode kernels: " + "; ".join(errors))

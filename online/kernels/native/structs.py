@@ -48,6 +48,8 @@ def bind_signatures(lib: ctypes.CDLL) -> None:
     lib.tdm_has_avx2.restype = _I
     lib.tdm_dequantize_rows.argtypes = [ctypes.POINTER(TdmWeight), _I, _I, _P]
     lib.tdm_dequantize_rows.restype = None
+    lib.tdm_gemv_float.argtypes = [ctypes.POINTER(TdmWeight), _I, _P, _P, _I]
+    lib.tdm_gemv_float.restype = None
 
 
 def addr(a: np.ndarray | None) -> int | None:
