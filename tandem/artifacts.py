@@ -50,14 +50,24 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def save_file(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """safetensors' writer, imported on first use (torch loads with the first artifact, not with the CLI)."""
+    from safetensors.torch import save_file as write
+    write(tensors, path)
+
+
+def load_file(path: str) -> dict[str, torch.Tensor]:
+    """safetensors' reader, imported on first use."""
+    from safetensors.torch import load_file as read
+    return read(path)
+
+
 def save_artifact(out_dir: str | os.PathLike, name: str, tensors: dict[str, torch.Tensor],
                   meta: dict[str, Any], extra_files: dict[str, bytes] | None = None) -> Path:
     """Write ``out_dir/name.safetensors`` + ``out_dir/name.json`` (+ extra files) atomically.
 
     The whole directory is replaced in one rename; files of an older artifact are dropped.
     """
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
@@ -84,7 +94,6 @@ def load_artifact(art_dir: str | os.PathLike, name: str, kind: str,
                   schema_version: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load and validate an artifact pair; every problem is an ArtifactError with one clear line."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     art_dir = Path(art_dir)
     meta_path, tensor_path = art_dir / f"{name}.json", art_dir / f"{name}.safetensors"
