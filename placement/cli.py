@@ -20,7 +20,7 @@ from tandem.errors import TandemError
 
 from .budget import format_bytes
 from .hardware import PRESETS
-from .settings import GGUF_BYTES_PER_WEIGHT, WEIGHT_FORMATS
+from .settings import WEIGHT_FORMATS
 
 if TYPE_CHECKING:  # the plan module loads torch: only the commands that read or write a plan import it
     from .plan import Plan
@@ -53,20 +53,6 @@ def add_parsers(subparsers: Any) -> None:
     probe.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
     probe.add_argument("--name", default="probed", help="profile name (default: probed)")
     probe.set_defaults(handler=cmd_probe)
-
-
-def checkpoint_bytes_per_weight(checkpoint: Any) -> float:
-    """Size-weighted bytes per weight of the checkpoint's layer matrices (fp16 when unknown)."""
-    total_weights, total_bytes = 0, 0.0
-    for name, qtype in (checkpoint.quant_types or {}).items():
-        if ".layers." not in name or not name.endswith(".weight") or qtype.upper() not in GGUF_BYTES_PER_WEIGHT:
-            continue
-        tensor = checkpoint.tensors.get(name)
-        if tensor is None or tensor.dim() != 2:
-            continue
-        total_weights += tensor.numel()
-        total_bytes += tensor.numel() * GGUF_BYTES_PER_WEIGHT[qtype.upper()]
-    return total_bytes / total_weights if total_weights else WEIGHT_FORMATS["fp16"]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

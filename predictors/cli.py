@@ -5,8 +5,6 @@ from pathlib import Path
 
 from tandem.errors import TandemError
 
-PREDICTORS_SUBDIR = "predictors"
-
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("train-predictors", help="train per-layer activation predictors from a profile")
@@ -45,19 +43,6 @@ def _check_args(args) -> None:
         raise TandemError(f"--eval-tokens must be at least 16, got {args.eval_tokens}")
     if not Path(args.profile).is_dir():
         raise TandemError(f"profile directory not found: {args.profile}")
-
-
-def calibration_files(profile, override: list[str] | None) -> list[str] | None:
-    """The user's --calib files, else the profile's own calibration files, else None (shipped corpus)."""
-    if override:
-        return override
-    if profile.calibration.get("kind") == "files":
-        paths = [f["path"] for f in profile.calibration.get("files", [])]
-        missing = [p for p in paths if not Path(p).is_file()]
-        if missing:
-            raise TandemError(f"the profile was calibrated on {missing[0]}, which is gone; pass --calib FILE")
-        return paths
-    return None
 
 
 def run_train_predictors(args) -> int:

@@ -101,8 +101,8 @@ def train_predictors(model: str | Path, profile_dir: str | Path, *, out: str | P
     from offline.calibration import build_calibration_set, read_text_files
     from offline.profile_artifact import load_profile
     from predictors.artifact import save_predictors
-    from predictors.cli import PREDICTORS_SUBDIR, calibration_files
-    from predictors.pipeline import DEFAULT_EVAL_TOKENS, DEFAULT_EXTRA_LOSS, build_predictors
+    from predictors.pipeline import (DEFAULT_EVAL_TOKENS, DEFAULT_EXTRA_LOSS, PREDICTORS_SUBDIR, build_predictors,
+                                     calibration_files)
     from predictors.train import RANK_LADDER, TrainSettings
 
     if not Path(profile_dir).is_dir():
@@ -146,13 +146,12 @@ def plan(model: str | Path, profile_dir: str | Path, hardware: str | Path, *, gp
     from offline.profile_artifact import load_profile
     from online.loading import load_checkpoint
     from placement.budget import format_bytes, parse_bytes
-    from placement.cli import checkpoint_bytes_per_weight
     from placement.hardware import load_hardware
     from placement.ilp import SolverSettings
     from placement.plan import load_plan, save_plan
     from placement.planner import check_budget, default_gpu_budget, make_plan
     from placement.predictor_info import load_predictor_info, no_predictors
-    from placement.settings import PlanSettings, resolve_bytes_per_weight
+    from placement.settings import PlanSettings, checkpoint_bytes_per_weight, resolve_bytes_per_weight
 
     hw = load_hardware(hardware)
     budget = default_gpu_budget(hw) if gpu_budget is None else parse_bytes(str(gpu_budget))
