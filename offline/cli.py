@@ -1,7 +1,6 @@
 """CLI: ``tandem profile`` (build a profile artifact) and ``tandem show-profile DIR`` (print its summary)."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from tandem.errors import TandemError
@@ -32,10 +31,8 @@ def add_parsers(sub) -> None:
 
 
 def run_profile(args) -> int:
-    from .calibration import build_calibration_set, read_text_files
-    from .plot import PLOT_FILE, render_profile_png
-    from .profile_artifact import save_profile
-    from .profiler import profile_model
+    from tandem import pipeline
+    from .calibration import read_text_files
 
     if args.tokens is not None and args.tokens < 16:
         raise TandemError(f"--tokens must be at least 16, got {args.tokens}")
@@ -49,19 +46,11 @@ def run_profile(args) -> int:
         raise TandemError(f"--search-steps must be >= 1, got {args.search_steps}")
     if args.calib:
         read_text_files(args.calib)  # fail before the model loads
-    start = time.perf_counter()
-    from online import Engine
-    engine = Engine.load(args.model, threads=args.threads)
-    calib = build_calibration_set(engine, files=args.calib, max_tokens=args.tokens,
-                                  self_generated_tokens=args.self_generated)
-    profile = profile_model(engine, calib, max_quality_loss=args.max_quality_loss, window_tokens=args.window,
-                            search_steps=args.search_steps, progress=not args.no_progress)
-    profile.extra["wall_s"] = round(time.perf_counter() - start, 3)
-    profile.extra["cpu_s"] = round(time.process_time(), 3)
-    out_dir = Path(args.out) if args.out else Path("profiles") / engine.model_id / "profile"
-    extra_files = {PLOT_FILE: render_profile_png(profile)} if args.plot else None
-    save_profile(profile, out_dir, extra_files)
-    print(format_summary(profile, out_dir))
+    result = pipeline.profile(args.model, out=args.out, calib=args.calib, tokens=args.tokens,
+                              self_generated_tokens=args.self_generated, max_quality_loss=args.max_quality_loss,
+                              window_tokens=args.window, search_steps=args.search_steps, threads=args.threads,
+                              progress=not args.no_progress, plot=args.plot)
+    print(format_summary(result.profile, result.path))
     return 0
 
 

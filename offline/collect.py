@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from online.execution import DenseExecutor, MoELayerWeights
-from online.execution.dense import ffn_down, ffn_hidden, route
+from online.execution.dense import combine_experts, ffn_down, ffn_hidden, route, tokens_by_expert
 from online.generate import prefill
 from online.kv_cache import KVCache
 from tandem.errors import TandemError
@@ -117,16 +117,16 @@ class InstrumentedExecutor(DenseExecutor):
     def moe_forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         moe = self.layers[layer]
         expert_ids, weights, logits = route(self.cfg, moe, x)  # [T, k], [T, k], [T, E]
-        out = torch.zeros_like(x)  # [T, d]
+        routed = tokens_by_expert(expert_ids)
         expert_h: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for expert in expert_ids.unique().tolist():
-            token_idx, slot = torch.where(expert_ids == expert)
+        results: dict[int, torch.Tensor] = {}
+        for expert, (token_idx, _) in routed.items():
             w = moe.experts[expert]
             x_routed = x[token_idx]  # [n, d]
             h = ffn_hidden(self.cfg, w, x_routed)  # [n, Fe]
             expert_h[expert] = (token_idx, h)
-            y = ffn_down(w, self.transform_hidden(layer, x_routed, h, expert))  # [n, d]
-            out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
+            results[expert] = ffn_down(w, self.transform_hidden(layer, x_routed, h, expert))  # [n, d]
+        out = combine_experts(x, routed, results, weights)  # [T, d]
         shared_h = None
         if moe.shared_expert is not None:
             shared_h = ffn_hidden(self.cfg, moe.shared_expert, x)  # [T, Fs]

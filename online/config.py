@@ -149,3 +149,4 @@ def freeze_mapping(m: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
             return tuple(freeze(x) for x in v)
         return v
     return tuple(sorted((str(k), freeze(v)) for k, v in m.items()))
+

@@ -3,11 +3,15 @@
 Layout: ``<out>/profile``, ``<out>/predictors``, ``<out>/hardware-probed.json``,
 ``<out>/plan-<hardware>-<budget>``; ``<out>`` defaults to ``profiles/<model-id>``. Each step is
 skipped when a valid artifact for the same model (and inputs) is already there. The work is
-``tandem.pipeline.prepare``; ``--print-plan-path`` prints only the plan folder on stdout (the steps'
-reports go to stderr), for scripts: ``plan=$(tandem prepare --model smollm2 --print-plan-path)``.
+``tandem.pipeline.prepare``; this module only prints. ``--print-plan-path`` sends every progress
+line to stderr and prints the plan folder alone on stdout, for scripts::
+
+    plan=$(tandem prepare --model smollm2 --print-plan-path)
+    tandem generate --model smollm2 --plan "$plan" --prompt "Hi"
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 
 
@@ -25,21 +29,28 @@ def add_parsers(sub) -> None:
     p.add_argument("--calib", nargs="+", default=None, metavar="FILE")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--print-plan-path", action="store_true",
-                   help="print only the plan folder on stdout (the steps' reports go to stderr)")
+                   help="print only the plan folder on stdout (progress goes to stderr)")
     p.set_defaults(handler=run_prepare)
 
 
 def run_prepare(args) -> int:
-    from tandem.pipeline import PrepareSettings, prepare
-    settings = PrepareSettings(model=args.model, hardware=args.hardware, gpu_budget=args.gpu_budget, out=args.out,
-                               predictors=args.predictors, tokens=args.tokens, max_quality_loss=args.max_quality_loss,
-                               calib=tuple(args.calib) if args.calib else None, threads=args.threads,
-                               measure_quality=not args.no_quality)
-    result = prepare(settings, log=sys.stderr if args.print_plan_path else sys.stdout)
+    from offline.cli import format_summary
+    from predictors.report import format_report
+    from tandem import pipeline
+
+    with contextlib.redirect_stdout(sys.stderr) if args.print_plan_path else contextlib.nullcontext():
+        result = pipeline.prepare(args.model, out=args.out, hardware=args.hardware, gpu_budget=args.gpu_budget,
+                                  predictors=args.predictors, tokens=args.tokens,
+                                  max_quality_loss=args.max_quality_loss, calib=args.calib, threads=args.threads,
+                                  measure_quality=not args.no_quality,
+                                  log=lambda line: print(line, flush=True))
+        if not result.profile.reused:
+            print(format_summary(result.profile.profile, result.profile.path))
+        if result.predictors is not None and not result.predictors.reused:
+            print(format_report(result.predictors.predictors, result.predictors.path))
+        print(f"[prepare] plan ready: {result.plan.path}")
+        print(f"run: tandem generate --model {args.model} --plan {result.plan.path} --prompt \"...\"")
     if args.print_plan_path:
-        print(result.plan_dir)
-    else:
-        print(f"[prepare] plan ready: {result.plan_dir}")
-        print(f"run: tandem generate --model {args.model} --plan {result.plan_dir} --prompt \"...\"")
+        print(result.plan.path)
     sys.stdout.flush()
     return 0

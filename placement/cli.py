@@ -16,12 +16,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tandem.errors import ArtifactError, TandemError
+from tandem.errors import TandemError
 
-from .budget import format_bytes, parse_bytes
-from .hardware import PRESETS, load_hardware, save_hardware
-from .predictor_info import load_predictor_info, no_predictors
-from .settings import GGUF_BYTES_PER_WEIGHT, WEIGHT_FORMATS, PlanSettings, resolve_bytes_per_weight
+from .budget import format_bytes
+from .hardware import PRESETS
+from .settings import WEIGHT_FORMATS
 
 if TYPE_CHECKING:  # the plan module loads torch: only the commands that read or write a plan import it
     from .plan import Plan
@@ -68,83 +67,27 @@ def add_parsers(subparsers: Any) -> None:
     probe.set_defaults(handler=cmd_probe)
 
 
-def checkpoint_bytes_per_weight(checkpoint: Any) -> float:
-    """Size-weighted bytes per weight of the checkpoint's layer matrices (fp16 when unknown)."""
-    total_weights, total_bytes = 0, 0.0
-    for name, qtype in (checkpoint.quant_types or {}).items():
-        if ".layers." not in name or not name.endswith(".weight") or qtype.upper() not in GGUF_BYTES_PER_WEIGHT:
-            continue
-        tensor = checkpoint.tensors.get(name)
-        if tensor is None or tensor.dim() != 2:
-            continue
-        total_weights += tensor.numel()
-        total_bytes += tensor.numel() * GGUF_BYTES_PER_WEIGHT[qtype.upper()]
-    return total_bytes / total_weights if total_weights else WEIGHT_FORMATS["fp16"]
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .plan import load_plan, save_plan
-    from online.loading import load_checkpoint  # lazily: loading pulls in the model readers
-    from offline.profile_artifact import load_profile
-    from .planner import check_budget, default_gpu_budget, make_plan
-    from .ilp import SolverSettings
-
-    hardware = load_hardware(args.hardware)
-    budget = default_gpu_budget(hardware) if args.gpu_budget is None else parse_bytes(args.gpu_budget)
-    checkpoint = load_checkpoint(args.model)
-    config = checkpoint.config
-    profile = load_profile(args.profile, expected_model_fingerprint=checkpoint.fingerprint)
-    predictors = (load_predictor_info(args.predictors, config.num_layers, checkpoint.fingerprint, profile.fingerprint)
-                  if args.predictors else no_predictors(config.num_layers))
-    bytes_per_weight = (checkpoint_bytes_per_weight(checkpoint) if args.weight_format == "auto"
-                        else resolve_bytes_per_weight(_number_or_name(args.weight_format)))
-    settings = PlanSettings(bytes_per_weight=bytes_per_weight,
-                            context_tokens=args.context or min(config.max_context, 2048),
-                            neurons_per_chunk=args.neurons_per_chunk, min_gpu_neurons_per_layer=args.min_gpu_neurons)
-    check_budget(config, hardware, budget, settings)
-    out = Path(args.out) if args.out else Path("profiles") / checkpoint.model_id / f"plan-{hardware.name}-{format_bytes(budget)}"
-    if (out / "plan.json").exists() and not args.replan:
-        try:
-            plan = load_plan(out, model_fingerprint=checkpoint.fingerprint, profile_fingerprint=profile.fingerprint,
-                             predictors_fingerprint=predictors.fingerprint, hardware=hardware,
-                             gpu_budget_bytes=budget, settings=settings)
-        except ArtifactError as e:
-            raise TandemError(f"refusing to overwrite: {e}") from None
-        print(f"reusing the plan in {out} (same model, profile, predictors, hardware, budget and settings)")
-        print(_headline(plan))
-        return 0
-    plan = make_plan(config, model_fingerprint=checkpoint.fingerprint, model_id=checkpoint.model_id, profile=profile,
-                     hardware=hardware, gpu_budget_bytes=budget, predictors=predictors, settings=settings,
-                     solver=SolverSettings(time_limit_s=args.time_limit))
-    try:
-        save_plan(plan, out)
-    except OSError as e:
-        raise TandemError(f"cannot write the plan to {out}: {e.strerror or e}") from None
-    if not args.no_quality:
-        if args.quality_tokens < 16:
-            raise TandemError(f"--quality-tokens must be at least 16, got {args.quality_tokens}")
-        from .quality import measure_plan_quality
-        plan.quality = measure_plan_quality(args.model, out, max_tokens=args.quality_tokens, gpu_device=args.gpu_device,
-                                            max_quality_loss=profile.quality.get("max_quality_loss"),
-                                            profile_dir=args.profile, predictors_dir=args.predictors)
-        save_plan(plan, out)
-    print(f"plan written to {out}")
-    print(_headline(plan))
-    if plan.quality:
-        print(_quality_line(plan.quality))
+    from tandem import pipeline
+    result = pipeline.plan(args.model, args.profile, args.hardware, gpu_budget=args.gpu_budget,
+                           predictors_dir=args.predictors, out=args.out, replan=args.replan,
+                           time_limit_s=args.time_limit, weight_format=args.weight_format,
+                           context_tokens=args.context, neurons_per_chunk=args.neurons_per_chunk,
+                           min_gpu_neurons=args.min_gpu_neurons,
+                           quality_tokens=None if args.no_quality else args.quality_tokens, gpu_device=args.gpu_device)
+    if result.reused:
+        print(f"reusing the plan in {result.path} (same model, profile, predictors, hardware, budget and settings)")
+    else:
+        print(f"plan written to {result.path}")
+    print(_headline(result.plan))
+    if result.plan.quality:
+        print(_quality_line(result.plan.quality))
     return 0
 
 
 def _quality_line(q: dict) -> str:
     return (f"quality (measured, {q['held_out_tokens']} held-out tokens): perplexity {q['perplexity']:.4f} vs dense "
             f"{q['dense_perplexity']:.4f} ({q['perplexity_increase']:+.2%}), greedy agreement {q['greedy_agreement']:.1%}")
-
-
-def _number_or_name(text: str) -> str | float:
-    try:
-        return float(text)
-    except ValueError:
-        return text
 
 
 def _headline(plan: Plan) -> str:
@@ -245,14 +188,9 @@ def cmd_show_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from .probe import probe_machine
-
-    hardware = probe_machine(threads=args.threads, name=args.name)
+    from tandem import pipeline
+    hardware = pipeline.probe(args.out, threads=args.threads, name=args.name)
     if args.out:
-        try:
-            save_hardware(hardware, args.out)
-        except OSError as e:
-            raise TandemError(f"cannot write {args.out}: {e.strerror or e}") from None
         print(f"hardware profile written to {args.out} (use it with --hardware {args.out})")
     print(json.dumps(hardware.to_dict(), indent=2))
     if args.fused:

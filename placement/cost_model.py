@@ -15,7 +15,6 @@ Example::
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,9 +31,7 @@ if TYPE_CHECKING:
 # --- device time primitives ------------------------------------------------------------------
 def weight_seconds(read_bytes, bytes_per_weight: float, bandwidth: float, flops: float):
     """Time to stream ``read_bytes`` of weights and do 2 flops per weight (scalar or numpy array)."""
-    if bandwidth <= 0 or flops <= 0:
-        return read_bytes * math.inf if np.isscalar(read_bytes) else np.full_like(np.asarray(read_bytes, float), math.inf)
-    return roofline_seconds(read_bytes, 2.0 * (read_bytes / bytes_per_weight), bandwidth, flops)
+    return roofline_seconds(read_bytes, 2.0 * (np.asarray(read_bytes, float) / bytes_per_weight), bandwidth, flops)
 
 
 def gpu_weight_seconds(read_bytes, bytes_per_weight: float, hw: "HardwareProfile"):

@@ -118,3 +118,17 @@ class ActivationStats:
                 raise ArtifactError(f"profile lacks expert statistics [{num_layers}, {config.num_experts}] for this MoE model")
             if not np.all(np.isfinite(self.expert_freq)) or self.expert_freq.min() < 0 or self.expert_freq.max() > 1:
                 raise ArtifactError("profile expert_freq must hold fractions in [0, 1]")
+
+
+def checkpoint_bytes_per_weight(checkpoint: Any) -> float:
+    """Size-weighted bytes per weight of the checkpoint's layer matrices (fp16 when unknown)."""
+    total_weights, total_bytes = 0, 0.0
+    for name, qtype in (checkpoint.quant_types or {}).items():
+        if ".layers." not in name or not name.endswith(".weight") or qtype.upper() not in GGUF_BYTES_PER_WEIGHT:
+            continue
+        tensor = checkpoint.tensors.get(name)
+        if tensor is None or tensor.dim() != 2:
+            continue
+        total_weights += tensor.numel()
+        total_bytes += tensor.numel() * GGUF_BYTES_PER_WEIGHT[qtype.upper()]
+    return total_bytes / total_weights if total_weights else WEIGHT_FORMATS["fp16"]

@@ -1,12 +1,9 @@
 """CLI: ``tandem train-predictors`` (train, size and check activation predictors from a profile)."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from tandem.errors import TandemError
-
-PREDICTORS_SUBDIR = "predictors"
 
 
 def add_parsers(sub) -> None:
@@ -48,42 +45,15 @@ def _check_args(args) -> None:
         raise TandemError(f"profile directory not found: {args.profile}")
 
 
-def calibration_files(profile, override: list[str] | None) -> list[str] | None:
-    """The user's --calib files, else the profile's own calibration files, else None (shipped corpus)."""
-    if override:
-        return override
-    if profile.calibration.get("kind") == "files":
-        paths = [f["path"] for f in profile.calibration.get("files", [])]
-        missing = [p for p in paths if not Path(p).is_file()]
-        if missing:
-            raise TandemError(f"the profile was calibrated on {missing[0]}, which is gone; pass --calib FILE")
-        return paths
-    return None
-
-
 def run_train_predictors(args) -> int:
     _check_args(args)
-    start = time.perf_counter()
-    from offline.calibration import build_calibration_set, read_text_files
-    from offline.profile_artifact import load_profile
-    from online import Engine
-    from .artifact import save_predictors
-    from .pipeline import DEFAULT_EVAL_TOKENS, DEFAULT_EXTRA_LOSS, build_predictors
+    from tandem import pipeline
     from .report import format_report
-    from .train import RANK_LADDER, TrainSettings
 
-    if args.calib:
-        read_text_files(args.calib)  # fail before the model loads
-    engine = Engine.load(args.model, threads=args.threads)
-    profile = load_profile(args.profile, expected_model_fingerprint=engine.model_fingerprint)
-    calib = build_calibration_set(engine, files=calibration_files(profile, args.calib), max_tokens=args.tokens)
-    ranks = tuple(r for r in RANK_LADDER if r <= args.max_rank)
-    settings = TrainSettings(target_recall=args.target_recall, ranks=ranks)
-    pset = build_predictors(engine, profile, calib, settings, max_quality_loss=args.max_quality_loss,
-                            extra_loss=DEFAULT_EXTRA_LOSS if args.extra_loss is None else args.extra_loss,
-                            eval_tokens=args.eval_tokens or DEFAULT_EVAL_TOKENS, progress=not args.no_progress)
-    pset.meta["wall_s"] = round(time.perf_counter() - start, 3)
-    out_dir = Path(args.out) if args.out else Path("profiles") / engine.model_id / PREDICTORS_SUBDIR
-    save_predictors(pset, out_dir)
-    print(format_report(pset, out_dir))
+    result = pipeline.train_predictors(args.model, args.profile, out=args.out, calib=args.calib, tokens=args.tokens,
+                                       target_recall=args.target_recall, max_rank=args.max_rank,
+                                       max_quality_loss=args.max_quality_loss, extra_loss=args.extra_loss,
+                                       eval_tokens=args.eval_tokens, threads=args.threads,
+                                       progress=not args.no_progress)
+    print(format_report(result.predictors, result.path))
     return 0

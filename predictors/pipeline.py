@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -240,3 +241,19 @@ def select_options(engine, pset: PredictorSet, thresholds: torch.Tensor, held_ou
             "gated_increase": q.increase_over(dense), "exact_path_increase": oracle.increase_over(dense),
             "options_considered": len(order), "options_used": chosen,
             "order": [[o.layer, o.entry.mode, o.entry.stats["recall_level"]] for o in order], "trials": trials}
+
+
+PREDICTORS_SUBDIR = "predictors"  # profiles/<model-id>/predictors
+
+
+def calibration_files(profile, override: list[str] | None) -> list[str] | None:
+    """The user's --calib files, else the profile's own calibration files, else None (shipped corpus)."""
+    if override:
+        return override
+    if profile.calibration.get("kind") == "files":
+        paths = [f["path"] for f in profile.calibration.get("files", [])]
+        missing = [p for p in paths if not Path(p).is_file()]
+        if missing:
+            raise TandemError(f"the profile was calibrated on {missing[0]}, which is gone; pass --calib FILE")
+        return paths
+    return None

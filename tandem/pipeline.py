@@ -1,186 +1,310 @@
 """The offline pipeline as functions: profile -> train predictors -> probe -> plan, typed results.
 
-Each step is the same code as its command (``tandem profile``, ``train-predictors``, ``probe``,
-``plan``): the step function fills that command's options (its parser's defaults, then the values
-given) and calls its handler directly: no argv, no parsing of printed lines. Artifacts land where
-the step is told (``out``), so the result names them without reading any output. ``prepare`` reuses
-every artifact that is still valid for the model and its inputs.
+Each step writes its artifact (atomically, through the stage's own ``save_*``) and returns a frozen
+result naming the folder, the loaded artifact and whether an existing valid one was reused. The
+``tandem profile`` / ``train-predictors`` / ``plan`` / ``prepare`` commands are thin wrappers
+around these functions: no argv round trips, nothing parsed back from printed lines.
 
 Example::
 
-    from tandem.pipeline import PrepareSettings, prepare
-    result = prepare(PrepareSettings(model="smollm2", threads=2))
-    result.plan_dir            # Path("profiles/SmolLM2-135M-Instruct.Q4_1/plan-probed-0")
-    [s.name for s in result.steps if not s.reused]
+    from tandem import pipeline
+    result = pipeline.prepare("smollm2", threads=2, gpu_budget="0")
+    print(result.plan.path, result.plan.reused)          # profiles/<model-id>/plan-probed-0 False
+    engine = Engine.load("smollm2", plan=result.plan.path)
+
+Stage modules are imported inside the functions: importing this module costs nothing.
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
-import sys
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, Sequence
 
-from .errors import TandemError
+from .errors import ArtifactError, TandemError
 
-PREDICTOR_CHOICES = ("auto", "on", "off")
+Log = Callable[[str], None]
 
 
-@dataclass(frozen=True)
-class PrepareSettings:
-    """What ``tandem prepare`` takes; ``out`` defaults to ``profiles/<model-id>``."""
-
-    model: str
-    hardware: str | None = None  # preset or JSON file; None: probe this machine once
-    gpu_budget: str | None = None  # e.g. "2GiB"; None: the GPU's free memory (0 without a GPU)
-    out: str | None = None
-    predictors: str = "auto"  # auto: train for ReLU-family models only
-    tokens: int | None = None
-    max_quality_loss: float = 0.02
-    calib: tuple[str, ...] | None = None
-    threads: int | None = None
-    measure_quality: bool = True  # record the plan's held-out quality through its runtime
-
-    def __post_init__(self) -> None:
-        if self.predictors not in PREDICTOR_CHOICES:
-            raise TandemError(f"predictors must be one of {', '.join(PREDICTOR_CHOICES)}, got {self.predictors!r}")
-        if self.tokens is not None and self.tokens < 16:
-            raise TandemError(f"tokens must be at least 16, got {self.tokens}")
-        if not 0.0 < self.max_quality_loss <= 1.0:
-            raise TandemError(f"max_quality_loss must be in (0, 1], got {self.max_quality_loss}")
-        if self.threads is not None and self.threads < 1:
-            raise TandemError(f"threads must be >= 1, got {self.threads}")
+def _quiet(_: str) -> None:
+    return None
 
 
 @dataclass(frozen=True)
-class StepResult:
-    name: str  # "profile" | "train-predictors" | "probe" | "plan"
+class ProfileResult:
+    """A profile artifact on disk: ``profile`` is the loaded ``offline.profile_artifact.Profile``."""
     path: Path
+    profile: Any
+    reused: bool
+
+
+@dataclass(frozen=True)
+class PredictorsResult:
+    """A predictor artifact on disk: ``predictors`` is the ``predictors.PredictorSet`` (None when reused)."""
+    path: Path
+    predictors: Any
+    reused: bool
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """A plan on disk: ``plan`` is the loaded ``placement.plan.Plan``; ``Engine.load(model, plan=path)`` runs it."""
+    path: Path
+    plan: Any
     reused: bool
 
 
 @dataclass(frozen=True)
 class PrepareResult:
-    model_id: str
-    profile_dir: Path
-    predictors_dir: Path | None
-    hardware_path: str  # a preset name or a JSON file
-    plan_dir: Path
-    steps: tuple[StepResult, ...] = field(default_factory=tuple)
+    """Everything ``prepare`` produced or reused; ``predictors`` is None for models that run exact."""
+    profile: ProfileResult
+    predictors: PredictorsResult | None
+    hardware_path: Path
+    plan: PlanResult
 
 
-def _command(register: Callable, name: str, values: dict[str, Any]) -> tuple[Callable, argparse.Namespace]:
-    """The handler of subcommand ``name`` and its options: the parser's defaults, then ``values``."""
-    parser = argparse.ArgumentParser(add_help=False)
-    register(parser.add_subparsers())
-    sub = parser._subparsers._group_actions[0].choices[name]  # argparse keeps its subparsers here
-    options = {a.dest: a.default for a in sub._actions if a.dest != "help"}
-    unknown = set(values) - set(options)
-    if unknown:
-        raise TandemError(f"`tandem {name}` has no option(s) {', '.join(sorted(unknown))}")
-    options.update(values)
-    namespace = argparse.Namespace(**options)
-    handler = getattr(namespace, "handler", None) or sub.get_default("handler") or sub.get_default("func")
-    return handler, namespace
+def profile(model: str | Path, *, out: str | Path | None = None, calib: Sequence[str] | None = None,
+            tokens: int | None = None, self_generated_tokens: int = 0, max_quality_loss: float = 0.02,
+            window_tokens: int = 256, search_steps: int = 7, threads: int | None = None,
+            progress: bool = True, plot: bool = False, engine: Any = None) -> ProfileResult:
+    """Profile ``model`` on calibration text and save the artifact (default profiles/<model-id>/profile).
 
-
-def _run(register: Callable, name: str, **values: Any) -> None:
-    handler, namespace = _command(register, name, values)
-    code = int(handler(namespace) or 0)
-    if code != 0:
-        raise TandemError(f"`tandem {name}` failed (exit code {code})")
-
-
-def profile(model: str, out: Path, *, tokens: int | None = None, calib: tuple[str, ...] | None = None,
-            max_quality_loss: float = 0.02, threads: int | None = None) -> Path:
-    """Profile ``model`` into ``out`` (``tandem profile``); returns ``out``."""
-    from offline.cli import add_parsers
-    _run(add_parsers, "profile", model=model, out=str(out), tokens=tokens, calib=list(calib) if calib else None,
-         max_quality_loss=max_quality_loss, threads=threads)
-    return Path(out)
-
-
-def train_predictors(model: str, profile_dir: Path, out: Path, *, threads: int | None = None) -> Path:
-    """Train predictors from a profile into ``out`` (``tandem train-predictors``); returns ``out``."""
-    from predictors.cli import add_parsers
-    _run(add_parsers, "train-predictors", model=model, profile=str(profile_dir), out=str(out), threads=threads)
-    return Path(out)
-
-
-def probe(out: Path, *, threads: int | None = None) -> Path:
-    """Measure this machine into the hardware JSON ``out`` (``tandem probe``); returns ``out``."""
-    from placement.cli import add_parsers
-    _run(add_parsers, "probe", out=str(out), threads=threads)
-    return Path(out)
-
-
-def plan(model: str, profile_dir: Path, hardware: str, out: Path, *, gpu_budget: str | None = None,
-         predictors_dir: Path | None = None, replan: bool = False, measure_quality: bool = True) -> Path:
-    """Plan the placement into ``out`` (``tandem plan``); returns ``out``."""
-    from placement.cli import add_parsers
-    _run(add_parsers, "plan", model=model, profile=str(profile_dir), hardware=hardware, out=str(out),
-         gpu_budget=gpu_budget, predictors=str(predictors_dir) if predictors_dir else None, replan=replan,
-         no_quality=not measure_quality)
-    return Path(out)
-
-
-def prepare(settings: PrepareSettings, log: TextIO | None = None) -> PrepareResult:
-    """Profile, train predictors (ReLU-family models, or when asked), probe and plan, reusing valid artifacts.
-
-    ``log`` receives the steps' own reports and the reuse notes (default: stdout).
+    ``engine``: an already loaded dense ``online.Engine`` of the same model (skips loading it again).
     """
+    from offline.calibration import build_calibration_set, read_text_files
+    from offline.plot import PLOT_FILE, render_profile_png
+    from offline.profile_artifact import save_profile
+    from offline.profiler import profile_model
+
+    if calib:
+        read_text_files(calib)  # fail before the model loads
+    start = time.perf_counter()
+    engine = engine if engine is not None else _load_engine(model, threads)
+    calib_set = build_calibration_set(engine, files=calib, max_tokens=tokens,
+                                      self_generated_tokens=self_generated_tokens)
+    prof = profile_model(engine, calib_set, max_quality_loss=max_quality_loss, window_tokens=window_tokens,
+                         search_steps=search_steps, progress=progress)
+    prof.extra["wall_s"] = round(time.perf_counter() - start, 3)
+    prof.extra["cpu_s"] = round(time.process_time(), 3)
+    out_dir = Path(out) if out else Path("profiles") / engine.model_id / "profile"
+    save_profile(prof, out_dir, {PLOT_FILE: render_profile_png(prof)} if plot else None)
+    return ProfileResult(out_dir, prof, reused=False)
+
+
+def train_predictors(model: str | Path, profile_dir: str | Path, *, out: str | Path | None = None,
+                     calib: Sequence[str] | None = None, tokens: int | None = None, target_recall: float = 0.95,
+                     max_rank: int = 512, max_quality_loss: float | None = None, extra_loss: float | None = None,
+                     eval_tokens: int | None = None, threads: int | None = None, progress: bool = True,
+                     engine: Any = None) -> PredictorsResult:
+    """Train, size and check per-layer predictors from a saved profile; save them (default
+    profiles/<model-id>/predictors)."""
+    from offline.calibration import build_calibration_set, read_text_files
+    from offline.profile_artifact import load_profile
+    from predictors.artifact import save_predictors
+    from predictors.pipeline import (DEFAULT_EVAL_TOKENS, DEFAULT_EXTRA_LOSS, PREDICTORS_SUBDIR, build_predictors,
+                                     calibration_files)
+    from predictors.train import RANK_LADDER, TrainSettings
+
+    if not Path(profile_dir).is_dir():
+        raise TandemError(f"profile directory not found: {profile_dir}")
+    if calib:
+        read_text_files(calib)
+    start = time.perf_counter()
+    engine = engine if engine is not None else _load_engine(model, threads)
+    prof = load_profile(profile_dir, expected_model_fingerprint=engine.model_fingerprint)
+    calib_set = build_calibration_set(engine, files=calibration_files(prof, calib), max_tokens=tokens)
+    settings = TrainSettings(target_recall=target_recall, ranks=tuple(r for r in RANK_LADDER if r <= max_rank))
+    pset = build_predictors(engine, prof, calib_set, settings, max_quality_loss=max_quality_loss,
+                            extra_loss=DEFAULT_EXTRA_LOSS if extra_loss is None else extra_loss,
+                            eval_tokens=eval_tokens or DEFAULT_EVAL_TOKENS, progress=progress)
+    pset.meta["wall_s"] = round(time.perf_counter() - start, 3)
+    out_dir = Path(out) if out else Path("profiles") / engine.model_id / PREDICTORS_SUBDIR
+    save_predictors(pset, out_dir)
+    return PredictorsResult(out_dir, pset, reused=False)
+
+
+def probe(out: str | Path | None = None, *, threads: int | None = None, name: str = "probed") -> Any:
+    """Measure this machine (``placement.hardware.HardwareProfile``); saved to ``out`` when given."""
+    from placement.hardware import save_hardware
+    from placement.probe import probe_machine
+    hardware = probe_machine(threads=threads, name=name)
+    if out is not None:
+        try:
+            save_hardware(hardware, out)
+        except OSError as e:
+            raise TandemError(f"cannot write {out}: {e.strerror or e}") from None
+    return hardware
+
+
+def plan(model: str | Path, profile_dir: str | Path, hardware: str | Path, *, gpu_budget: str | int | None = None,
+         predictors_dir: str | Path | None = None, out: str | Path | None = None, replan: bool = False,
+         time_limit_s: float = 30.0, weight_format: str | float = "auto", context_tokens: int | None = None,
+         neurons_per_chunk: int = 64, min_gpu_neurons: int = 128, checkpoint: Any = None,
+         quality_tokens: int | None = 256, gpu_device: str | None = None) -> PlanResult:
+    """Plan what lives on the GPU for ``hardware`` (preset or JSON file) within ``gpu_budget`` (bytes or
+    "2GiB"; default 90% of the GPU). An existing plan at ``out`` made from the same inputs is reused;
+    one made from other inputs is refused unless ``replan``. A new plan's held-out perplexity and greedy
+    agreement with dense are measured through the runtime it describes on ``quality_tokens`` tokens
+    (None: not measured) and recorded in it."""
+    if quality_tokens is not None and quality_tokens < 16:
+        raise TandemError(f"quality_tokens must be at least 16, got {quality_tokens}")
+    from offline.profile_artifact import load_profile
     from online.loading import load_checkpoint
-    from . import pipeline_checks as checks
+    from placement.budget import format_bytes, parse_bytes
+    from placement.hardware import load_hardware
+    from placement.ilp import SolverSettings
+    from placement.plan import load_plan, save_plan
+    from placement.planner import check_budget, default_gpu_budget, make_plan
+    from placement.predictor_info import load_predictor_info, no_predictors
+    from placement.settings import PlanSettings, checkpoint_bytes_per_weight, resolve_bytes_per_weight
 
-    log = log or sys.stdout
-    with contextlib.redirect_stdout(log):
-        ckpt = load_checkpoint(settings.model)
-        cfg, fingerprint, model_id = ckpt.config, ckpt.fingerprint, ckpt.model_id
-        del ckpt
-        base = Path(settings.out) if settings.out else Path("profiles") / model_id
-        steps: list[StepResult] = []
+    hw = load_hardware(hardware)
+    budget = default_gpu_budget(hw) if gpu_budget is None else parse_bytes(str(gpu_budget))
+    checkpoint = checkpoint if checkpoint is not None else load_checkpoint(model)
+    config = checkpoint.config
+    prof = load_profile(profile_dir, expected_model_fingerprint=checkpoint.fingerprint)
+    preds = (load_predictor_info(predictors_dir, config.num_layers, checkpoint.fingerprint, prof.fingerprint)
+             if predictors_dir else no_predictors(config.num_layers))
+    bytes_per_weight = (checkpoint_bytes_per_weight(checkpoint) if weight_format == "auto"
+                        else resolve_bytes_per_weight(_number_or_name(weight_format)))
+    settings = PlanSettings(bytes_per_weight=bytes_per_weight,
+                            context_tokens=context_tokens or min(config.max_context, 2048),
+                            neurons_per_chunk=neurons_per_chunk, min_gpu_neurons_per_layer=min_gpu_neurons)
+    check_budget(config, hw, budget, settings)
+    out_dir = Path(out) if out else Path("profiles") / checkpoint.model_id / f"plan-{hw.name}-{format_bytes(budget)}"
+    if (out_dir / "plan.json").exists() and not replan:
+        try:
+            existing = load_plan(out_dir, model_fingerprint=checkpoint.fingerprint, profile_fingerprint=prof.fingerprint,
+                                 predictors_fingerprint=preds.fingerprint, hardware=hw, gpu_budget_bytes=budget,
+                                 settings=settings)
+        except ArtifactError as e:
+            raise TandemError(f"refusing to overwrite: {e}") from None
+        return PlanResult(out_dir, existing, reused=True)
+    new_plan = make_plan(config, model_fingerprint=checkpoint.fingerprint, model_id=checkpoint.model_id, profile=prof,
+                         hardware=hw, gpu_budget_bytes=budget, predictors=preds, settings=settings,
+                         solver=SolverSettings(time_limit_s=time_limit_s))
+    try:
+        save_plan(new_plan, out_dir)
+    except OSError as e:
+        raise TandemError(f"cannot write the plan to {out_dir}: {e.strerror or e}") from None
+    if quality_tokens is not None:
+        from placement.quality import measure_plan_quality
+        del checkpoint  # the measurement loads the engine
+        new_plan.quality = measure_plan_quality(model, out_dir, max_tokens=quality_tokens, gpu_device=gpu_device,
+                                                max_quality_loss=prof.quality.get("max_quality_loss"),
+                                                profile_dir=profile_dir, predictors_dir=predictors_dir)
+        save_plan(new_plan, out_dir)
+    return PlanResult(out_dir, new_plan, reused=False)
 
-        profile_dir = base / "profile"
-        reused = checks.valid_profile(profile_dir, fingerprint) is not None
-        if reused:
-            print(f"[prepare] reusing profile {profile_dir}")
+
+def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str | Path | None = None,
+            gpu_budget: str | int | None = None, predictors: str = "auto", tokens: int | None = None,
+            max_quality_loss: float = 0.02, calib: Sequence[str] | None = None, threads: int | None = None,
+            progress: bool = True, measure_quality: bool = True, log: Log = _quiet) -> PrepareResult:
+    """profile -> (predictors) -> probe -> plan under ``out`` (default profiles/<model-id>), reusing each
+    artifact that is still valid for the same model and inputs; ``log`` gets one line per step.
+
+    ``predictors``: "auto" trains them for ReLU-family models only (on SwiGLU models they were
+    measured not to pay), "on" / "off" force it. ``hardware``: preset or JSON file (default: probe
+    this machine once, kept as ``<out>/hardware-probed.json``). ``gpu_budget``: default the GPU's
+    free memory (90%), 0 without a GPU.
+    """
+    if predictors not in ("auto", "on", "off"):
+        raise TandemError(f"predictors must be auto, on or off, got {predictors!r}")
+    from online.loading import load_checkpoint
+    checkpoint = load_checkpoint(model)
+    cfg, fingerprint = checkpoint.config, checkpoint.fingerprint
+    base = Path(out) if out else Path("profiles") / checkpoint.model_id
+    profile_dir, engine = base / "profile", None
+    existing = _valid_profile(profile_dir, fingerprint)
+    if existing is not None:
+        log(f"[prepare] reusing profile {profile_dir}")
+        prof = ProfileResult(profile_dir, existing, reused=True)
+    else:
+        log(f"[prepare] profiling into {profile_dir}")
+        checkpoint = None  # not held while the engine profiles; the plan step loads it again
+        engine = _load_engine(model, threads)
+        prof = profile(model, out=profile_dir, calib=calib, tokens=tokens, max_quality_loss=max_quality_loss,
+                       threads=threads, progress=progress, engine=engine)
+    preds = None
+    if predictors == "on" or (predictors == "auto" and cfg.ffn_is_relu_sparse):
+        predictors_dir = base / "predictors"
+        if _predictors_valid(predictors_dir, fingerprint, prof.profile.fingerprint):
+            log(f"[prepare] reusing predictors {predictors_dir}")
+            preds = PredictorsResult(predictors_dir, None, reused=True)
         else:
-            profile(settings.model, profile_dir, tokens=settings.tokens, calib=settings.calib,
-                    max_quality_loss=settings.max_quality_loss, threads=settings.threads)
-        steps.append(StepResult("profile", profile_dir, reused))
-
-        predictors_dir = None
-        if settings.predictors == "on" or (settings.predictors == "auto" and cfg.ffn_is_relu_sparse):
-            predictors_dir = base / "predictors"
-            reused = checks.predictors_valid(predictors_dir, fingerprint, profile_dir)
-            if reused:
-                print(f"[prepare] reusing predictors {predictors_dir}")
-            else:
-                train_predictors(settings.model, profile_dir, predictors_dir, threads=settings.threads)
-            steps.append(StepResult("train-predictors", predictors_dir, reused))
-
-        hardware = settings.hardware
-        if hardware is None:
-            hardware = str(base / "hardware-probed.json")
-            reused = Path(hardware).is_file()
-            if reused:
-                print(f"[prepare] reusing hardware profile {hardware}")
-            else:
-                probe(Path(hardware), threads=settings.threads)
-            steps.append(StepResult("probe", Path(hardware), reused))
-
-        budget = settings.gpu_budget if settings.gpu_budget is not None else checks.default_budget(hardware)
-        plan_dir = base / checks.plan_folder_name(hardware, budget)
-        stale = (plan_dir / "plan.json").is_file() and not checks.plan_matches(plan_dir, fingerprint, profile_dir)
-        if stale:
-            print(f"[prepare] the plan in {plan_dir} is stale (its profile or model changed): planning again")
-        plan(settings.model, profile_dir, hardware, plan_dir, gpu_budget=budget, predictors_dir=predictors_dir,
-             replan=stale, measure_quality=settings.measure_quality)
-        steps.append(StepResult("plan", plan_dir, False))
-    return PrepareResult(model_id=model_id, profile_dir=profile_dir, predictors_dir=predictors_dir,
-                         hardware_path=hardware, plan_dir=plan_dir, steps=tuple(steps))
+            log(f"[prepare] training predictors into {predictors_dir}")
+            checkpoint = None
+            engine = engine if engine is not None else _load_engine(model, threads)
+            preds = train_predictors(model, profile_dir, out=predictors_dir, threads=threads, progress=progress,
+                                     engine=engine)
+    del engine
+    hardware_path = Path(hardware) if hardware is not None else base / "hardware-probed.json"
+    if hardware is None and not hardware_path.is_file():
+        log(f"[prepare] measuring this machine into {hardware_path}")
+        probe(hardware_path, threads=threads)
+    elif hardware is None:
+        log(f"[prepare] reusing hardware profile {hardware_path}")
+    from placement.budget import format_bytes, parse_bytes
+    from placement.hardware import load_hardware
+    hw = load_hardware(hardware_path)
+    budget = gpu_budget if gpu_budget is not None else _default_budget(hw)
+    budget_bytes = parse_bytes(str(budget)) if budget is not None else None
+    plan_dir = base / f"plan-{hw.name}-{format_bytes(budget_bytes) if budget_bytes is not None else 'default'}"
+    stale = (plan_dir / "plan.json").is_file() and not _plan_matches(plan_dir, fingerprint, prof.profile.fingerprint)
+    if stale:
+        log(f"[prepare] the plan in {plan_dir} is stale (its profile or model changed): planning again")
+    result = plan(model, profile_dir, hardware_path, gpu_budget=budget,
+                  predictors_dir=preds.path if preds is not None else None, out=plan_dir, replan=stale,
+                  checkpoint=checkpoint, quality_tokens=256 if measure_quality else None)
+    log(f"[prepare] {'reusing' if result.reused else 'wrote'} plan {plan_dir}")
+    return PrepareResult(prof, preds, hardware_path, result)
 
 
-__all__ = ["PrepareResult", "PrepareSettings", "StepResult", "plan", "prepare", "probe",
-           "profile", "train_predictors"]
+def _default_budget(hardware: Any) -> str | None:
+    """The GPU's free memory (90%) when torch sees one; 0 for GPU-less hardware; else the planner's default."""
+    import torch
+    if torch.cuda.is_available():
+        free_bytes, _ = torch.cuda.mem_get_info()
+        return str(int(free_bytes * 0.9))
+    return "0" if not hardware.has_gpu else None
+
+
+def _valid_profile(path: Path, fingerprint: str) -> Any:
+    from offline.profile_artifact import load_profile
+    try:
+        return load_profile(path, expected_model_fingerprint=fingerprint)
+    except ArtifactError:
+        return None
+
+
+def _predictors_valid(path: Path, fingerprint: str, profile_fingerprint: str) -> bool:
+    if not (path / "predictors.json").is_file():
+        return False
+    from predictors.artifact import load_predictors
+    try:
+        load_predictors(path, expected_model_fingerprint=fingerprint, expected_profile_fingerprint=profile_fingerprint)
+        return True
+    except TandemError:
+        return False
+
+
+def _plan_matches(plan_dir: Path, fingerprint: str, profile_fingerprint: str) -> bool:
+    from placement.plan import load_plan
+    try:
+        load_plan(plan_dir, model_fingerprint=fingerprint, profile_fingerprint=profile_fingerprint)
+        return True
+    except TandemError:
+        return False
+
+
+def _number_or_name(text: str | float) -> str | float:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _load_engine(model: str | Path, threads: int | None) -> Any:
+    from online import Engine
+    return Engine.load(model, threads=threads)

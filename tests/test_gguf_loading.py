@@ -237,7 +237,7 @@ def test_tiny_gguf_tensors_and_config(tmp_path, kind):
         assert np.array_equal(dequantize(raw.data, raw.qtype, raw.shape), ref), name
     if kind == "llama":
         assert set(ckpt.quant_types.values()) == {"Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "F32"}
-    assert ckpt.model_id == f"tiny-{kind}"
+    assert ckpt.model_id == f"tiny-{kind}" and ckpt.source_path.suffix == ".gguf"
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

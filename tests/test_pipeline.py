@@ -1,58 +1,71 @@
-"""tandem.pipeline: steps as functions with typed results; `tandem prepare --print-plan-path` for scripts."""
+"""tandem.pipeline: prepare builds profile + plan once, reuses them, replans a stale plan; the CLI
+prints the plan folder alone with --print-plan-path."""
 from __future__ import annotations
-
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from helpers_tiny import build_tiny_chat_model
+from tandem import pipeline
 from tandem.errors import TandemError
-from tandem.pipeline import PrepareSettings, _command, prepare
-
-PROFILES = Path("profiles/SmolLM2-135M-Instruct.Q4_1")
 
 
-def test_settings_are_validated():
-    with pytest.raises(TandemError, match="predictors"):
-        PrepareSettings(model="smollm2", predictors="maybe")
-    with pytest.raises(TandemError, match="tokens"):
-        PrepareSettings(model="smollm2", tokens=3)
-    with pytest.raises(TandemError, match="max_quality_loss"):
-        PrepareSettings(model="smollm2", max_quality_loss=0.0)
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return build_tiny_chat_model(tmp_path_factory.mktemp("pipeline") / "model")
 
 
-def test_step_options_are_the_commands_defaults_plus_the_values_given():
-    from placement.cli import add_parsers, cmd_plan
-    handler, ns = _command(add_parsers, "plan", {"model": "m", "profile": "p", "hardware": "h", "out": "o"})
-    assert handler is cmd_plan
-    assert (ns.model, ns.time_limit, ns.replan, ns.weight_format) == ("m", 30.0, False, "auto")
-    with pytest.raises(TandemError, match="no option"):
-        _command(add_parsers, "plan", {"no_such_option": 1})
+def _prepare(folder, out, log=None):
+    return pipeline.prepare(folder, out=out, hardware="cpu-only", tokens=600, progress=False,
+                            log=log if log is not None else (lambda line: None))
 
 
-@pytest.fixture()
-def prepared_copy(tmp_path):
-    if not (PROFILES / "profile").is_dir() or not (PROFILES / "hardware-probed.json").is_file():
-        pytest.skip("needs the SmolLM2 profile and hardware JSON from `make run`")
-    out = tmp_path / "arts"
-    shutil.copytree(PROFILES, out, ignore=shutil.ignore_patterns("plan-*", "predictors"))
-    return out
+def test_prepare_builds_reuses_and_replans_stale(tiny_folder, tmp_path):
+    from offline.profile_artifact import load_profile
+    from online.loading import load_checkpoint
+    from placement.plan import load_plan
+
+    out = tmp_path / "art"
+    first = _prepare(tiny_folder, out)
+    assert not first.profile.reused and not first.plan.reused and first.predictors is None  # SwiGLU: exact path
+    assert first.plan.path == out / "plan-cpu-only-0" and first.hardware_path.name == "cpu-only"
+    # the artifacts on disk, checked through the stages' own loaders against a fresh checkpoint
+    fingerprint = load_checkpoint(tiny_folder).fingerprint
+    on_disk_profile = load_profile(first.profile.path, expected_model_fingerprint=fingerprint)
+    assert on_disk_profile.fingerprint == first.profile.profile.fingerprint
+    on_disk_plan = load_plan(first.plan.path, model_fingerprint=fingerprint, profile_fingerprint=on_disk_profile.fingerprint)
+    assert on_disk_plan.gpu_budget_bytes == 0 and on_disk_plan.model_fingerprint == fingerprint
+    plan_mtime = (first.plan.path / "plan.json").stat().st_mtime_ns
+
+    lines: list[str] = []
+    second = _prepare(tiny_folder, out, lines.append)
+    assert second.profile.reused and second.plan.reused and second.plan.path == first.plan.path
+    assert (first.plan.path / "plan.json").stat().st_mtime_ns == plan_mtime
+    assert any(line.startswith("[prepare] reusing profile") for line in lines)
+
+    pipeline.profile(tiny_folder, out=first.profile.path, tokens=300, search_steps=2, progress=False)
+    lines.clear()
+    third = _prepare(tiny_folder, out, lines.append)  # the new profile makes the old plan stale
+    assert third.profile.reused and not third.plan.reused
+    assert any("is stale" in line for line in lines)
+    new_profile = load_profile(first.profile.path)
+    assert load_plan(third.plan.path, model_fingerprint=fingerprint,
+                     profile_fingerprint=new_profile.fingerprint).profile_fingerprint == new_profile.fingerprint
 
 
-def test_prepare_reuses_valid_artifacts_and_names_the_plan(prepared_copy, capsys):
-    result = prepare(PrepareSettings(model="smollm2", out=str(prepared_copy), predictors="off"))
-    assert result.plan_dir == prepared_copy / "plan-probed-0" and (result.plan_dir / "plan.json").is_file()
-    assert [(s.name, s.reused) for s in result.steps] == [("profile", True), ("probe", True), ("plan", False)]
-    assert result.predictors_dir is None and result.profile_dir == prepared_copy / "profile"
-    assert "reusing profile" in capsys.readouterr().out
+def test_cli_prepare_prints_plan_path_alone(tiny_folder, tmp_path, capsys):
+    from tandem.cli import main
+    out = tmp_path / "art"
+    argv = ["prepare", "--model", str(tiny_folder), "--out", str(out), "--hardware", "cpu-only", "--tokens", "600",
+            "--print-plan-path"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"{out / 'plan-cpu-only-0'}\n"
+    assert "[prepare] plan ready:" in captured.err and (out / "plan-cpu-only-0" / "plan.json").is_file()
+    assert main(argv[:-1]) == 0  # without the flag: progress and the plan line on stdout
+    printed = capsys.readouterr().out
+    assert "[prepare] reusing profile" in printed and f"[prepare] plan ready: {out / 'plan-cpu-only-0'}" in printed
 
 
-def test_print_plan_path_prints_only_the_plan_folder(prepared_copy):
-    done = subprocess.run([sys.executable, "-m", "tandem.cli", "prepare", "--model", "smollm2", "--out",
-                           str(prepared_copy), "--predictors", "off", "--print-plan-path"],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout == f"{prepared_copy / 'plan-probed-0'}\n"
-    assert "reusing profile" in done.stderr
+def test_prepare_rejects_bad_predictors_mode(tiny_folder, tmp_path):
+    with pytest.raises(TandemError, match="predictors must be auto, on or off"):
+        pipeline.prepare(tiny_folder, out=tmp_path, predictors="sometimes")

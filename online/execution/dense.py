@@ -43,6 +43,21 @@ def shared_expert_out(cfg: ModelConfig, moe: MoELayerWeights, x: torch.Tensor) -
     return torch.sigmoid(F.linear(x, moe.shared_expert_gate)) * y
 
 
+def tokens_by_expert(expert_ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The MoE dispatch: every selected expert (ascending) -> (token indices [n], top-k rank [n])."""
+    return {expert: torch.where(expert_ids == expert) for expert in expert_ids.unique().tolist()}
+
+
+def combine_experts(x: torch.Tensor, routed: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                    results: dict[int, torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """The MoE combine: each expert's output rows [n, d], scaled by their routing weights, summed into [T, d]
+    (experts in ``routed``'s order, so every executor rounds alike)."""
+    out = torch.zeros_like(x)  # [T, d]
+    for expert, (token_idx, rank) in routed.items():
+        out.index_add_(0, token_idx, results[expert].to(x.device) * weights[token_idx, rank, None])
+    return out
+
+
 class DenseExecutor:
     """Computes every neuron and every selected expert exactly (float32)."""
 
@@ -63,11 +78,9 @@ class DenseExecutor:
     def moe_forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         moe = self.layers[layer]
         expert_ids, weights, _ = route(self.cfg, moe, x)  # [T, k]
-        out = torch.zeros_like(x)  # [T, d]
-        for expert in expert_ids.unique().tolist():
-            token_idx, slot = torch.where(expert_ids == expert)
-            y = self.expert_forward(layer, expert, x[token_idx])  # [n, d]
-            out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
+        routed = tokens_by_expert(expert_ids)
+        results = {e: self.expert_forward(layer, e, x[token_idx]) for e, (token_idx, _) in routed.items()}  # [n, d]
+        out = combine_experts(x, routed, results, weights)  # [T, d]
         if moe.shared_expert is not None:
             out = out + shared_expert_out(self.cfg, moe, x)
         return out

@@ -30,7 +30,8 @@ import torch
 
 from tandem.errors import TandemError
 
-from ..kernels.cpu_numba import ACT_IDS, clamp_threads
+from ..kernels.cpu_numba import clamp_threads
+from ..kernels.quantize import ACT_IDS
 from ..kernels.native import NativeUnavailable, load_native
 from ..kernels.native.structs import TdmLayer, TdmModel, WeightRef, addr, describe
 from ..kv_cache import KVCache

@@ -23,7 +23,7 @@ import torch
 
 from tandem.errors import TandemError
 from ..config import ModelConfig
-from ..execution.dense import route, shared_expert_out
+from ..execution.dense import combine_experts, route, shared_expert_out, tokens_by_expert
 from ..execution.gpu_tier import GpuTier
 from ..execution.weights import MoELayerWeights
 from .cache import ExpertCache
@@ -158,8 +158,8 @@ class ExpertRuntime:
         expert_ids, weights, _ = route(self.cfg, moe, x)  # [T, k]
         if self.prefetcher is not None:
             self.prefetcher.evaluate(layer, expert_ids)
-        needed = expert_ids.unique().tolist()  # ascending
-        routed = {e: torch.where(expert_ids == e) for e in needed}  # e -> (token idx [n], rank [n])
+        routed = tokens_by_expert(expert_ids)  # e (ascending) -> (token idx [n], rank [n])
+        needed = list(routed)
         hits = [e for e in needed if cache.lookup(e)]
         results: dict[int, torch.Tensor] = {}
         x_tier: list[torch.Tensor] = []
@@ -197,11 +197,7 @@ class ExpertRuntime:
         for e in copied:
             if e not in results:
                 on_tier(e)
-        out = torch.zeros_like(x)  # [T, d]
-        for e in needed:
-            token_idx, rank = routed[e]
-            y = results[e].to(x.device)  # [n, d]
-            out.index_add_(0, token_idx, y * weights[token_idx, rank, None])
+        out = combine_experts(x, routed, results, weights)  # [T, d]
         if moe.shared_expert is not None:
             out = out + shared_expert_out(self.cfg, moe, x)
         return out
@@ -245,6 +241,7 @@ class ExpertRuntime:
             total += w.router.numel() * w.router.element_size()
             total += w.shared_expert.nbytes if w.shared_expert is not None else 0
         return total
+
 
     def close(self) -> None:
         for cache in self.caches.values():

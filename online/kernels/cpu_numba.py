@@ -35,9 +35,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .quantize import F16_VECTOR, KIND_F16, KIND_F32, KIND_I4, KIND_I8, KIND_I8B
-
-ACT_IDS = {"silu": 0, "relu": 1, "fatrelu": 2, "drelu": 3, "gelu": 4, "gelu_tanh": 5}
+from .quantize import ACT_IDS, F16_VECTOR, KIND_F16, KIND_F32, KIND_I4, KIND_I8, KIND_I8B
 EMPTY_F32 = np.zeros(0, dtype=np.float32)
 EMPTY_F32.setflags(write=False)
 

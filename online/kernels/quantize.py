@@ -30,8 +30,10 @@ import numpy as np
 
 from tandem.errors import TandemError
 
-# Kernel format codes (cpu_numba and the native kernels dispatch on these).
+# Kernel codes (cpu_numba and the native kernels dispatch on these; the C enums in kernels/native must
+# agree: tests/test_kernel_constants.py): weight formats and FFN activations.
 KIND_F32, KIND_I8, KIND_I8B, KIND_I4, KIND_F16 = 0, 1, 2, 3, 4
+ACT_IDS = {"silu": 0, "relu": 1, "fatrelu": 2, "drelu": 3, "gelu": 4, "gelu_tanh": 5}
 F16_VECTOR = 8  # Fp16Weight rows are read 8 values at a time
 Q8_BLOCK = 32  # Q8_0 block size (BlockInt8Weight)
 INT4_GROUP_SIZES = (32, 64)

@@ -48,8 +48,8 @@ class Checkpoint:
     tokenizer: Any = None  # online.loading.tokenizer.Tokenizer | None
     quant_types: dict[str, str] = field(default_factory=dict)  # canonical name -> on-disk type
     raw: dict[str, RawQuantTensor] = field(default_factory=dict)  # canonical name -> raw blocks
-    # computed once, at load: build_model later empties ``tensors`` (weights move to the model)
-    fingerprint: str = field(init=False)
+    # what artifacts are built for: computed once here, so emptying tensors later (build_model) cannot change it
+    fingerprint: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
         self.fingerprint = model_fingerprint(self.config, {k: tuple(v.shape) for k, v in self.tensors.items()})
