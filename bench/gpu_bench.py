@@ -27,7 +27,7 @@ def model_bytes(model: str, profile_dir: Path, hardware: str, weight_format: str
     """(bytes of every placeable unit as the planner counts them, the GPU buffers it reserves)."""
     from offline.profile_artifact import load_profile
     from online.loading import load_checkpoint
-    from placement.cli import checkpoint_bytes_per_weight
+    from placement.settings import checkpoint_bytes_per_weight
     from placement.hardware import load_hardware
     from placement.predictor_info import no_predictors
     from placement.problem import build_problem
