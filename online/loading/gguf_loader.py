@@ -27,7 +27,7 @@ import torch
 from tandem.errors import TandemError
 from ..config import ModelConfig, freeze_mapping
 from .checkpoint import Checkpoint, RawQuantTensor
-from .quants import dequantize, qtype_name
+from .quants import SUPPORTED_QTYPES, dequantize, qtype_name
 from .tokenizer import Tokenizer
 
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen2moe")  # llama with experts = Mixtral
@@ -206,7 +206,7 @@ def _canonical_pieces(t: Any, config: ModelConfig, arch: str):
         qtype = qtype_name(t.tensor_type)
     except TandemError:
         raise TandemError(f"tensor {t.name} has unsupported type {t.tensor_type.name} "
-                          f"(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)") from None
+                          f"(supported: {', '.join(SUPPORTED_QTYPES)})") from None
     shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # torch order [.., out, in]
     data = np.asarray(t.data).view(np.uint8).reshape(math.prod(shape[:-1]), -1)  # [rows, row_bytes]
     stem, _, kind = t.name.rpartition(".")
