@@ -421,8 +421,8 @@ def test_unsupported_architecture_tensor_type_and_missing_tensor(tmp_path):
     w.close()
     with pytest.raises(TandemError, match="unsupported GGUF architecture 'bert'"):
         load_gguf(tmp_path / "bert.gguf")
-    write_tiny_gguf(tmp_path / "q5.gguf", "llama", override_type=("blk.1.ffn_up.weight", Q.Q5_0))
-    with pytest.raises(TandemError, match=r"blk\.1\.ffn_up\.weight.*Q5_0.*Q4_1"):
+    write_tiny_gguf(tmp_path / "q5.gguf", "llama", override_type=("blk.1.ffn_up.weight", Q.IQ2_XXS))
+    with pytest.raises(TandemError, match=r"blk\.1\.ffn_up\.weight.*IQ2_XXS.*Q6_K"):
         load_gguf(tmp_path / "q5.gguf")
     write_tiny_gguf(tmp_path / "hole.gguf", "llama", drop="blk.1.attn_v.weight")
     with pytest.raises(TandemError, match="v_proj"):
