@@ -77,3 +77,23 @@ def test_kquant_errors_name_the_problem():
         dequantize(np.zeros(66, np.uint8), "IQ2_XXS", (256,))
     with pytest.raises(TandemError, match="bytes"):
         dequantize(np.zeros(100, np.uint8), "Q6_K", (1, 256))
+
+
+@pytest.mark.parametrize("qtype, kind", [("Q4_K", "Int4Weight"), ("Q5_0", "BlockInt8Weight"),
+                                         ("IQ4_NL", "BlockInt8Weight"), ("Q6_K", "Fp32Weight"),
+                                         ("Q5_K", "Fp32Weight"), ("Q2_K", "Fp32Weight")])
+def test_kernel_weights_from_kquants_are_exact(qtype, kind):
+    """Packed kernel formats hold every weight exactly as gguf decodes it, and the gemv agrees."""
+    import torch
+    from online.kernels.ffn import QuantizedLinear
+    from online.kernels.quantize import weight_from_gguf
+
+    raw = random_blocks(qtype, 6, 512, np.random.default_rng(10))
+    packed = weight_from_gguf(raw, qtype, (6, 512))
+    assert type(packed).__name__ == kind
+    ref = gguf.quants.dequantize(raw, Q[qtype]).reshape(6, 512)
+    assert np.array_equal(packed.dequantize(), ref)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))  # [T, in]
+    y = QuantizedLinear(packed).forward(x)  # [T, 6]
+    expect = x.double() @ torch.from_numpy(ref).double().T  # [T, 6]
+    assert (y.double() - expect).abs().max() <= 2e-2 * expect.abs().max()
