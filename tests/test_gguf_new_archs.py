@@ -43,7 +43,7 @@ def tiny_model(kind: str):
     return model.eval()
 
 
-def write_gguf(path, kind: str, model) -> None:
+def write_gguf(path, kind: str, model, qtypes: tuple[str, ...] = ("F32", "Q8_0", "F16")) -> None:
     cfg = model.config
     w = gguf.GGUFWriter(str(path), kind)
     w.add_block_count(cfg.num_hidden_layers)
@@ -61,6 +61,14 @@ def write_gguf(path, kind: str, model) -> None:
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     else:
         w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    tokens = [chr(c) for c in range(0x21, 0x21 + cfg.vocab_size - 4)] + ['!"', "<s>", "</s>", "<eos>"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (cfg.vocab_size - 3) + [3, 3, 3])
+    w.add_token_merges(["! \""])
+    w.add_bos_token_id(cfg.vocab_size - 3)
+    w.add_eos_token_id(cfg.vocab_size - 2)
     for k, (name, t) in enumerate(model.state_dict().items()):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -73,7 +81,7 @@ def write_gguf(path, kind: str, model) -> None:
         if value.ndim == 1:
             w.add_tensor(gname, value)
         else:
-            qtype = ("F32", "Q8_0", "F16")[k % 3]
+            qtype = qtypes[k % len(qtypes)]
             stored = gguf.quants.quantize(value, Q[qtype])
             w.add_tensor(gname, stored, raw_dtype=None if qtype in ("F32", "F16") else Q[qtype])
             with torch.no_grad():  # the reference model gets the weights as stored
@@ -103,3 +111,18 @@ def test_tiny_gguf_matches_transformers(tmp_path, kind):
     ours = torch.cat([prefill(model, executor, cache, ids[:11], all_logits=True),
                       prefill(model, executor, cache, ids[11:], start_pos=11, all_logits=True)])
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_tiny_gemma3_packed_engine_close_to_dense(tmp_path, fmt):
+    """Packed attention / FFN kernels on a Gemma 3 GGUF whose blocks they read exactly (Q8_0 / Q5_0
+    for int8, Q4_1 for int4): only the int8 activations differ from the dense float32 model."""
+    from online import Engine
+    hf_model = tiny_model("gemma3")
+    write_gguf(tmp_path / "m.gguf", "gemma3", hf_model, ("Q8_0", "Q5_0") if fmt == "int8" else ("Q4_1",))
+    dense = Engine.load(str(tmp_path / "m.gguf"))
+    packed = Engine.load(str(tmp_path / "m.gguf"), weight_format=fmt, sparse=False)
+    ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+    ref, ours = dense.logits(ids), packed.logits(ids)
+    assert float((ours - ref).abs().max() / ref.abs().max()) < 0.05
+    assert packed.generate(ids, max_new_tokens=4, ignore_eos=True).token_ids  # decode path runs
