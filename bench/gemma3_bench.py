@@ -36,11 +36,18 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--skip-perplexity", action="store_true")
     args = ap.parse_args()
-    from bench.systems.quality import held_out_windows
-    from online import Engine
     from online.loading.resolve import resolve_model_path
     gguf = str(resolve_model_path("gemma3"))
+    if not args.skip_perplexity:
+        perplexity(gguf, args)
+    timings(gguf, args)
+
+
+def perplexity(gguf: str, args) -> None:
+    from bench.systems.quality import held_out_windows
+    from online import Engine
     engine = Engine.load("gemma3", threads=args.threads)
     windows = held_out_windows(engine, args.window)
     nll, count = 0.0, 0
@@ -56,6 +63,9 @@ def main() -> None:
                        "--threads", str(args.threads)])
     print(f"held-out perplexity over {count} tokens: tandem {ours:.4f}, llama.cpp {peer['perplexity']:.4f} "
           f"(ratio {ours / peer['perplexity']:.4f})")
+
+
+def timings(gguf: str, args) -> None:
     timing = ["--threads", str(args.threads), "--runs", str(args.runs), "--decode-tokens", str(args.decode_tokens)]
     rows = [("llama.cpp", [str(PEER_PYTHON), "bench/systems/llamacpp.py", "--gguf", gguf, *timing])]
     rows.append(("tandem dense fp32", [sys.executable, "-m", "bench.systems.tandem_dense", "--model", "gemma3", *timing]))
