@@ -72,3 +72,19 @@ def test_greedy_32_tokens_match_transformers(gemma3_engine, hf_gemma3):
         ref = model.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                              pad_token_id=0)[0, len(ids):].tolist()
     assert ours.token_ids == ref
+
+
+def test_builtin_gemma_chat_template(gemma3_path):
+    """The file ships no chat template: Gemma's turn format is used (as llama.cpp does)."""
+    from online.loading.gguf_loader import read_gguf
+    from online.loading.tokenizer import Tokenizer
+    _, fields = read_gguf(gemma3_path)
+    assert "tokenizer.chat_template" not in fields
+    tok = Tokenizer.from_gguf_metadata(fields)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi "},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name a planet."}]
+    text = tok.apply_chat_template(messages)
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+                    "<start_of_turn>user\nName a planet.<end_of_turn>\n<start_of_turn>model\n")
+    ids = tok.encode_chat(messages)
+    assert ids[0] == 2 and ids.count(106) == 3  # <bos>, three <end_of_turn>
