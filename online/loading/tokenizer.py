@@ -29,6 +29,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from tandem.errors import TandemError
+from .chat_templates import builtin_template
 
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 # Texts of end-of-turn tokens: generation also stops on these when the vocabulary has them.
@@ -182,7 +183,7 @@ class Tokenizer:
         return cls(backend, special_tokens=special,
                    add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", add_bos_default)),
                    add_eos=bool(fields.get("tokenizer.ggml.add_eos_token", False)),
-                   chat_template=fields.get("tokenizer.chat_template") or _builtin_template(fields, tokens),
+                   chat_template=fields.get("tokenizer.chat_template") or builtin_template(fields, tokens),
                    extra_eos_ids=[i for i in extra if isinstance(i, int) and 0 <= i < len(tokens)],
                    vocab_size=len(tokens))
 
@@ -284,24 +285,6 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Render then encode without extra special tokens (the template writes them)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
-
-
-# Gemma's turn format (as llama.cpp falls back to when a Gemma GGUF carries no template): a system
-# message is folded into the first user turn, the assistant speaks as "model".
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\n\n' %}"
-    "{% set loop_messages = messages[1:] %}{% else %}{% set first = '' %}{% set loop_messages = messages %}{% endif %}"
-    "{% for message in loop_messages %}<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
-    "{{ (first if loop.first else '') + message['content'] | trim }}<end_of_turn>\n{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
-
-
-def _builtin_template(fields: Mapping[str, Any], tokens: list[str]) -> str | None:
-    """A known chat format for GGUFs that ship without ``tokenizer.chat_template`` (Gemma)."""
-    arch = str(fields.get("general.architecture", ""))
-    if arch.startswith("gemma") and "<start_of_turn>" in tokens and "<end_of_turn>" in tokens:
-        return GEMMA_TEMPLATE
-    return None
 
 
 class IncrementalDecoder:
