@@ -168,7 +168,14 @@ class ModelConfig:
         d = self.to_dict()
         for key in ("bos_token_id", "eos_token_ids", "pad_token_id", "max_context"):
             d.pop(key, None)
+        for f in dataclasses.fields(self):  # fields added later leave older fingerprints unchanged
+            if f.name in _LATER_FIELDS and d.get(f.name) == f.default:
+                d.pop(f.name, None)
         return d
+
+
+_LATER_FIELDS = ("qk_norm", "sandwich_norms", "embed_scale", "attn_scale", "final_logit_softcap",
+                 "layer_windows", "rope_local_theta")
 
 
 def freeze_mapping(m: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
