@@ -4,7 +4,13 @@ One frozen, validated dataclass covers the supported families:
 - ``llama``: Llama, SmolLM2, Mistral, Qwen2 (RMSNorm, RoPE, GQA, gated FFN), including the
   sparse-activation variants (``hidden_act`` relu / fatrelu / drelu),
 - ``opt``: LayerNorm, learned positions (offset 2), plain ReLU FFN with biases,
-- ``mixtral`` / ``qwen2_moe``: Llama-style attention with top-k routed experts.
+- ``mixtral`` / ``qwen2_moe``: Llama-style attention with top-k routed experts,
+- ``qwen3``: Llama layout plus RMSNorm on q and k heads (``qk_norm``),
+- ``gemma3``: q/k norms, norms on the attention and FFN outputs (``sandwich_norms``), gated GELU(tanh),
+  embeddings times sqrt(d), ``attn_scale`` = query_pre_attn_scalar ** -0.5, sliding-window layers
+  (``layer_windows``) with their own rope base (``rope_local_theta``) interleaved with global ones.
+  Gemma's RMSNorm multiplies by (1 + w): canonical checkpoints hold the effective weight 1 + w
+  (GGUF files already store it that way; the HF loader adds 1).
 
 Example::
 
@@ -20,7 +26,7 @@ from typing import Any
 
 from tandem.errors import TandemError
 
-ARCHS = ("llama", "opt", "mixtral", "qwen2_moe")
+ARCHS = ("llama", "opt", "mixtral", "qwen2_moe", "qwen3", "gemma3")
 ACTIVATIONS = ("silu", "relu", "gelu", "gelu_tanh", "fatrelu", "drelu")
 ROPE_SCALING_TYPES = ("linear", "llama3", "default")
 
@@ -62,6 +68,14 @@ class ModelConfig:
     pad_token_id: int | None = None
     # OPT: learned position offset
     position_offset: int = 0
+    # Qwen3 / Gemma 3
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k heads, before rotary
+    sandwich_norms: bool = False  # RMSNorm on the attention output and on the FFN output (Gemma)
+    embed_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(hidden_size))
+    attn_scale: float = 0.0  # softmax scale; 0 -> head_dim ** -0.5
+    final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0 -> none
+    layer_windows: tuple[int, ...] = ()  # per-layer sliding window (0 = global); empty -> sliding_window
+    rope_local_theta: float = 0.0  # rope base of windowed layers (unscaled); 0 -> rope_theta + scaling
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -100,6 +114,10 @@ class ModelConfig:
                 raise bad("moe_layers out of range")
         elif self.intermediate_size <= 0:
             raise bad("intermediate_size must be positive")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
+            raise bad(f"layer_windows needs {self.num_layers} non-negative entries, got {list(self.layer_windows)}")
+        if self.embed_scale <= 0 or self.attn_scale < 0 or self.final_logit_softcap < 0 or self.rope_local_theta < 0:
+            raise bad("embed_scale must be positive; attn_scale, final_logit_softcap, rope_local_theta >= 0")
 
     # --- derived -----------------------------------------------------------------------------
     @property
@@ -108,6 +126,18 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer in self.moe_layers
+
+    def window_of(self, layer: int) -> int:
+        """Sliding window of ``layer`` in tokens (0 = attends to the whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Windowed layer with its own unscaled rope base (Gemma 3)."""
+        return self.rope_local_theta > 0 and self.window_of(layer) > 0
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale or self.head_dim ** -0.5
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
@@ -127,7 +157,7 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         d = dict(d)
         d["rope_scaling"] = freeze_mapping(d.get("rope_scaling") or {})
-        for key in ("eos_token_ids", "moe_layers"):
+        for key in ("eos_token_ids", "moe_layers", "layer_windows"):
             d[key] = tuple(d.get(key) or ())
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
@@ -137,7 +167,14 @@ class ModelConfig:
         d = self.to_dict()
         for key in ("bos_token_id", "eos_token_ids", "pad_token_id", "max_context"):
             d.pop(key, None)
+        for f in dataclasses.fields(self):  # fields added later leave older fingerprints unchanged
+            if f.name in _LATER_FIELDS and d.get(f.name) == f.default:
+                d.pop(f.name, None)
         return d
+
+
+_LATER_FIELDS = ("qk_norm", "sandwich_norms", "embed_scale", "attn_scale", "final_logit_softcap",
+                 "layer_windows", "rope_local_theta")
 
 
 def freeze_mapping(m: dict[str, Any]) -> tuple[tuple[str, Any], ...]:

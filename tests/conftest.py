@@ -40,6 +40,18 @@ def tiny_hf_model(kind: str):
     if kind == "mistral":
         cfg = tf.MistralConfig(num_key_value_heads=2, intermediate_size=128, sliding_window=16, **TINY_COMMON)
         return tf.MistralForCausalLM(cfg)
+    if kind == "qwen3":
+        cfg = tf.Qwen3Config(num_key_value_heads=2, intermediate_size=128, head_dim=24, **TINY_COMMON)
+        return _perturb_norms(tf.Qwen3ForCausalLM(cfg))
+    if kind == "gemma3":  # windowed layers (rope base 10000) around a global one (1e6), attention scale,
+        common = dict(TINY_COMMON, num_hidden_layers=3)  # softcapped logits, (1 + w) norms
+        cfg = tf.Gemma3TextConfig(num_key_value_heads=2, intermediate_size=128, head_dim=32,
+                                  query_pre_attn_scalar=24, sliding_window=8, final_logit_softcapping=3.0,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                   "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+                                  **common)
+        return _perturb_norms(tf.Gemma3ForCausalLM(cfg))
     acts = {"llama": "silu", "llama-relu": "relu"}
     if kind in acts:
         cfg = tf.LlamaConfig(num_key_value_heads=2, intermediate_size=128, hidden_act=acts[kind],
@@ -49,6 +61,15 @@ def tiny_hf_model(kind: str):
                              **TINY_COMMON)
         return tf.LlamaForCausalLM(cfg)
     raise ValueError(kind)
+
+
+def _perturb_norms(model):
+    """Random norm weights (the default init is all ones / zeros, which hides a wrong norm)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
 
 
 @pytest.fixture(scope="session")

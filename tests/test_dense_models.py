@@ -14,7 +14,7 @@ from online.kv_cache import KVCache
 from online.loading.hf_loader import load_hf_folder
 from online.model.build import build_model
 
-KINDS = ["llama", "llama-relu", "qwen2", "mistral", "opt", "mixtral", "qwen2_moe"]
+KINDS = ["llama", "llama-relu", "qwen2", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3", "gemma3"]
 
 
 def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
@@ -49,7 +49,7 @@ def test_incremental_decode_matches_full_forward(tiny_model_dir, kind):
     torch.testing.assert_close(torch.cat(parts), reference_logits(hf_model, ids), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "opt", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["llama", "opt", "mixtral", "qwen2_moe", "qwen3", "gemma3"])
 def test_greedy_generation_matches_transformers(tiny_model_dir, kind):
     folder, hf_model = tiny_model_dir(kind)
     engine = Engine.load(str(folder))

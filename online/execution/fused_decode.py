@@ -73,6 +73,9 @@ def _check_model(model, executor) -> None:
         why = "the dense float32 executor (it is the reference)"
     elif cfg.num_heads % cfg.num_kv_heads:
         why = "head counts that do not group"
+    elif (cfg.qk_norm or cfg.sandwich_norms or cfg.embed_scale != 1.0 or cfg.attn_scale
+          or cfg.final_logit_softcap or cfg.layer_windows or cfg.rope_local_theta):
+        why = f"{cfg.arch} layers (q/k norms, output norms, windows: module path only so far)"
     if why is not None:
         raise FusedDecodeUnavailable(f"no fused decode for {why}")
     for i, split in enumerate(executor.splits):

@@ -29,6 +29,7 @@ from .activations import activate, gated_hidden
 from .dense import DenseExecutor
 from .gpu_tier import GpuTier
 from .tier_format import TIER_FORMATS, TierMatrix
+from .quantized_linear import EXACT_GGUF_TYPES
 from .weights import FFNWeights, MoELayerWeights
 
 WEIGHT_FORMATS = ("fp32", "int8", "int4")
@@ -267,7 +268,8 @@ def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor,
         up_raw, gate_raw, down_raw = (raw.get(f"{prefix}.{n}_proj.weight") for n in ("up", "gate", "down"))
         all_cold = cold.numel() == n_ff
         if (all_cold and settings.weight_format == "int4" and up_raw is not None and down_raw is not None
-                and up_raw.qtype in ("Q4_0", "Q4_1") and w.up_bias is None and w.gate_bias is None):
+                and up_raw.qtype in EXACT_GGUF_TYPES["int4"] and w.up_bias is None and w.gate_bias is None
+                and (gate_raw is None or gate_raw.qtype in EXACT_GGUF_TYPES["int4"])):
             cpu = QuantizedFFN.from_gguf(up_raw, down_raw, gate_raw, down_fmt=settings.down_format, **kw)
         else:
             cpu = QuantizedFFN.from_float(

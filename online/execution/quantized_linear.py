@@ -72,5 +72,8 @@ def _np(bias):
     return None if bias is None else bias.detach().float().numpy()
 
 
+EXACT_GGUF_TYPES = {"int8": ("Q8_0", "Q5_0", "IQ4_NL"), "int4": ("Q4_0", "Q4_1", "Q4_K")}  # packed as is
+
+
 def _matches(qtype: str, fmt: str) -> bool:
-    return (fmt == "int8" and qtype == "Q8_0") or (fmt == "int4" and qtype in ("Q4_0", "Q4_1"))
+    return qtype in EXACT_GGUF_TYPES.get(fmt, ())

@@ -13,6 +13,9 @@ Every format is a frozen dataclass over numpy arrays, ``[out_features, in_featur
 
 GGUF blocks convert without a float round trip: Q8_0 -> BlockInt8Weight, Q4_1 -> Int4Weight
 (d, m as scale, minimum), Q4_0 -> Int4Weight (minimum = -8 d); F32/F16/BF16 -> Fp32Weight.
+k-quants are packed exactly where a format holds them: Q4_K -> Int4Weight (each 32-weight sub-block's
+float32 d*sc and -dmin*m as scale, minimum), Q5_0 -> BlockInt8Weight (q - 16), IQ4_NL ->
+BlockInt8Weight (table value); others (Q2_K, Q3_K, Q5_K, Q6_K, Q5_1) decode exactly to Fp32Weight.
 
 Example::
 
@@ -340,4 +343,26 @@ def weight_from_gguf(data: np.ndarray, qtype: Any, shape: tuple[int, ...]) -> We
         return int4_from_q4_1(*quants.split_q4_1(data, shape))
     if qtype == "Q4_0":
         return int4_from_q4_0(*quants.split_q4_0(data, shape))
+    if qtype in ("Q4_K", "Q5_0", "IQ4_NL"):
+        return _from_kquant(data, qtype, shape)
     return Fp32Weight(quants.dequantize(data, qtype, shape))
+
+
+def _from_kquant(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> Weight:
+    """Q4_K -> Int4Weight, Q5_0 / IQ4_NL -> BlockInt8Weight; every weight equal to gguf's decode."""
+    from online.loading import kquants, quants
+
+    rows, cols = shape
+    blocks = quants._as_rows(data, qtype, shape).reshape(-1, quants.BLOCK_LAYOUT[qtype][1])  # [rows * nb, bytes]
+    groups = (rows, cols // 32)
+    if qtype == "Q4_K":
+        d, m, q = kquants.kquant_fields(blocks, "Q4_K")  # [rows * nb, 8] x2, [rows * nb, 256]
+        return Int4Weight(packed=pack_int4(q.reshape(rows, cols), 32), scale=d.reshape(groups),
+                          minimum=np.ascontiguousarray(-m.reshape(groups)), group_size=32)
+    d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).reshape(groups)
+    if qtype == "Q5_0":
+        q = kquants._q5_codes(blocks[:, 2:6], blocks[:, 6:22]).astype(np.int8) - np.int8(16)  # [rows * nb, 32]
+    else:
+        qs = blocks[:, 2:18]
+        q = kquants.IQ4_NL_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=1)]  # [rows * nb, 32]
+    return int8_from_q8_0(d, q.reshape(rows, cols))

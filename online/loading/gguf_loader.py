@@ -28,10 +28,10 @@ from tandem.errors import TandemError
 from ..config import ModelConfig, freeze_mapping
 from .checkpoint import Checkpoint, RawQuantTensor
 from .gguf_header import GGUFHeader, read_gguf_header
-from .quants import dequantize, qtype_name
+from .quants import SUPPORTED_QTYPES, dequantize, qtype_name
 from .tokenizer import Tokenizer
 
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen2moe")  # llama with experts = Mixtral
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen2moe", "qwen3", "gemma3")  # llama with experts = Mixtral
 _PERMUTED_QK_ARCHS = ("llama",)  # converted through llama.cpp's LlamaModel (Q/K rows interleaved)
 _LAYER_PARTS = {  # GGUF per-layer tensor stem -> canonical suffix
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -40,6 +40,8 @@ _LAYER_PARTS = {  # GGUF per-layer tensor stem -> canonical suffix
     "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.router",
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3, Gemma 3
+    "post_attention_norm": "attn_output_norm", "post_ffw_norm": "ffn_output_norm",  # Gemma 3 (stored as 1 + w)
 }
 _GLOBAL_PARTS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _IGNORED = {"rope_freqs.weight"}
@@ -115,7 +117,7 @@ def _canonical_pieces(t: Any, config: ModelConfig, arch: str):
         qtype = qtype_name(t.tensor_type)
     except TandemError:
         raise TandemError(f"tensor {t.name} has unsupported type {t.tensor_type.name} "
-                          f"(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)") from None
+                          f"(supported: {', '.join(SUPPORTED_QTYPES)})") from None
     shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # torch order [.., out, in]
     data = np.asarray(t.data).view(np.uint8).reshape(math.prod(shape[:-1]), -1)  # [rows, row_bytes]
     stem, _, kind = t.name.rpartition(".")
@@ -217,12 +219,32 @@ def config_from_gguf(fields: dict[str, Any], tensors: dict[str, Any], tokenizer:
         shexp = shape_of(f"blk.{moe_layers[0]}.ffn_up_shexp.weight") if moe_layers else None
         if shexp:
             kw["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length", 0) or 0) or shexp[0]
+    if arch == "qwen3":
+        kw.update(arch="qwen3", qk_norm=True)
+    elif arch == "gemma3":
+        kw.update(_gemma3_fields(fields, num_layers, hidden, num_heads, head_dim, kw["sliding_window"], key))
     if tokenizer is not None:
         kw.update(bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids)
     else:
         bos, eos = fields.get("tokenizer.ggml.bos_token_id"), fields.get("tokenizer.ggml.eos_token_id")
         kw.update(bos_token_id=bos, eos_token_ids=(eos,) if eos is not None else ())
     return ModelConfig(**kw)
+
+
+def _gemma3_fields(fields: dict[str, Any], num_layers: int, hidden: int, num_heads: int, head_dim: int,
+                   window: int, key: Any) -> dict[str, Any]:
+    """Gemma 3 settings llama.cpp derives rather than stores: every 6th layer global (or the stored
+    per-layer pattern), windowed layers on rope base 10000, the 27B's attention scale from d / heads."""
+    pattern = fields.get("gemma3.attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == num_layers:
+        windows = tuple(window if bool(p) else 0 for p in pattern)
+    else:
+        windows = tuple(0 if (i + 1) % 6 == 0 else window for i in range(num_layers))
+    scale_dim = hidden / num_heads if num_layers == 62 else head_dim
+    return dict(arch="gemma3", qk_norm=True, sandwich_norms=True, hidden_act="gelu_tanh",
+                embed_scale=float(hidden) ** 0.5, attn_scale=float(scale_dim) ** -0.5,
+                final_logit_softcap=float(key("final_logit_softcapping", 0.0) or 0.0),
+                layer_windows=windows if window else (), rope_local_theta=10000.0 if window else 0.0)
 
 
 def _rope_scaling(fields: dict[str, Any], arch: str, tensors: dict[str, Any], key: Any) -> tuple:
@@ -266,6 +288,10 @@ def _check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], path: 
                        f"{p}.self_attn.k_proj.weight": (config.num_kv_heads * hd, d),
                        f"{p}.self_attn.v_proj.weight": (config.num_kv_heads * hd, d),
                        f"{p}.self_attn.o_proj.weight": (d, config.num_heads * hd)})
+        if config.qk_norm:
+            expect.update({f"{p}.self_attn.q_norm.weight": (hd,), f"{p}.self_attn.k_norm.weight": (hd,)})
+        if config.sandwich_norms:
+            expect.update({f"{p}.attn_output_norm.weight": (d,), f"{p}.ffn_output_norm.weight": (d,)})
         if config.is_moe_layer(i):
             ff = config.moe_intermediate_size
             expect[f"{p}.mlp.router.weight"] = (config.num_experts, d)

@@ -7,7 +7,7 @@ from tandem.errors import TandemError
 from ..config import ModelConfig, freeze_mapping
 
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "smollm", "smollm2"}
-SUPPORTED = sorted(LLAMA_LIKE | {"opt", "mixtral", "qwen2_moe"})
+SUPPORTED = sorted(LLAMA_LIKE | {"opt", "mixtral", "qwen2_moe", "qwen3", "gemma3_text"})
 ACT_ALIASES = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh", "fatrelu": "fatrelu", "drelu": "drelu", "relu2": None}
 
@@ -20,6 +20,8 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 def _rope(raw: dict[str, Any]) -> tuple[float, tuple]:
     params = dict(raw.get("rope_parameters") or {})
+    if isinstance(params.get("full_attention"), dict):  # per layer type (Gemma 3): the global layers'
+        params = dict(params["full_attention"])
     theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
     scaling = dict(raw.get("rope_scaling") or {}) or params
     if scaling.get("rope_type", scaling.get("type", "default")) == "default":
@@ -28,7 +30,7 @@ def _rope(raw: dict[str, Any]) -> tuple[float, tuple]:
 
 
 def _activation(raw: dict[str, Any]) -> tuple[str, float]:
-    name = raw.get("hidden_act", raw.get("activation_function", "silu"))
+    name = raw.get("hidden_activation") or raw.get("hidden_act", raw.get("activation_function", "silu"))
     act = ACT_ALIASES.get(name)
     if act is None:
         raise TandemError(f"unsupported activation {name!r} in config.json")
@@ -75,6 +77,13 @@ def _build(model_type: str, raw: dict[str, Any]) -> ModelConfig:
     sliding = raw.get("sliding_window") or 0
     if model_type in ("qwen2", "qwen2_moe") and not raw.get("use_sliding_window", False):
         sliding = 0
+    if model_type == "qwen3":
+        return ModelConfig(arch="qwen3", intermediate_size=int(raw["intermediate_size"]), qk_norm=True,
+                           attention_bias=bool(raw.get("attention_bias", False)),
+                           attention_out_bias=bool(raw.get("attention_bias", False)),
+                           sliding_window=int(sliding) if raw.get("use_sliding_window") else 0, **llama_common)
+    if model_type == "gemma3_text":
+        return _gemma3(raw, llama_common)
     if model_type == "mixtral":
         return ModelConfig(arch="mixtral", intermediate_size=int(raw["intermediate_size"]),
                            num_experts=int(raw["num_local_experts"]), num_experts_per_tok=int(raw["num_experts_per_tok"]),
@@ -96,3 +105,28 @@ def _build(model_type: str, raw: dict[str, Any]) -> ModelConfig:
                        attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
                        attention_out_bias=bool(raw.get("attention_bias", False)) and model_type != "qwen2",
                        mlp_bias=bool(raw.get("mlp_bias", False)), sliding_window=int(sliding), **llama_common)
+
+
+def _gemma3(raw: dict[str, Any], llama_common: dict[str, Any]) -> ModelConfig:
+    n_layers = llama_common["num_layers"]
+    types = raw.get("layer_types")
+    if not types:
+        pattern = int(raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6)) or 6)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+    window = int(raw.get("sliding_window") or 0)
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    params = raw.get("rope_parameters") or {}
+    local = params.get("sliding_attention") if isinstance(params.get("sliding_attention"), dict) else {}
+    if local and local.get("rope_type", "default") != "default":
+        raise TandemError(f"unsupported rope scaling {local} on Gemma 3 sliding layers")
+    local_theta = float(local.get("rope_theta", raw.get("rope_local_base_freq", 10000.0)))
+    softcap = raw.get("final_logit_softcapping") or 0.0
+    if raw.get("attn_logit_softcapping"):
+        raise TandemError("attention logit softcapping (Gemma 2) is not supported")
+    common = dict(llama_common, tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
+    return ModelConfig(arch="gemma3", intermediate_size=int(raw["intermediate_size"]),
+                       attention_bias=bool(raw.get("attention_bias", False)), qk_norm=True, sandwich_norms=True,
+                       embed_scale=float(common["hidden_size"]) ** 0.5,
+                       attn_scale=float(raw.get("query_pre_attn_scalar") or common["head_dim"]) ** -0.5,
+                       final_logit_softcap=float(softcap), layer_windows=windows, sliding_window=window,
+                       rope_local_theta=local_theta, **common)

@@ -32,8 +32,17 @@ MOE_RENAMES = [
 ]
 
 
+GEMMA3_RENAMES = [  # HF's post_attention_layernorm norms the attention output; ours is the FFN input norm
+    (r"^(model\.)?language_model\.", "model."),
+    (r"\.post_attention_layernorm\.", ".attn_output_norm."),
+    (r"\.pre_feedforward_layernorm\.", ".post_attention_layernorm."),
+    (r"\.post_feedforward_layernorm\.", ".ffn_output_norm."),
+]
+
+
 def canonical_name(name: str, arch: str) -> str:
-    rules = OPT_RENAMES if arch == "opt" else MOE_RENAMES if arch in ("mixtral", "qwen2_moe") else []
+    rules = (OPT_RENAMES if arch == "opt" else MOE_RENAMES if arch in ("mixtral", "qwen2_moe")
+             else GEMMA3_RENAMES if arch == "gemma3" else [])
     for pattern, repl in rules:
         name = re.sub(pattern, repl, name)
     return name
@@ -93,6 +102,9 @@ def load_hf_folder(folder: str | Path) -> Checkpoint:
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             raise TandemError(f"corrupted safetensors file {shard}: {str(e).splitlines()[0]}") from None
     _split_fused_experts(tensors)
+    if cfg.arch == "gemma3":  # Gemma's RMSNorm scales by (1 + w): keep the effective weight
+        for name in [n for n in tensors if n.endswith("norm.weight")]:
+            tensors[name] = tensors[name] + 1.0
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     tokenizer = None

@@ -7,6 +7,7 @@ Block layouts (32 weights per block, little endian, blocks laid out row by row):
 - ``Q4_1`` (20 bytes): f16 scale ``d``, f16 minimum ``m``, 16 bytes;  w = d * q + m
   (low nibbles are elements 0-15 of the block, high nibbles elements 16-31)
 - ``F32`` / ``F16`` / ``BF16``: plain element arrays.
+- k-quants ``Q2_K`` .. ``Q6_K`` (256 weights per block), ``Q5_0``, ``Q5_1``, ``IQ4_NL``: see ``kquants``.
 
 ``dequantize`` decodes to float32 in row chunks, optionally straight into a caller's buffer (so a
 torch tensor can be filled without an intermediate copy). The ``split_*`` helpers return the raw
@@ -26,11 +27,14 @@ import numpy as np
 
 from tandem.errors import TandemError
 
+from .kquants import DECODERS as _KQUANT_DECODERS, KQUANT_LAYOUT
+
 QK = 32  # weights per quantized block
-SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL",
+                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # qtype -> (elements per block, bytes per block)
 BLOCK_LAYOUT = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
-                "Q8_0": (QK, 2 + QK), "Q4_0": (QK, 2 + QK // 2), "Q4_1": (QK, 4 + QK // 2)}
+                "Q8_0": (QK, 2 + QK), "Q4_0": (QK, 2 + QK // 2), "Q4_1": (QK, 4 + QK // 2), **KQUANT_LAYOUT}
 _CHUNK_ELEMENTS = 1 << 20  # decode this many weights at a time (bounded temporaries)
 
 
@@ -91,6 +95,11 @@ def _decode_rows(rows_u8: np.ndarray, qtype: str, cols: int, out: np.ndarray) ->
     if qtype == "BF16":
         bits = np.ascontiguousarray(rows_u8).view(np.uint16).astype(np.uint32) << np.uint32(16)  # [r, cols]
         out[...] = bits.view(np.float32)
+        return
+    if qtype in _KQUANT_DECODERS:
+        block_elems, block_bytes = BLOCK_LAYOUT[qtype]
+        flat_blocks = np.ascontiguousarray(rows_u8).reshape(-1, block_bytes)  # [r * nb, block_bytes]
+        out.reshape(-1, block_elems)[...] = _KQUANT_DECODERS[qtype](flat_blocks)
         return
     nblocks = cols // QK
     blocks = rows_u8.reshape(r, nblocks, BLOCK_LAYOUT[qtype][1])  # [r, nb, block_bytes]

