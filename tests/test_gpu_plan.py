@@ -100,7 +100,7 @@ def test_planned_expert_slot_bytes_equal_the_packed_expert(fmt, gated, bias):
     assert expert_layout_bytes(d, n_ff, gated, fmt, bias=bias) == pack_expert(cfg, w, fmt).nbytes
 
 
-@pytest.mark.parametrize("kind", ["llama", "opt", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "opt", "qwen2", "qwen3", "gemma3"])
 @pytest.mark.parametrize("attention,head,embeddings", [((True, False), False, True), ((False, True), True, False),
                                                         ((True, True), True, True)])
 def test_tier_units_equal_dense(tiny_model_dir, kind, attention, head, embeddings):

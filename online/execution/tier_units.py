@@ -39,6 +39,9 @@ class TierAttention(nn.Module):
         self.tier, self.layer = tier, layer
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.use_rope, self.sliding_window = attn.use_rope, attn.sliding_window
+        self.local_rope, self.scale = attn.local_rope, attn.scale  # Gemma 3: per-layer rope table, own scale
+        if hasattr(attn, "q_norm"):  # Qwen3 / Gemma 3 per-head norms (a few hundred bytes, not planned)
+            self.q_norm, self.k_norm = attn.q_norm.to(tier.device), attn.k_norm.to(tier.device)
         prefix = f"layers.{layer}.attention"
         qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])  # [q + 2 kv, d]
         self.qkv = TierMatrix.pack(qkv_w, fmt, tier, f"{prefix}.qkv")
@@ -72,6 +75,8 @@ class TierAttention(nn.Module):
         q = qkv[:, :q_dim].reshape(n_tokens, self.n_heads, self.head_dim)  # [T, H, hd]
         k = qkv[:, q_dim:q_dim + kv_dim].reshape(n_tokens, self.n_kv_heads, self.head_dim)  # [T, KV, hd]
         v = qkv[:, q_dim + kv_dim:].reshape(n_tokens, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)  # per-head RMSNorm over hd
         if self.use_rope:
             cos, sin = cos.to(dev, non_blocking=True), sin.to(dev, non_blocking=True)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -82,7 +87,8 @@ class TierAttention(nn.Module):
         if mask is not None:
             mask = mask.to(dev)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
-                                             attn_mask=mask, is_causal=causal, enable_gqa=True)  # [1, H, T, hd]
+                                             attn_mask=mask, is_causal=causal, enable_gqa=True,
+                                             scale=self.scale)  # [1, H, T, hd]
         y = self.o.linear(out[0].transpose(0, 1).reshape(n_tokens, -1), self.o_bias)  # [T, d]
         return self.tier.fetch(y)
 
