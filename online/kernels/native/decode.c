@@ -259,29 +259,14 @@ static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, t
     }
 }
 
+int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_t pos, float *res, float *logits);
+
 /* logits [vocab] for token at position pos (pos < capacity, pos < rope_positions). Returns the number
  * of FFN neurons computed (summed over layers). */
 int64_t tdm_decode(const tdm_model *m, int64_t token, int64_t pos, float *logits) {
-    shared_bufs sb = get_shared(m);
-    int nt = (int)m->threads;
-    for (int j = 0; j < nt; j++) sb.counts[j] = 0;
-#pragma omp parallel num_threads(nt)
-    {
-        int t = omp_get_thread_num(), n = omp_get_num_threads();
-        thread_bufs tb = get_thread(m, t);
-        memcpy(tb.res, m->embed + token * m->d, 4 * m->d);
-        for (int64_t l = 0; l < m->n_layers; l++) {
-            attention_block(m, &m->layers[l], pos, &sb, &tb, t, n);
-            ffn_block(m, &m->layers[l], &sb, &tb, t, n);
-        }
-        norm_and_quantize(m, tb.res, m->final_norm, &tb);
-        int64_t lo, hi;
-        chunk(m->vocab, t, n, &lo, &hi);
-        dot_rows(&m->head, lo, hi - lo, &tb.x, logits + lo);
-    }
-    int64_t total = 0;
-    for (int j = 0; j < nt; j++) total += sb.counts[j];
-    return total;
+    float res[m->d]; /* the token's residual stream: its embedding, then every layer (tdm_decode_range) */
+    memcpy(res, m->embed + token * m->d, 4 * m->d);
+    return tdm_decode_range(m, 0, m->n_layers, pos, res, logits);
 }
 
 /* Self-check for the tests: out[i] = W[r0 + i] . x (i < n) with the code the step uses. */
