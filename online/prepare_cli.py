@@ -42,7 +42,7 @@ def run_prepare(args) -> int:
         result = pipeline.prepare(args.model, out=args.out, hardware=args.hardware, gpu_budget=args.gpu_budget,
                                   predictors=args.predictors, tokens=args.tokens,
                                   max_quality_loss=args.max_quality_loss, calib=args.calib, threads=args.threads,
-                                  measure_quality=not args.no_quality,
+                                  quality=not args.no_quality,
                                   log=lambda line: print(line, flush=True))
         if not result.profile.reused:
             print(format_summary(result.profile.profile, result.profile.path))

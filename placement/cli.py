@@ -69,12 +69,16 @@ def add_parsers(subparsers: Any) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from tandem import pipeline
+    if not args.no_quality:
+        pipeline.check_quality_tokens(args.quality_tokens)  # before planning: no plan left without its quality
     result = pipeline.plan(args.model, args.profile, args.hardware, gpu_budget=args.gpu_budget,
                            predictors_dir=args.predictors, out=args.out, replan=args.replan,
                            time_limit_s=args.time_limit, weight_format=args.weight_format,
                            context_tokens=args.context, neurons_per_chunk=args.neurons_per_chunk,
-                           min_gpu_neurons=args.min_gpu_neurons,
-                           quality_tokens=None if args.no_quality else args.quality_tokens, gpu_device=args.gpu_device)
+                           min_gpu_neurons=args.min_gpu_neurons)
+    if not args.no_quality and not result.reused:
+        pipeline.measure_quality(result, args.model, args.profile, args.predictors, tokens=args.quality_tokens,
+                                 gpu_device=args.gpu_device)
     if result.reused:
         print(f"reusing the plan in {result.path} (same model, profile, predictors, hardware, budget and settings)")
     else:

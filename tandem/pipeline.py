@@ -52,6 +52,7 @@ class PlanResult:
     path: Path
     plan: Any
     reused: bool
+    profile: Any = None  # the offline.profile_artifact.Profile it was planned from
 
 
 @dataclass(frozen=True)
@@ -139,15 +140,10 @@ def probe(out: str | Path | None = None, *, threads: int | None = None, name: st
 def plan(model: str | Path, profile_dir: str | Path, hardware: str | Path, *, gpu_budget: str | int | None = None,
          predictors_dir: str | Path | None = None, out: str | Path | None = None, replan: bool = False,
          time_limit_s: float = 30.0, weight_format: str | float = "auto", context_tokens: int | None = None,
-         neurons_per_chunk: int = 64, min_gpu_neurons: int = 128, checkpoint: Any = None,
-         quality_tokens: int | None = 256, gpu_device: str | None = None) -> PlanResult:
+         neurons_per_chunk: int = 64, min_gpu_neurons: int = 128, checkpoint: Any = None) -> PlanResult:
     """Plan what lives on the GPU for ``hardware`` (preset or JSON file) within ``gpu_budget`` (bytes or
     "2GiB"; default 90% of the GPU). An existing plan at ``out`` made from the same inputs is reused;
-    one made from other inputs is refused unless ``replan``. A new plan's held-out perplexity and greedy
-    agreement with dense are measured through the runtime it describes on ``quality_tokens`` tokens
-    (None: not measured) and recorded in it."""
-    if quality_tokens is not None and quality_tokens < 16:
-        raise TandemError(f"quality_tokens must be at least 16, got {quality_tokens}")
+    one made from other inputs is refused unless ``replan``. ``measure_quality`` then records its quality."""
     from offline.profile_artifact import load_profile
     from online.loading import load_checkpoint
     from placement.budget import format_bytes, parse_bytes
@@ -179,7 +175,7 @@ def plan(model: str | Path, profile_dir: str | Path, hardware: str | Path, *, gp
                                  settings=settings)
         except ArtifactError as e:
             raise TandemError(f"refusing to overwrite: {e}") from None
-        return PlanResult(out_dir, existing, reused=True)
+        return PlanResult(out_dir, existing, reused=True, profile=prof)
     new_plan = make_plan(config, model_fingerprint=checkpoint.fingerprint, model_id=checkpoint.model_id, profile=prof,
                          hardware=hw, gpu_budget_bytes=budget, predictors=preds, settings=settings,
                          solver=SolverSettings(time_limit_s=time_limit_s))
@@ -187,27 +183,41 @@ def plan(model: str | Path, profile_dir: str | Path, hardware: str | Path, *, gp
         save_plan(new_plan, out_dir)
     except OSError as e:
         raise TandemError(f"cannot write the plan to {out_dir}: {e.strerror or e}") from None
-    if quality_tokens is not None:
-        from placement.quality import measure_plan_quality
-        del checkpoint  # the measurement loads the engine
-        new_plan.quality = measure_plan_quality(model, out_dir, max_tokens=quality_tokens, gpu_device=gpu_device,
-                                                max_quality_loss=prof.quality.get("max_quality_loss"),
-                                                profile_dir=profile_dir, predictors_dir=predictors_dir)
-        save_plan(new_plan, out_dir)
-    return PlanResult(out_dir, new_plan, reused=False)
+    return PlanResult(out_dir, new_plan, reused=False, profile=prof)
+
+
+def check_quality_tokens(tokens: int) -> None:
+    if tokens < 16:
+        raise TandemError(f"quality_tokens must be at least 16, got {tokens}")
+
+
+def measure_quality(result: PlanResult, model: str | Path, profile_dir: str | Path,
+                    predictors_dir: str | Path | None = None, *, tokens: int = 256,
+                    gpu_device: str | None = None) -> PlanResult:
+    """Measure a plan's held-out perplexity and greedy agreement with dense through the runtime it
+    describes (``tokens`` held-out tokens) and record them in the plan on disk. It loads two engines:
+    call it after letting go of the checkpoint given to ``plan``."""
+    check_quality_tokens(tokens)
+    from placement.plan import save_plan
+    from placement.quality import measure_plan_quality
+    result.plan.quality = measure_plan_quality(model, result.path, max_tokens=tokens, gpu_device=gpu_device,
+                                               max_quality_loss=result.profile.quality.get("max_quality_loss"),
+                                               profile_dir=profile_dir, predictors_dir=predictors_dir)
+    save_plan(result.plan, result.path)
+    return result
 
 
 def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str | Path | None = None,
             gpu_budget: str | int | None = None, predictors: str = "auto", tokens: int | None = None,
             max_quality_loss: float = 0.02, calib: Sequence[str] | None = None, threads: int | None = None,
-            progress: bool = True, measure_quality: bool = True, log: Log = _quiet) -> PrepareResult:
+            progress: bool = True, quality: bool = True, log: Log = _quiet) -> PrepareResult:
     """profile -> (predictors) -> probe -> plan under ``out`` (default profiles/<model-id>), reusing each
     artifact that is still valid for the same model and inputs; ``log`` gets one line per step.
 
     ``predictors``: "auto" trains them for ReLU-family models only (on SwiGLU models they were
     measured not to pay), "on" / "off" force it. ``hardware``: preset or JSON file (default: probe
     this machine once, kept as ``<out>/hardware-probed.json``). ``gpu_budget``: default the GPU's
-    free memory (90%), 0 without a GPU.
+    free memory (90%), 0 without a GPU. ``quality``: measure a newly made plan's quality (``measure_quality``).
     """
     if predictors not in ("auto", "on", "off"):
         raise TandemError(f"predictors must be auto, on or off, got {predictors!r}")
@@ -254,9 +264,12 @@ def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str |
     stale = (plan_dir / "plan.json").is_file() and not _plan_matches(plan_dir, fingerprint, prof.profile.fingerprint)
     if stale:
         log(f"[prepare] the plan in {plan_dir} is stale (its profile or model changed): planning again")
-    result = plan(model, profile_dir, hardware_path, gpu_budget=budget,
-                  predictors_dir=preds.path if preds is not None else None, out=plan_dir, replan=stale,
-                  checkpoint=checkpoint, quality_tokens=256 if measure_quality else None)
+    predictors_dir = preds.path if preds is not None else None
+    result = plan(model, profile_dir, hardware_path, gpu_budget=budget, predictors_dir=predictors_dir, out=plan_dir,
+                  replan=stale, checkpoint=checkpoint)
+    del checkpoint  # not held while the quality measurement loads its engines
+    if quality and not result.reused:
+        measure_quality(result, model, profile_dir, predictors_dir)
     log(f"[prepare] {'reusing' if result.reused else 'wrote'} plan {plan_dir}")
     return PrepareResult(prof, preds, hardware_path, result)
 
