@@ -1,4 +1,10 @@
-"""Preallocated KV cache: one [n_kv_heads, capacity, head_dim] buffer pair per layer."""
+"""Preallocated KV cache: one [n_kv_heads, capacity, head_dim] buffer pair per layer.
+
+Layout shared with the paged pool (online/kv_pool.py): a pool's keys/values are
+[n_layers, n_kv, n_blocks * block_tokens, head_dim]; a sequence's position p lives at row
+``table[p // block_tokens] * block_tokens + p % block_tokens``. A KVCache is the one-block case
+(``block_tokens == capacity_tokens``, table ``[0]``), so the fused step reads both the same way.
+"""
 from __future__ import annotations
 
 import torch
@@ -21,6 +27,11 @@ class KVCache:
         shape = (cfg.num_layers, cfg.num_kv_heads, capacity_tokens, cfg.head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)  # [L, KV, C, hd]
         self.values = torch.zeros(shape, device=device, dtype=dtype)  # [L, KV, C, hd]
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens per block: the whole cache is one block (see the module docstring)."""
+        return self.capacity_tokens
 
     @property
     def nbytes(self) -> int:

@@ -201,6 +201,56 @@ class FusedDecodeStep:
         counters.ffn_neurons_active += int(active)
         return logits
 
+    def step_many(self, token_ids, start_pos: int, cache: KVCache) -> torch.Tensor:
+        """Logits [T, vocab] for ``token_ids`` at positions ``start_pos..start_pos+T-1`` of one sequence
+        (speculative verification): bit-identical to T calls of the single-token step, KV included.
+
+        Example::
+
+            logits = step.step_many([t0, t1, t2], pos, cache)   # [3, vocab]; cache rows pos..pos+2 written
+        """
+        token_ids = [int(t) for t in token_ids]
+        if not token_ids:
+            raise TandemError("step_many needs at least one token")
+        return torch.stack([self(t, start_pos + i, cache) for i, t in enumerate(token_ids)])
+
+    def step_batch(self, token_ids, positions, tables, pool, logits_for=None) -> torch.Tensor:
+        """Several tokens of several sequences in one step (continuous batching, chunked prefill).
+
+        ``pool``: anything with ``keys``/``values`` float32 [L, KV, n_blocks * block_tokens, hd] and
+        ``block_tokens`` (a KVCache is one block, table ``[0]``); ``tables[i]``: int32 block ids of
+        token i's sequence; ``positions[i]``: its position. Tokens of one sequence come in position
+        order; token i sees its sequence's rows ``0..positions[i]`` (earlier tokens of the same call
+        included). ``logits_for[i]``: whether token i's logits are wanted (default all). Returns
+        [sum(logits_for), vocab] in token order; each row and every KV entry is bit-identical to the
+        single-token step on a contiguous cache holding the same sequence.
+
+        Example::
+
+            out = step.step_batch([5, 9, 11], [7, 0, 1], [table_a, table_b, table_b], pool, [True, False, True])
+        """
+        n = len(token_ids)
+        if not (len(positions) == len(tables) == n) or n == 0:
+            raise TandemError("step_batch needs one position and one block table per token (and >= 1 token)")
+        want = [True] * n if logits_for is None else [bool(w) for w in logits_for]
+        rows = []
+        bt = int(pool.block_tokens)
+        for token, pos, table, wanted in zip(token_ids, positions, tables, want):
+            pos = int(pos)
+            table = np.asarray(table, dtype=np.int64)
+            if pos // bt >= table.size:
+                raise TandemError(f"position {pos} is past the sequence's {table.size} KV blocks")
+            index = torch.from_numpy(table[np.arange(pos + 1) // bt] * bt + np.arange(pos + 1) % bt)  # [pos+1]
+            scratch = KVCache(self.cfg, pos + 1)
+            scratch.keys.copy_(pool.keys.index_select(2, index))  # [L, KV, pos+1, hd]
+            scratch.values.copy_(pool.values.index_select(2, index))
+            logits = self(int(token), pos, scratch)
+            pool.keys[:, :, int(index[-1])] = scratch.keys[:, :, pos]
+            pool.values[:, :, int(index[-1])] = scratch.values[:, :, pos]
+            if wanted:
+                rows.append(logits)
+        return torch.stack(rows) if rows else torch.empty(0, self._desc.vocab)
+
     def predictor_rows(self) -> tuple[int, int]:
         """(rows predicted active, up rows computed) summed over predictor layers and calls so far."""
         refs = [k for k in self._keep if isinstance(k, PredictorRef)]
