@@ -25,6 +25,7 @@ import uvicorn
 
 from online import Engine
 from online.server import create_app
+from online.server.batch_config import BatchConfig
 from online.server.cli import add_serve_parser, run_serve
 from tandem.errors import TandemError
 from helpers_tiny import build_tiny_chat_model
@@ -124,7 +125,8 @@ def srv(tiny_dir):
 
 @pytest.fixture(scope="module")
 def keyed_srv(tiny_dir):
-    with LiveServer(create_app(Engine.load(str(tiny_dir)), api_key="s3cret", max_queue=1)) as server:
+    with LiveServer(create_app(Engine.load(str(tiny_dir)), api_key="s3cret", max_queue=1,
+                               batch=BatchConfig(max_batch_seqs=1))) as server:
         yield server
 
 
@@ -307,7 +309,8 @@ def _bad_cases(model_id: str, max_context: int) -> list[tuple[str, str, bytes, i
         ("stop not strings", "/v1/chat/completions", _chat(stop=[1, 2]), 400),
         ("stop empty string", "/v1/chat/completions", _chat(stop=[""]), 400),
         ("stream not bool", "/v1/chat/completions", _chat(stream="yes"), 400),
-        ("n = 2", "/v1/chat/completions", _chat(n=2), 400),
+        ("n = 0", "/v1/chat/completions", _chat(n=0), 400),
+        ("n = 17", "/v1/chat/completions", _chat(n=17), 400),
         ("model not a string", "/v1/chat/completions", _chat(model=3), 400),
         ("unknown model", "/v1/chat/completions", _chat(model="gpt-17"), 404),
         ("unknown model (completions)", "/v1/completions", json.dumps({"model": "nope", "prompt": "x"}).encode(), 404),
@@ -316,7 +319,7 @@ def _bad_cases(model_id: str, max_context: int) -> list[tuple[str, str, bytes, i
         ("prompt is a number", "/v1/completions", json.dumps({"prompt": 42}).encode(), 400),
         ("token id out of range", "/v1/completions", json.dumps({"prompt": [1, 2, 10**9]}).encode(), 400),
         ("10 MB body", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "' + b"a" * (10 << 20) + b'"}]}', 413),
-        ("n = 3 while streaming", "/v1/chat/completions", _chat(model=model_id, stream=True, n=3), 400),
+        ("n = 3.5 while streaming", "/v1/chat/completions", _chat(model=model_id, stream=True, n=3.5), 400),
     ]
 
 
@@ -411,7 +414,7 @@ def test_api_key_required(keyed_srv, ref_engine):
 
 
 def test_queue_full_gets_429(keyed_srv, ref_engine, long_prompts):
-    """max_queue=1: one request running, one waiting; the next gets 429 at once."""
+    """max_queue=1 and a batch of one: one request running, one waiting; the next gets 429 at once."""
     auth = {"Authorization": "Bearer s3cret"}
     long_body = {"prompt": long_prompts["prompt"], "max_tokens": LONG_TOKENS, "stream": True, "temperature": 0}
     probe, waiter_http = keyed_srv.http(headers=auth), keyed_srv.http(headers=auth)
@@ -481,6 +484,7 @@ def test_metrics_count_requests_and_tokens(srv):
 # --- the CLI entry point ------------------------------------------------------------------------------
 LAUNCH = """
 import argparse, sys
+from online.server.batch_config import BatchConfig
 from online.server.cli import add_serve_parser, run_serve
 from tandem.errors import TandemError
 parser = argparse.ArgumentParser(); sub = parser.add_subparsers(dest="command", required=True)

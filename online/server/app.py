@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from online.server.batch_config import BatchConfig
 from online.server.metrics import Metrics
 from online.server.responses import JobStreamingResponse, Reply
 from online.server.scheduler import GenerationJob, QueueFullError, Scheduler, SchedulerClosedError, timeout_error
@@ -41,8 +42,10 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat
 
 
 def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, request_timeout_s: float = 300.0,
-               served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """Build the server app for ``engine``; the generation worker starts with the app's lifespan."""
+               served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               batch: BatchConfig | None = None) -> FastAPI:
+    """Build the server app for ``engine``; the generation worker starts with the app's lifespan.
+    ``batch``: KV pool budget, prefill budget per step, batch cap and schedule (defaults: BatchConfig())."""
     if max_queue < 1:
         raise TandemError(f"max_queue must be at least 1, got {max_queue}")
     if not request_timeout_s > 0:
@@ -53,7 +56,8 @@ def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, req
     model_names = {model_name, engine.model_id}
     max_context = int(getattr(engine, "max_context", 0) or engine.config.max_context)
     metrics = Metrics()
-    scheduler = Scheduler(engine, max_queue=max_queue, request_timeout_s=request_timeout_s, metrics=metrics)
+    scheduler = Scheduler(engine, max_queue=max_queue, request_timeout_s=request_timeout_s, metrics=metrics,
+                          batch=batch)
     created_s = int(time.time())
 
     @asynccontextmanager
@@ -92,7 +96,7 @@ def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, req
             max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
         try:
             job = scheduler.submit(prompt, max_tokens, req.sampling(), stream_pieces=req.stream,
-                                   loop=asyncio.get_running_loop())
+                                   loop=asyncio.get_running_loop(), n=req.n)
         except QueueFullError as exc:
             metrics.count("rejected")
             raise ApiError(429, f"the server is busy ({exc}); retry later", type="rate_limit_error",
@@ -151,7 +155,8 @@ def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, req
         ok = scheduler.alive
         return JSONResponse({"status": "ok" if ok else "unavailable", "model": model_name,
                              "queue_depth": scheduler.queue_depth, "running": scheduler.running,
-                             "max_queue": max_queue}, status_code=200 if ok else 503)
+                             "max_queue": max_queue, "batching": scheduler.describe()},
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> PlainTextResponse:

@@ -37,9 +37,25 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds a request may wait and generate in total (default 300)")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's id)")
+    p.add_argument("--kv-budget", default=None,
+                   help="bytes of the paged KV pool shared by all requests, e.g. 256MiB (default: 256MiB, "
+                        "grown to hold one full context)")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=128,
+                   help="prompt tokens prefilled per batching step, so running streams keep their pace (default 128)")
+    p.add_argument("--max-batch", type=int, default=32, help="sequences stepped together at most (default 32)")
+    p.add_argument("--schedule", default="fcfs", choices=("fcfs", "mlfq"),
+                   help="fcfs (default) or mlfq: FastServe's skip-join multi-level feedback queue")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run_serve)
     return p
+
+
+def batch_config(args: argparse.Namespace):
+    """The BatchConfig the serve flags describe (one-line TandemError for bad values)."""
+    from online.server.batch_config import BatchConfig, parse_bytes
+    budget = parse_bytes(args.kv_budget) if getattr(args, "kv_budget", None) is not None else None
+    return BatchConfig(kv_budget_bytes=budget, prefill_chunk_tokens=args.prefill_chunk_tokens,
+                       max_batch_seqs=args.max_batch, schedule=args.schedule)
 
 
 def _validate(args: argparse.Namespace) -> str | None:
@@ -87,6 +103,7 @@ def _is_loopback(host: str) -> bool:
 def run_serve(args: argparse.Namespace) -> int:
     """Load the engine, bind the socket and serve until interrupted. Returns the exit code."""
     api_key = _validate(args)
+    batch = batch_config(args)
     sock = _bind(args.host, args.port)
     try:
         import uvicorn
@@ -96,7 +113,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         engine = Engine.load(args.model, threads=args.threads, plan=args.plan)
         app = create_app(engine, api_key=api_key, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
-                         served_model_name=args.served_model_name)
+                         served_model_name=args.served_model_name, batch=batch)
         if api_key is None and not _is_loopback(args.host):
             print(f"warning: serving on {args.host} without --api-key: anyone who can reach this port can use it",
                   file=sys.stderr)

@@ -13,6 +13,8 @@ import threading
 from typing import Any
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+INTER_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 KNOWN_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -79,6 +81,10 @@ class Metrics:
         self.timeouts_total = 0
         self.rejected_total = 0
         self.cache_hit_rate: float | None = None
+        self._batch_size = Histogram(BATCH_SIZE_BUCKETS)
+        self._inter_token = Histogram(INTER_TOKEN_BUCKETS_S)
+        self.preemptions_total = 0
+        self._pool: dict[str, int] = {}  # kv pool gauges/counters as of the last step
         self.decode_tokens_per_s: float | None = None
 
     def observe_request(self, path: str, status: int, duration_s: float) -> None:
@@ -105,6 +111,21 @@ class Metrics:
             tps = stats.get("decode_tokens_per_s")
             if isinstance(tps, (int, float)) and math.isfinite(tps):
                 self.decode_tokens_per_s = float(tps)
+
+    def observe_batch(self, n_sequences: int, pool: Any) -> None:
+        """One batching step: its size and the KV pool's state after it."""
+        with self._lock:
+            self._batch_size.observe(n_sequences)
+            self._pool = {"used": pool.n_used, "total": pool.n_blocks, "hit_tokens": pool.counters.hits_tokens,
+                          "evictions": pool.counters.evictions, "copies": pool.counters.copies}
+
+    def observe_inter_token(self, seconds: float) -> None:
+        with self._lock:
+            self._inter_token.observe(seconds)
+
+    def count_batch(self, what: str) -> None:
+        """Increment a batching counter (``preemptions``)."""
+        self.count(what)
 
     def count(self, what: str) -> None:
         """Increment ``cancelled``, ``timeouts`` or ``rejected``."""
@@ -133,6 +154,22 @@ class Metrics:
                    self._ttft.lines("tandem_time_to_first_token_seconds"))
             metric("tandem_queue_wait_seconds", "histogram", "Time a request waited for the engine.",
                    self._queue_wait.lines("tandem_queue_wait_seconds"))
+            metric("tandem_batch_size", "histogram", "Sequences stepped together per batching iteration.",
+                   self._batch_size.lines("tandem_batch_size"))
+            metric("tandem_inter_token_latency_seconds", "histogram", "Time between two tokens of one sequence.",
+                   self._inter_token.lines("tandem_inter_token_latency_seconds"))
+            pool = self._pool
+            for name, kind, help_text, value in (
+                ("tandem_kv_pool_blocks_used", "gauge", "KV pool blocks referenced by sequences.", pool.get("used", 0)),
+                ("tandem_kv_pool_blocks_total", "gauge", "KV pool blocks in all.", pool.get("total", 0)),
+                ("tandem_prefix_cache_hit_tokens_total", "counter", "Prompt tokens whose KV was reused from the prefix cache.",
+                 pool.get("hit_tokens", 0)),
+                ("tandem_kv_evictions_total", "counter", "Cached KV blocks evicted to make room.", pool.get("evictions", 0)),
+                ("tandem_kv_copies_total", "counter", "KV blocks copied on write (n > 1 forks).", pool.get("copies", 0)),
+                ("tandem_preemptions_total", "counter", "Sequences preempted (KV freed, recomputed later).",
+                 self.preemptions_total),
+            ):
+                metric(name, kind, help_text, [f"{name} {value}"])
             for name, help_text, value in (
                 ("tandem_prompt_tokens_total", "Prompt tokens processed.", self.prompt_tokens_total),
                 ("tandem_generated_tokens_total", "Tokens generated.", self.generated_tokens_total),

@@ -29,40 +29,52 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     @staticmethod
-    def usage(result: Any) -> dict[str, int]:
-        prompt, completion = int(result.prompt_tokens), len(result.token_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    def usage(result: Any) -> dict[str, Any]:
+        """OpenAI usage of one result or of the n choices of one request (the prompt counted once)."""
+        results = result if isinstance(result, list) else [result]
+        prompt, completion = int(results[0].prompt_tokens), sum(len(r.token_ids) for r in results)
+        cached = int(results[0].stats.get("cached_tokens", 0)) if isinstance(results[0].stats, dict) else 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def full(self, result: Any) -> dict[str, Any]:
+        results = result if isinstance(result, list) else [result]
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}}
-            body = self._envelope("chat.completion", [{**choice, "logprobs": None,
-                                                       "finish_reason": result.finish_reason}])
+            choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+                        "finish_reason": r.finish_reason} for i, r in enumerate(results)]
+            body = self._envelope("chat.completion", choices)
         else:
-            body = self._envelope("text_completion", [{"index": 0, "text": result.text, "logprobs": None,
-                                                       "finish_reason": result.finish_reason}])
+            body = self._envelope("text_completion", [{"index": i, "text": r.text, "logprobs": None,
+                                                       "finish_reason": r.finish_reason}
+                                                      for i, r in enumerate(results)])
         return {**body, "usage": self.usage(result)}
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
+              index: int = 0) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": None,
+        return self._envelope("text_completion", [{"index": index, "text": text or "", "logprobs": None,
                                                    "finish_reason": finish_reason}])
 
     async def events(self, job: GenerationJob, first: tuple[str, Any], include_usage: bool, timeout_s: float):
-        """Server-sent events: role chunk, one chunk per text piece, the finish chunk, ``[DONE]``."""
+        """Server-sent events: role chunk, one chunk per text piece, the finish chunk, ``[DONE]``.
+        With n > 1 every choice gets its own chunks (``index``); pieces come as (index, text)."""
+        n = getattr(job, "n", 1)
         if self.chat:
-            yield sse(self.chunk(role=True))
+            for i in range(n):
+                yield sse(self.chunk(role=True, index=i))
         kind, value = first
         while True:
             if kind == "piece":
-                yield sse(self.chunk(text=value))
+                index, text = value if isinstance(value, tuple) else (0, value)
+                yield sse(self.chunk(text=text, index=index))
             elif kind == "done":
-                yield sse(self.chunk(finish_reason=value.finish_reason))
+                for i, result in enumerate(value if isinstance(value, list) else [value]):
+                    yield sse(self.chunk(finish_reason=result.finish_reason, index=i))
                 if include_usage:
                     yield sse({**self._envelope(self.chunk()["object"], []), "usage": self.usage(value)})
                 break

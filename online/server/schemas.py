@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # n
 MAX_SEED = 2**63 - 1
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -111,8 +112,8 @@ class _SamplingRequest(BaseModel):
     @field_validator("n")
     @classmethod
     def _n(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be between 1 and {MAX_CHOICES}")
         return n
 
     @field_validator("logprobs")

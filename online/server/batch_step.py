@@ -1,0 +1,123 @@
+"""One iteration of the batching loop on the model: KV rows of many sequences over the paged pool.
+
+Two paths, chosen once from the engine:
+
+* ``fused`` (packed CPU-only models, the ``cpu-only`` plan): every token of the iteration, decode
+  tokens of running sequences and prefill chunks of new ones alike, goes through ONE
+  ``compiled_decode.step_batch`` call. Each position's logits and KV are bit-identical to the
+  single-token step, whatever the batch, chunking or prefix reuse around it, so a request under
+  load gives exactly its served-alone output, a recompute after preemption restores exactly the
+  lost KV, and a reused prefix block equals a cold prefill. Prefix caching is on.
+* ``modules`` (everything else: dense float32, plans with GPU-tier neurons, layer offload): each
+  sequence steps alone through the model's module graph over a :class:`PagedSequenceCache`
+  (``write`` scatters into the pool, returns the gathered rows). Prefill runs in chunks at
+  request-relative fixed boundaries (multiples of ``prefill_chunk_tokens`` from position 0) and
+  generated tokens one at a time, so the arithmetic does not depend on the load either. Prefix
+  caching is off here: a batched prefill of a shorter suffix is not bit-identical to the cold one.
+
+Example::
+
+    runner = BatchStep(engine, pool, prefill_chunk_tokens=128)
+    logits = runner.run([(seq_a, 1), (seq_b, 37)])   # {seq: [vocab]} for sequences that reached their last token
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from online.kv_pool import KVPool
+
+
+class PagedSequenceCache:
+    """A sequence's block table seen as a ``KVCache`` by ``model(...)``."""
+
+    def __init__(self, pool: KVPool, table: list[int]) -> None:
+        self.pool, self.table = pool, table
+        self.block_tokens = pool.block_tokens
+        self.capacity_tokens = len(table) * pool.block_tokens
+
+    def rows(self, begin: int, end: int) -> torch.Tensor:
+        positions = np.arange(begin, end)
+        table = np.asarray(self.table, dtype=np.int64)
+        return torch.from_numpy(table[positions // self.block_tokens] * self.block_tokens
+                                + positions % self.block_tokens)  # [end-begin]
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [T, KV, hd] at positions start.. and return keys/values of 0..start+T [KV, S, hd]."""
+        end = start + k.shape[0]
+        index = self.rows(0, end)  # [S]
+        self.pool.keys[layer][:, index[start:]] = k.transpose(0, 1)
+        self.pool.values[layer][:, index[start:]] = v.transpose(0, 1)
+        return self.pool.keys[layer][:, index], self.pool.values[layer][:, index]  # [KV, S, hd]
+
+
+def fused_batching(engine: Any) -> bool:
+    """Whether the engine's decode step batches sequences over a paged pool (the fused C step)."""
+    compiled = getattr(engine, "compiled_decode", None)
+    return compiled is not None and getattr(engine, "decode_path", "") == "fused" and hasattr(compiled, "step_batch")
+
+
+class BatchStep:
+    """Runs one iteration's work items ``(sequence, n_tokens)`` on the engine (see the module docstring)."""
+
+    def __init__(self, engine: Any, pool: KVPool, prefill_chunk_tokens: int) -> None:
+        self.engine, self.pool = engine, pool
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.fused = fused_batching(engine)
+        self.path = "fused" if self.fused else "modules"
+        self.prefix_caching = self.fused
+
+    def chunk_tokens(self, seq: Any, budget: int) -> int:
+        """How many of the sequence's missing KV rows to compute now, within ``budget`` prefill tokens."""
+        if seq.decoding:
+            return 1
+        if self.fused:
+            return min(seq.remaining, budget)
+        if seq.n_computed >= seq.n_prompt:  # recompute of generated tokens: one at a time, as decoded
+            return 1
+        to_boundary = self.prefill_chunk_tokens - seq.n_computed % self.prefill_chunk_tokens
+        return min(to_boundary, seq.n_prompt - seq.n_computed)
+
+    def run(self, items: list[tuple[Any, int]]) -> dict[Any, torch.Tensor]:
+        """Compute KV for each item's next ``n`` tokens; logits [vocab] of sequences now complete."""
+        if not items:
+            return {}
+        out = self._run_fused(items) if self.fused else self._run_modules(items)
+        for seq, n in items:
+            seq.n_computed += n
+        return out
+
+    @torch.inference_mode()
+    def _run_fused(self, items: list[tuple[Any, int]]) -> dict[Any, torch.Tensor]:
+        tokens, positions, tables, wanted, owners = [], [], [], [], []
+        for seq, n in items:
+            table = np.asarray(seq.table, dtype=np.int32)
+            last = seq.n_computed + n == len(seq.tokens)
+            for pos in range(seq.n_computed, seq.n_computed + n):
+                tokens.append(seq.tokens[pos])
+                positions.append(pos)
+                tables.append(table)
+                wanted.append(last and pos == seq.n_computed + n - 1)
+            if last:
+                owners.append(seq)
+        logits = self.engine.compiled_decode.step_batch(tokens, positions, tables, self.pool, wanted)  # [k, vocab]
+        return {seq: logits[i] for i, seq in enumerate(owners)}
+
+    @torch.inference_mode()
+    def _run_modules(self, items: list[tuple[Any, int]]) -> dict[Any, torch.Tensor]:
+        engine, out = self.engine, {}
+        prefill_threads = torch.get_num_threads()
+        try:
+            for seq, n in items:
+                chunk = torch.tensor(seq.tokens[seq.n_computed:seq.n_computed + n], dtype=torch.long)  # [n]
+                threads = engine.decode_threads if n == 1 and engine.decode_threads else prefill_threads
+                torch.set_num_threads(threads)
+                cache = PagedSequenceCache(self.pool, seq.table)
+                logits = engine.model(chunk, seq.n_computed, cache, engine.executor)[-1]  # [vocab]
+                if seq.n_computed + n == len(seq.tokens):
+                    out[seq] = logits
+        finally:
+            torch.set_num_threads(prefill_threads)
+        return out

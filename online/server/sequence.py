@@ -1,0 +1,98 @@
+"""One generated sequence (a request's choice) in the batching loop, and its incremental detokenizer.
+
+Example::
+
+    seq = Sequence(seq_id=0, job=job, index=0, tokens=prompt_ids, n_prompt=len(prompt_ids),
+                   params=params, generator=make_generator(params), eos_ids={2}, max_total_tokens=96,
+                   decoder=TextDecoder(tokenizer, params.stop))
+    piece, stopped = seq.decoder.push(token_id)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class TextDecoder:
+    """Text pieces of a growing token list with stop strings held back (as ``Engine.stream``)."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold_back = max((len(s) for s in stop), default=1) - 1
+        self.generated: list[int] = []
+        self.text = ""
+        self.emitted = 0
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """Add a token: (new text that is safe to show, whether a stop string ended the text)."""
+        self.generated.append(token_id)
+        if self.tokenizer is None:
+            return "", False
+        self.text = self.tokenizer.decode(self.generated)
+        cut = min((self.text.find(s) for s in self.stop if s in self.text), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+            piece = self.text[self.emitted:] if cut > self.emitted else ""
+            self.emitted = len(self.text)
+            return piece, True
+        safe = len(self.text) - self.hold_back
+        while safe > self.emitted and self.text[safe - 1] == "\ufffd":  # incomplete UTF-8 sequence
+            safe -= 1
+        if safe > self.emitted:
+            piece, self.emitted = self.text[self.emitted:safe], safe
+            return piece, False
+        return "", False
+
+    def flush(self) -> str:
+        """The held-back tail at the end of the generation."""
+        piece = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return piece
+
+
+@dataclass(eq=False)
+class Sequence:
+    """KV state and sampling state of one choice; ``tokens`` = prompt + generated so far."""
+
+    seq_id: int
+    job: Any  # GenerationJob
+    index: int  # choice index within the request (n > 1)
+    tokens: list[int]
+    n_prompt: int
+    params: Any  # SamplingParams
+    generator: torch.Generator
+    eos_ids: set[int]
+    max_total_tokens: int  # n_prompt + the generation budget
+    decoder: TextDecoder
+    decode_options: Any = None  # per-token options (logprobs, constraints): passed through untouched
+    table: list[int] = field(default_factory=list)  # KV block ids
+    n_computed: int = 0  # KV rows written (positions 0..n_computed-1)
+    n_registered: int = 0  # leading full blocks published for prefix reuse
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    allocated: bool = False
+    finished: bool = False
+    finish_reason: str = "length"
+    admitted_order: int = 0  # for preemption: the latest admitted goes first
+    level: int = 0  # MLFQ queue
+    level_tokens: int = 0  # tokens generated at this level
+    preemptions: int = 0
+    first_token_s: float = 0.0
+    last_token_s: float = 0.0
+    started_s: float = 0.0  # first admission
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.tokens) - self.n_prompt
+
+    @property
+    def decoding(self) -> bool:
+        """Only the last token's KV is missing: one decode step samples the next token."""
+        return self.n_computed == len(self.tokens) - 1
+
+    @property
+    def remaining(self) -> int:
+        """Tokens whose KV is still to compute (prompt chunks, or a whole recompute after preemption)."""
+        return len(self.tokens) - self.n_computed
