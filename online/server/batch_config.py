@@ -34,7 +34,7 @@ def parse_bytes(text: str) -> int:
 
 @dataclass(frozen=True)
 class BatchConfig:
-    kv_budget_bytes: int | None = None  # None: DEFAULT_KV_BUDGET_BYTES, at least one full context
+    kv_budget_bytes: int | None = None  # None: see make_pool
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     max_batch_seqs: int = DEFAULT_MAX_BATCH_SEQS
@@ -54,9 +54,10 @@ class BatchConfig:
             raise TandemError(f"unknown schedule {self.schedule!r} (choose from {', '.join(SCHEDULES)})")
 
     def make_pool(self, engine) -> KVPool:
-        """The pool for ``engine``: the budget given, or the default grown to hold one full context."""
+        """The pool for ``engine``: the budget given, else ``max_batch_seqs`` full contexts capped at
+        DEFAULT_KV_BUDGET_BYTES, and never less than one full context."""
         budget = self.kv_budget_bytes
         if budget is None:
-            full_context = (int(engine.max_context) + self.block_tokens) * kv_bytes_per_token(engine.config)
-            budget = max(DEFAULT_KV_BUDGET_BYTES, full_context)
+            context_bytes = (int(engine.max_context) + self.block_tokens) * kv_bytes_per_token(engine.config)
+            budget = max(context_bytes, min(DEFAULT_KV_BUDGET_BYTES, self.max_batch_seqs * context_bytes))
         return KVPool.create(engine.config, budget, self.block_tokens)
