@@ -108,9 +108,12 @@ def single_step_greedy(engine, prompt: list[int], max_tokens: int) -> tuple[list
     return out, first_logits
 
 
-def test_fused_batch_under_load_equals_single_steps_and_served_alone(fused_engine):
-    """Mixed prompt lengths, staggered arrivals (joins mid-stream), a cancellation; one step_batch per step."""
-    batch = BatchConfig(block_tokens=4, prefill_chunk_tokens=16)
+@pytest.mark.parametrize("prefill", ["step", "modules"])
+def test_fused_batch_under_load_equals_references_and_served_alone(fused_engine, prefill):
+    """Mixed prompt lengths, staggered arrivals (joins mid-stream), a cancellation; decode tokens of all
+    running sequences share one step_batch call. References: the single-token step on a contiguous
+    cache (prefill through the step) or Engine.generate (module prefill, prompts within one chunk)."""
+    batch = BatchConfig(block_tokens=4, prefill_chunk_tokens=32, prefill=prefill)
     specs = [{"prompt": p, "max_tokens": 12 + 3 * i, "delay_s": 0.004 * i} for i, p in enumerate(prompts(8))]
     specs[3]["cancel_after"] = 2
     calls = []
@@ -122,8 +125,11 @@ def test_fused_batch_under_load_equals_single_steps_and_served_alone(fused_engin
         if spec.get("cancel_after"):
             assert result is None
             continue
-        want, _ = single_step_greedy(fused_engine, spec["prompt"], spec["max_tokens"])
-        assert result.token_ids == want
+        if prefill == "step":
+            assert result.token_ids == single_step_greedy(fused_engine, spec["prompt"], spec["max_tokens"])[0]
+        elif len(spec["prompt"]) <= 32:
+            ref = fused_engine.generate(spec["prompt"], max_new_tokens=spec["max_tokens"], ignore_eos=True)
+            assert result.token_ids == ref.token_ids
         alone, _, _ = serve(fused_engine, [{k: v for k, v in spec.items() if k != "delay_s"}], batch)
         assert alone[0].token_ids == result.token_ids and alone[0].text == result.text
     assert metrics.cancelled_total == 1
@@ -157,10 +163,11 @@ class _StepView:
         return getattr(self._step, name)
 
 
-def test_prefix_reuse_gives_cold_prefill_logits(fused_engine):
+@pytest.mark.parametrize("prefill", ["step", "modules"])
+def test_prefix_reuse_gives_cold_prefill_logits(fused_engine, prefill):
     system = prompts(1, seed=5)[0] * 2  # 90 tokens shared
     a, b = system + [11, 12, 13], system + [21, 22]
-    batch = BatchConfig(block_tokens=8, prefill_chunk_tokens=32)
+    batch = BatchConfig(block_tokens=8, prefill_chunk_tokens=32, prefill=prefill)
     seen = {}
 
     def spy(sched):
@@ -170,30 +177,37 @@ def test_prefix_reuse_gives_cold_prefill_logits(fused_engine):
             out = run(items)
             for seq, logits in out.items():
                 if seq.n_generated == 0:
-                    seen[tuple(seq.tokens)] = logits.clone()
+                    seen.setdefault(tuple(seq.tokens), []).append(logits.clone())
             return out
         sched.loop.step.run = recording
 
-    async_specs = [{"prompt": a, "max_tokens": 3}, {"prompt": b, "max_tokens": 3, "after": 0}]
-    results, sched, metrics = serve(fused_engine, async_specs, batch, spy=spy)
+    results, sched, metrics = serve(fused_engine, [{"prompt": a, "max_tokens": 3},
+                                                   {"prompt": b, "max_tokens": 3, "after": 0}], batch, spy=spy)
     hit = results[1].stats["cached_tokens"]
-    assert hit == (len(system) // 8) * 8 and results[0].stats["cached_tokens"] == 0
+    whole = 8 if prefill == "step" else 32  # module prefill reuses whole chunks only
+    assert hit == len(system) // whole * whole and results[0].stats["cached_tokens"] == 0
     assert sched.pool.counters.hits_tokens >= hit
-    want_tokens, want_logits = single_step_greedy(fused_engine, b, 3)
-    assert torch.equal(seen[tuple(b)], want_logits)  # reused KV = cold prefill, bit for bit
-    assert results[1].token_ids == want_tokens
+    cold, _, _ = serve(fused_engine, [{"prompt": b, "max_tokens": 3}], batch, spy=spy)
+    assert cold[0].stats["cached_tokens"] == 0
+    warm_logits, cold_logits = seen[tuple(b)]
+    assert torch.equal(warm_logits, cold_logits)  # reused KV = cold prefill, bit for bit
+    assert results[1].token_ids == cold[0].token_ids
+    if prefill == "step":  # and both equal the single-token step on a contiguous cache
+        want_tokens, want_logits = single_step_greedy(fused_engine, b, 3)
+        assert torch.equal(warm_logits, want_logits) and results[1].token_ids == want_tokens
 
 
-@pytest.mark.parametrize("path", ["fused", "modules"])
+@pytest.mark.parametrize("path", ["fused-step", "fused-modules", "modules"])
 def test_pool_exhaustion_preempts_and_everything_completes(path, fused_engine, dense_engine):
-    engine = fused_engine if path == "fused" else dense_engine
+    engine = fused_engine if path.startswith("fused") else dense_engine
     per_token = 2 * engine.config.num_layers * engine.config.num_kv_heads * engine.config.head_dim * 4
-    batch = BatchConfig(block_tokens=4, prefill_chunk_tokens=8, kv_budget_bytes=per_token * 4 * 30)  # 30 blocks
+    batch = BatchConfig(block_tokens=4, prefill_chunk_tokens=8, kv_budget_bytes=per_token * 4 * 30,  # 30 blocks
+                        prefill="step" if path == "fused-step" else "modules")
     specs = [{"prompt": p, "max_tokens": 40} for p in prompts(6, seed=3)]  # ~6 x (prompt + 40) tokens > 120
     results, sched, metrics = serve(engine, specs, batch)
     assert metrics.preemptions_total > 0
     for spec, result in zip(specs, results):
-        if path == "fused":
+        if path == "fused-step":
             assert result.token_ids == single_step_greedy(engine, spec["prompt"], spec["max_tokens"])[0]
         alone, _, _ = serve(engine, [spec], batch)
         assert result.token_ids == alone[0].token_ids
@@ -204,7 +218,7 @@ def test_modules_path_matches_engine_generate_under_load(dense_engine):
     batch = BatchConfig(block_tokens=4, prefill_chunk_tokens=64)
     specs = [{"prompt": p, "max_tokens": 10 + i, "delay_s": 0.003 * i} for i, p in enumerate(prompts(6, seed=9))]
     results, sched, _ = serve(dense_engine, specs, batch)
-    assert sched.loop.step.path == "modules" and not sched.loop.step.prefix_caching
+    assert sched.loop.step.path == "modules"
     for spec, result in zip(specs, results):
         ref = dense_engine.generate(spec["prompt"], max_new_tokens=spec["max_tokens"], ignore_eos=True)
         assert result.token_ids == ref.token_ids and result.text == ref.text

@@ -40,6 +40,7 @@ class BatchConfig:
     max_batch_seqs: int = DEFAULT_MAX_BATCH_SEQS
     schedule: str = "fcfs"
     max_n: int = 16  # choices per request
+    prefill: str = "modules"  # "modules": batched module prefill in chunks; "step": through step_batch (fused)
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "prefill_chunk_tokens", "max_batch_seqs", "max_n"):
@@ -50,6 +51,11 @@ class BatchConfig:
                                                  or not isinstance(self.kv_budget_bytes, int)
                                                  or self.kv_budget_bytes < 1):
             raise TandemError(f"kv_budget_bytes must be a positive integer, got {self.kv_budget_bytes!r}")
+        if self.prefill_chunk_tokens % self.block_tokens:
+            raise TandemError(f"prefill_chunk_tokens ({self.prefill_chunk_tokens}) must be a multiple of the KV "
+                              f"block size ({self.block_tokens} tokens)")
+        if self.prefill not in ("modules", "step"):
+            raise TandemError(f"prefill must be 'modules' or 'step', got {self.prefill!r}")
         if self.schedule not in SCHEDULES:
             raise TandemError(f"unknown schedule {self.schedule!r} (choose from {', '.join(SCHEDULES)})")
 

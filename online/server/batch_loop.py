@@ -30,9 +30,9 @@ class BatchLoop:
     def __init__(self, engine: Any, pool: KVPool, policy: Any, metrics: Any, prefill_chunk_tokens: int,
                  max_batch_seqs: int, on_piece: Callable[[Sequence, str], None],
                  on_finish: Callable[[Sequence], None], on_first_admit: Callable[[Any], None],
-                 on_fork: Callable[[Sequence], list[Sequence]]) -> None:
+                 on_fork: Callable[[Sequence], list[Sequence]], prefill: str = "modules") -> None:
         self.engine, self.pool, self.policy, self.metrics = engine, pool, policy, metrics
-        self.step = BatchStep(engine, pool, prefill_chunk_tokens)
+        self.step = BatchStep(engine, pool, prefill_chunk_tokens, prefill)
         self.prefill_chunk_tokens, self.max_batch_seqs = prefill_chunk_tokens, max_batch_seqs
         self.on_piece, self.on_finish, self.on_first_admit, self.on_fork = on_piece, on_finish, on_first_admit, on_fork
         self.sequences: list[Sequence] = []
@@ -60,7 +60,7 @@ class BatchLoop:
         pool, hashes, hits = self.pool, [], 0
         if self.step.prefix_caching:
             hashes = pool.block_hashes(seq.tokens)[:(len(seq.tokens) - 1) // pool.block_tokens]
-            hits = pool.count_prefix(hashes)
+            hits = self.step.reusable_hits(pool.count_prefix(hashes))
         fresh = pool.blocks_for(len(seq.tokens)) - hits
         if not pool.can_allocate(fresh + pool.cached_unreferenced(hashes[:hits])):
             return False
@@ -173,7 +173,7 @@ class BatchLoop:
         return len(items)
 
     def _register_blocks(self, seq: Sequence) -> None:
-        full = seq.n_computed // self.pool.block_tokens
+        full = self.step.reusable_blocks(seq)
         if full <= seq.n_registered:
             return
         hashes = self.pool.block_hashes(seq.tokens[:full * self.pool.block_tokens])

@@ -1,23 +1,26 @@
 """One iteration of the batching loop on the model: KV rows of many sequences over the paged pool.
 
-Two paths, chosen once from the engine:
+Decode path, chosen once from the engine:
 
-* ``fused`` (packed CPU-only models, the ``cpu-only`` plan): every token of the iteration, decode
-  tokens of running sequences and prefill chunks of new ones alike, goes through ONE
-  ``compiled_decode.step_batch`` call. Each position's logits and KV are bit-identical to the
-  single-token step, whatever the batch, chunking or prefix reuse around it, so a request under
-  load gives exactly its served-alone output, a recompute after preemption restores exactly the
-  lost KV, and a reused prefix block equals a cold prefill. Prefix caching is on.
+* ``fused`` (packed CPU-only models, the ``cpu-only`` plan): the decode tokens of every running
+  sequence go through ONE ``compiled_decode.step_batch`` call (weights read once per step). Each
+  position's logits and KV are bit-identical to the single-token step whatever else is in the batch.
 * ``modules`` (everything else: dense float32, plans with GPU-tier neurons, layer offload): each
   sequence steps alone through the model's module graph over a :class:`PagedSequenceCache`
-  (``write`` scatters into the pool, returns the gathered rows). Prefill runs in chunks at
-  request-relative fixed boundaries (multiples of ``prefill_chunk_tokens`` from position 0) and
-  generated tokens one at a time, so the arithmetic does not depend on the load either. Prefix
-  caching is off here: a batched prefill of a shorter suffix is not bit-identical to the cold one.
+  (``write`` scatters into the pool, returns the gathered rows).
+
+Prefill (``prefill``): ``modules`` (default) runs the prompt through the batched module graph in
+chunks at request-relative fixed boundaries (multiples of ``prefill_chunk_tokens`` from position 0),
+one chunk per step, as ``Engine.generate`` does; ``step`` (fused path only) puts prompt tokens into
+the same ``step_batch`` call as the decode tokens. Either way the arithmetic of a request does not
+depend on the load: under load a request gives exactly its served-alone output, and a recompute
+after preemption (prompt chunks at the same boundaries, generated tokens one step each) restores
+exactly the lost KV. Prefix reuse keeps that: only blocks another request computed the same way
+are shared (``reusable_blocks``/``reusable_hits``), so a reused prefix equals a cold prefill.
 
 Example::
 
-    runner = BatchStep(engine, pool, prefill_chunk_tokens=128)
+    runner = BatchStep(engine, pool, prefill_chunk_tokens=128, prefill="modules")
     logits = runner.run([(seq_a, 1), (seq_b, 37)])   # {seq: [vocab]} for sequences that reached their last token
 """
 from __future__ import annotations
@@ -62,29 +65,52 @@ def fused_batching(engine: Any) -> bool:
 class BatchStep:
     """Runs one iteration's work items ``(sequence, n_tokens)`` on the engine (see the module docstring)."""
 
-    def __init__(self, engine: Any, pool: KVPool, prefill_chunk_tokens: int) -> None:
+    def __init__(self, engine: Any, pool: KVPool, prefill_chunk_tokens: int, prefill: str = "modules") -> None:
         self.engine, self.pool = engine, pool
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.fused = fused_batching(engine)
         self.path = "fused" if self.fused else "modules"
-        self.prefix_caching = self.fused
+        self.prefill = "step" if self.fused and prefill == "step" else "modules"
+        self.prefix_caching = True
+
+    def reusable_blocks(self, seq: Any) -> int:
+        """Leading blocks of ``seq`` whose KV any request with the same tokens would compute bit for bit:
+        every block on the all-step path; else only blocks inside whole prefill chunks of the prompt
+        (a chunk at the same request-relative boundaries with the same tokens is the same arithmetic)."""
+        bt = self.pool.block_tokens
+        if self.prefill == "step":
+            return seq.n_computed // bt
+        whole_chunks = min(seq.n_computed, seq.n_prompt) // self.prefill_chunk_tokens * self.prefill_chunk_tokens
+        return whole_chunks // bt
+
+    def reusable_hits(self, n_blocks: int) -> int:
+        """Of ``n_blocks`` cached leading blocks, how many a new sequence may take (whole chunks only
+        when prefill runs through the modules)."""
+        if self.prefill == "step":
+            return n_blocks
+        per_chunk = self.prefill_chunk_tokens // self.pool.block_tokens
+        return n_blocks // per_chunk * per_chunk
+
+    def _by_step(self, seq: Any) -> bool:
+        """Through ``step_batch``: generated tokens (decode, recompute), and prompt tokens with ``prefill="step"``."""
+        return self.fused and (self.prefill == "step" or seq.n_computed >= seq.n_prompt)
 
     def chunk_tokens(self, seq: Any, budget: int) -> int:
         """How many of the sequence's missing KV rows to compute now, within ``budget`` prefill tokens."""
-        if seq.decoding:
+        if seq.n_computed < seq.n_prompt and not self._by_step(seq):  # a module prefill chunk
+            to_boundary = self.prefill_chunk_tokens - seq.n_computed % self.prefill_chunk_tokens
+            return min(to_boundary, seq.n_prompt - seq.n_computed)
+        if seq.decoding or not self.fused:  # modules: generated tokens one at a time, as decoded
             return 1
-        if self.fused:
-            return min(seq.remaining, budget)
-        if seq.n_computed >= seq.n_prompt:  # recompute of generated tokens: one at a time, as decoded
-            return 1
-        to_boundary = self.prefill_chunk_tokens - seq.n_computed % self.prefill_chunk_tokens
-        return min(to_boundary, seq.n_prompt - seq.n_computed)
+        return min(seq.remaining, budget)
 
     def run(self, items: list[tuple[Any, int]]) -> dict[Any, torch.Tensor]:
         """Compute KV for each item's next ``n`` tokens; logits [vocab] of sequences now complete."""
         if not items:
             return {}
-        out = self._run_fused(items) if self.fused else self._run_modules(items)
+        by_step = [(seq, n) for seq, n in items if self._by_step(seq)]
+        out = self._run_fused(by_step) if by_step else {}
+        out.update(self._run_modules([(seq, n) for seq, n in items if not self._by_step(seq)]))
         for seq, n in items:
             seq.n_computed += n
         return out

@@ -28,6 +28,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                     "/v1/models, /health, /metrics.")
     p.add_argument("--model", required=True, help="model alias (e.g. smollm2), .gguf file or Hugging Face folder")
     p.add_argument("--plan", default=None, help="placement plan from `tandem plan` (hybrid CPU/GPU execution)")
+    p.add_argument("--weight-format", default=None, choices=("int8", "int4"),
+                   help="pack the weights without a plan (int4 reads GGUF Q4 blocks as they are): the fused, "
+                        "batched decode step")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", default=None,
@@ -111,7 +114,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from online import Engine
         from online.server.app import create_app
 
-        engine = Engine.load(args.model, threads=args.threads, plan=args.plan)
+        engine = Engine.load(args.model, threads=args.threads, plan=args.plan,
+                             weight_format=getattr(args, "weight_format", None))
         app = create_app(engine, api_key=api_key, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
                          served_model_name=args.served_model_name, batch=batch)
         if api_key is None and not _is_loopback(args.host):

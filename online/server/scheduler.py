@@ -120,7 +120,8 @@ class Scheduler:
         self.policy = make_policy(self.batch.schedule, self.batch.prefill_chunk_tokens)
         self.loop = BatchLoop(engine, self.pool, self.policy, metrics, self.batch.prefill_chunk_tokens,
                               self.batch.max_batch_seqs, on_piece=self._on_piece, on_finish=self._on_finish,
-                              on_first_admit=self._on_first_admit, on_fork=self._fork)
+                              on_first_admit=self._on_first_admit, on_fork=self._fork,
+                              prefill=self.batch.prefill)
         self._cond = threading.Condition()
         self._incoming: collections.deque[GenerationJob] = collections.deque()
         self._active: list[GenerationJob] = []  # worker side: jobs with sequences in the loop
@@ -131,7 +132,7 @@ class Scheduler:
         self._closed = False
         self._thread: threading.Thread | None = None
         if self.loop.step.path != "fused":
-            log.info("batching: sequences step one by one through the module path (%s); prefix caching off",
+            log.info("batching: sequences step one by one through the module path (%s)",
                      getattr(engine, "decode_path_reason", "") or f"decode path {getattr(engine, 'decode_path', '?')}")
 
     # --- state -------------------------------------------------------------------------------
@@ -152,7 +153,7 @@ class Scheduler:
     def describe(self) -> dict[str, Any]:
         """What /health shows about batching."""
         step = self.loop.step
-        return {"path": step.path, "schedule": self.policy.name, "max_batch_seqs": self.batch.max_batch_seqs,
+        return {"path": step.path, "prefill": step.prefill, "schedule": self.policy.name, "max_batch_seqs": self.batch.max_batch_seqs,
                 "prefill_chunk_tokens": self.batch.prefill_chunk_tokens, "prefix_caching": step.prefix_caching,
                 "kv_pool_blocks": self.pool.n_blocks, "kv_block_tokens": self.pool.block_tokens,
                 "kv_pool_bytes": self.pool.nbytes, "kv_blocks_used": self.pool.n_used,
