@@ -269,3 +269,19 @@ def test_mlfq_lets_a_short_request_pass_a_long_one(dense_engine):
         assert [len(r.token_ids) for r in results] == [120, 4]
     assert finished["fcfs"] == [120, 4]
     assert finished["mlfq"] == [4, 120]
+
+
+def test_plan_with_attention_on_the_tier_serves_one_sequence_at_a_time(tiny_model_dir, tmp_path_factory):
+    """Tier attention keeps one sequence's KV itself: the scheduler must not interleave sequences there."""
+    from helpers_plans import tiny_plan
+    folder, _ = tiny_model_dir("llama")
+    plan_dir = tiny_plan(folder, tmp_path_factory.mktemp("tier-plan"), "rtx4090", 1.0)
+    engine = Engine.load(str(folder), plan=plan_dir, gpu_device="cpu")
+    assert any(getattr(m, "on_tier", False) and hasattr(m, "keys") for m in engine.model.modules())
+    specs = [{"prompt": [5 + i, 17, 42, 9][: 2 + i % 3], "max_tokens": 6, "n": 1 + (i == 1)} for i in range(4)]
+    results, sched, _ = serve(engine, specs, BatchConfig(max_batch_seqs=8, schedule="mlfq"))
+    for spec, result in zip(specs, results):
+        ref = engine.generate(spec["prompt"], max_new_tokens=6, ignore_eos=True)
+        choices = result if isinstance(result, list) else [result]
+        assert all(c.token_ids == ref.token_ids for c in choices)  # greedy: every choice is the same
+    assert sched.batch.max_batch_seqs == 1 and sched.policy.name == "fcfs" and not sched.loop.step.prefix_caching

@@ -160,7 +160,6 @@ class BatchLoop:
         if not items:
             return 0
         logits = self.step.run(items)
-        self.metrics.observe_batch(len(items), self.pool)
         if self.step.prefix_caching:
             for seq, _ in items:
                 self._register_blocks(seq)
@@ -170,6 +169,7 @@ class BatchLoop:
                 group += self.on_fork(seq)
             for member in group:
                 self._sample(member, row)
+        self.metrics.observe_batch(len(items), self.pool)
         return len(items)
 
     def _register_blocks(self, seq: Sequence) -> None:

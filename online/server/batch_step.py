@@ -7,7 +7,9 @@ Decode path, chosen once from the engine:
   position's logits and KV are bit-identical to the single-token step whatever else is in the batch.
 * ``modules`` (everything else: dense float32, plans with GPU-tier neurons, layer offload): each
   sequence steps alone through the model's module graph over a :class:`PagedSequenceCache`
-  (``write`` scatters into the pool, returns the gathered rows).
+  (``write`` scatters into the pool, returns the gathered rows). Where a layer keeps its own
+  single-sequence KV (attention on the GPU tier, layer offload: ``private_kv``) the scheduler runs
+  one sequence at a time to its end, FCFS, without prefix reuse.
 
 Prefill (``prefill``): ``modules`` (default) runs the prompt through the batched module graph in
 chunks at request-relative fixed boundaries (multiples of ``prefill_chunk_tokens`` from position 0),
@@ -56,6 +58,12 @@ class PagedSequenceCache:
         return self.pool.keys[layer][:, index], self.pool.values[layer][:, index]  # [KV, S, hd]
 
 
+def private_kv(engine: Any) -> bool:
+    """Whether some layer keeps its own single-sequence KV cache instead of using the one passed in
+    (attention on the GPU tier, layer offload): then sequences must not interleave."""
+    return any(getattr(m, "on_tier", False) and hasattr(m, "keys") for m in engine.model.modules())
+
+
 def fused_batching(engine: Any) -> bool:
     """Whether the engine's decode step batches sequences over a paged pool (the fused C step)."""
     compiled = getattr(engine, "compiled_decode", None)
@@ -71,7 +79,8 @@ class BatchStep:
         self.fused = fused_batching(engine)
         self.path = "fused" if self.fused else "modules"
         self.prefill = "step" if self.fused and prefill == "step" else "modules"
-        self.prefix_caching = True
+        self.private_kv = private_kv(engine)
+        self.prefix_caching = not self.private_kv  # the tier's own KV is not in the pool
 
     def reusable_blocks(self, seq: Any) -> int:
         """Leading blocks of ``seq`` whose KV any request with the same tokens would compute bit for bit:
@@ -128,7 +137,13 @@ class BatchStep:
                 wanted.append(last and pos == seq.n_computed + n - 1)
             if last:
                 owners.append(seq)
-        logits = self.engine.compiled_decode.step_batch(tokens, positions, tables, self.pool, wanted)  # [k, vocab]
+        threads = torch.get_num_threads()
+        if self.engine.decode_threads:  # the C step has its own OpenMP pool: keep torch's out of its way
+            torch.set_num_threads(self.engine.decode_threads)
+        try:
+            logits = self.engine.compiled_decode.step_batch(tokens, positions, tables, self.pool, wanted)  # [k, vocab]
+        finally:
+            torch.set_num_threads(threads)
         return {seq: logits[i] for i, seq in enumerate(owners)}
 
     @torch.inference_mode()

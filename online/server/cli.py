@@ -45,6 +45,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "grown to hold one full context)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=128,
                    help="prompt tokens prefilled per batching step, so running streams keep their pace (default 128)")
+    p.add_argument("--prefill", default="modules", choices=("modules", "step"),
+                   help="prompt prefill: modules (default: batched module graph, one chunk per step) or step "
+                        "(through the fused batched decode step, beside the decode tokens)")
     p.add_argument("--max-batch", type=int, default=32, help="sequences stepped together at most (default 32)")
     p.add_argument("--schedule", default="fcfs", choices=("fcfs", "mlfq"),
                    help="fcfs (default) or mlfq: FastServe's skip-join multi-level feedback queue")
@@ -58,7 +61,8 @@ def batch_config(args: argparse.Namespace):
     from online.server.batch_config import BatchConfig, parse_bytes
     budget = parse_bytes(args.kv_budget) if getattr(args, "kv_budget", None) is not None else None
     return BatchConfig(kv_budget_bytes=budget, prefill_chunk_tokens=args.prefill_chunk_tokens,
-                       max_batch_seqs=args.max_batch, schedule=args.schedule)
+                       max_batch_seqs=args.max_batch, schedule=args.schedule,
+                       prefill=getattr(args, "prefill", "modules"))
 
 
 def _validate(args: argparse.Namespace) -> str | None:

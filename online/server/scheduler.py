@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -33,6 +34,7 @@ from online.engine import GenerationResult
 from online.sampling import SamplingParams, make_generator
 from online.server.batch_config import BatchConfig
 from online.server.batch_loop import BatchLoop
+from online.server.batch_step import private_kv
 from online.server.metrics import Metrics
 from online.server.policy import make_policy
 from online.server.schemas import ApiError
@@ -116,6 +118,10 @@ class Scheduler:
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics
         self.batch = batch or BatchConfig()
+        if private_kv(engine) and (self.batch.max_batch_seqs != 1 or self.batch.schedule != "fcfs"):
+            log.warning("batching: this plan keeps attention KV on the GPU tier for one sequence: "
+                        "serving one sequence at a time, first come first served")
+            self.batch = dataclasses.replace(self.batch, max_batch_seqs=1, schedule="fcfs")
         self.pool = self.batch.make_pool(engine)
         self.policy = make_policy(self.batch.schedule, self.batch.prefill_chunk_tokens)
         self.loop = BatchLoop(engine, self.pool, self.policy, metrics, self.batch.prefill_chunk_tokens,
@@ -160,7 +166,8 @@ class Scheduler:
                 "speculation": "off: the server batches sequences instead (one weight read serves every stream)",
                 **({} if step.path == "fused" else
                    {"note": "no fused batched step for this model/plan: sequences step one by one through the "
-                            "module path"})}
+                            "module path" + ("; attention KV on the GPU tier holds one sequence, so one runs at "
+                                             "a time" if step.private_kv else "")})}
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
