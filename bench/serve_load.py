@@ -107,18 +107,19 @@ def run_load(url: str, n_clients: int, requests_per_client: int, max_tokens: int
             "itl_p50": percentile(gaps, 0.5), "itl_p95": percentile(gaps, 0.95), "tokens": tokens, "wall_s": wall_s}
 
 
-def systems(args) -> list[tuple[str, list[str], dict]]:
+def systems(args) -> list[tuple[str, list[str], dict, int]]:
     out = []
-    port = free_port()
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", args.model, "--threads", str(args.threads),
-           "--port", str(port), "--log-level", "warning", "--max-batch", str(max(args.clients)),
-           "--prefill-chunk-tokens", str(args.prefill_chunk_tokens)]
-    if args.plan:
-        cmd += ["--plan", args.plan]
-    if args.weight_format:
-        cmd += ["--weight-format", args.weight_format]
-    label = "plan" if args.plan else args.weight_format or "dense"
-    out.append((f"tandem ({label})", cmd, {"ignore_eos": True}, port))
+    for prefill in args.prefill:
+        port = free_port()
+        cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", args.model, "--threads", str(args.threads),
+               "--port", str(port), "--log-level", "warning", "--max-batch", str(max(args.clients)),
+               "--prefill-chunk-tokens", str(args.prefill_chunk_tokens), "--prefill", prefill]
+        if args.plan:
+            cmd += ["--plan", args.plan]
+        if args.weight_format:
+            cmd += ["--weight-format", args.weight_format]
+        label = "plan" if args.plan else args.weight_format or "dense"
+        out.append((f"tandem ({label}, prefill {prefill})", cmd, {"ignore_eos": True}, port))
     if args.peer and PEER_PYTHON.exists():
         check = subprocess.run([str(PEER_PYTHON), "-c", "import llama_cpp.server"], capture_output=True)
         if check.returncode == 0:
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prefill-chunk-tokens", type=int, default=128)
+    p.add_argument("--prefill", nargs="+", default=["modules", "step"], choices=("modules", "step"),
+                   help="tandem prefill modes to run side by side (serve --prefill)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-peer", dest="peer", action="store_false")

@@ -77,6 +77,7 @@ def test_64_clients_x_4_requests_with_random_disconnects(tiny_dir, ref_engine):
     assert delta("tandem_generations_total") >= sum(not h for _, _, h in results)
     assert metric(after, "tandem_batch_size_bucket", le="1") < metric(after, "tandem_batch_size_count")  # batched
     assert metric(after, "tandem_inter_token_latency_seconds_count") > 0
+    assert metric(after, "tandem_kv_pool_blocks_used") == 0 < metric(after, "tandem_kv_pool_blocks_total")
 
 
 def test_n_choices_through_the_openai_client(tiny_dir, ref_engine):

@@ -169,7 +169,7 @@ class BatchLoop:
                 group += self.on_fork(seq)
             for member in group:
                 self._sample(member, row)
-        self.metrics.observe_batch(len(items), self.pool)
+        self.metrics.observe_batch(len(items))
         return len(items)
 
     def _register_blocks(self, seq: Sequence) -> None:

@@ -84,7 +84,7 @@ class Metrics:
         self._batch_size = Histogram(BATCH_SIZE_BUCKETS)
         self._inter_token = Histogram(INTER_TOKEN_BUCKETS_S)
         self.preemptions_total = 0
-        self._pool: dict[str, int] = {}  # kv pool gauges/counters as of the last step
+        self.pool: Any = None  # the scheduler's KVPool (gauges read live at render time)
         self.decode_tokens_per_s: float | None = None
 
     def observe_request(self, path: str, status: int, duration_s: float) -> None:
@@ -112,12 +112,10 @@ class Metrics:
             if isinstance(tps, (int, float)) and math.isfinite(tps):
                 self.decode_tokens_per_s = float(tps)
 
-    def observe_batch(self, n_sequences: int, pool: Any) -> None:
-        """One batching step: its size and the KV pool's state after it."""
+    def observe_batch(self, n_sequences: int) -> None:
+        """One batching step of ``n_sequences``."""
         with self._lock:
             self._batch_size.observe(n_sequences)
-            self._pool = {"used": pool.n_used, "total": pool.n_blocks, "hit_tokens": pool.counters.hits_tokens,
-                          "evictions": pool.counters.evictions, "copies": pool.counters.copies}
 
     def observe_inter_token(self, seconds: float) -> None:
         with self._lock:
@@ -158,7 +156,9 @@ class Metrics:
                    self._batch_size.lines("tandem_batch_size"))
             metric("tandem_inter_token_latency_seconds", "histogram", "Time between two tokens of one sequence.",
                    self._inter_token.lines("tandem_inter_token_latency_seconds"))
-            pool = self._pool
+            pool = {} if self.pool is None else {
+                "used": self.pool.n_used, "total": self.pool.n_blocks, "hit_tokens": self.pool.counters.hits_tokens,
+                "evictions": self.pool.counters.evictions, "copies": self.pool.counters.copies}
             for name, kind, help_text, value in (
                 ("tandem_kv_pool_blocks_used", "gauge", "KV pool blocks referenced by sequences.", pool.get("used", 0)),
                 ("tandem_kv_pool_blocks_total", "gauge", "KV pool blocks in all.", pool.get("total", 0)),

@@ -123,6 +123,7 @@ class Scheduler:
                         "serving one sequence at a time, first come first served")
             self.batch = dataclasses.replace(self.batch, max_batch_seqs=1, schedule="fcfs")
         self.pool = self.batch.make_pool(engine)
+        metrics.pool = self.pool
         self.policy = make_policy(self.batch.schedule, self.batch.prefill_chunk_tokens)
         self.loop = BatchLoop(engine, self.pool, self.policy, metrics, self.batch.prefill_chunk_tokens,
                               self.batch.max_batch_seqs, on_piece=self._on_piece, on_finish=self._on_finish,
