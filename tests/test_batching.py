@@ -285,3 +285,17 @@ def test_plan_with_attention_on_the_tier_serves_one_sequence_at_a_time(tiny_mode
         choices = result if isinstance(result, list) else [result]
         assert all(c.token_ids == ref.token_ids for c in choices)  # greedy: every choice is the same
     assert sched.batch.max_batch_seqs == 1 and sched.policy.name == "fcfs" and not sched.loop.step.prefix_caching
+
+
+def test_mlfq_promotes_a_starving_sequence():
+    from types import SimpleNamespace
+    from online.server.policy import make_policy
+    policy = make_policy("mlfq", prefill_chunk_tokens=16)
+    long_prompt = SimpleNamespace(n_prompt=16 * 40, level=0, level_tokens=0, idle_steps=0)
+    policy.on_arrival(long_prompt)  # skip-join: 40 chunks of prefill -> the first queue with a quantum >= 40
+    assert policy.quantum(long_prompt.level) >= 40 > policy.quantum(long_prompt.level - 1)
+    for _ in range(policy.starvation_steps - 1):
+        policy.on_idle(long_prompt)
+    assert long_prompt.level > 0
+    policy.on_idle(long_prompt)
+    assert long_prompt.level == 0 and long_prompt.idle_steps == 0

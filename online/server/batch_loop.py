@@ -160,6 +160,12 @@ class BatchLoop:
         if not items:
             return 0
         logits = self.step.run(items)
+        stepped = {seq for seq, _ in items}
+        for seq in self.sequences:
+            if seq in stepped:
+                seq.idle_steps = 0
+            else:
+                self.policy.on_idle(seq)
         if self.step.prefix_caching:
             for seq, _ in items:
                 self._register_blocks(seq)

@@ -8,7 +8,8 @@ A new request skips the queues whose quantum is shorter than its estimated first
 (``ceil(prompt / prefill_chunk_tokens)`` iterations), so a long prompt does not jump ahead of every
 short one; a sequence that used up its queue's quantum is demoted one queue. Each iteration runs
 the highest-priority sequences (lowest queue, then arrival); lower ones wait with their KV kept and
-are preempted first when a higher one needs room. Short requests therefore finish ahead of long ones.
+are preempted first when a higher one needs room. Short requests therefore finish ahead of long ones;
+a sequence that waited ``MLFQ_STARVATION_STEPS`` steps is promoted to the top queue.
 
 Example::
 
@@ -27,6 +28,7 @@ from tandem.errors import TandemError
 SCHEDULES = ("fcfs", "mlfq")
 MLFQ_BASE_TOKENS = 8
 MLFQ_LEVELS = 6
+MLFQ_STARVATION_STEPS = 256  # steps a sequence may wait before it is promoted to the top queue
 
 
 class FcfsPolicy:
@@ -42,13 +44,18 @@ class FcfsPolicy:
     def on_token(self, seq: Any) -> None:
         pass
 
+    def on_idle(self, seq: Any) -> None:
+        pass
+
 
 class MlfqPolicy:
     name = "mlfq"
     running_first = False
 
-    def __init__(self, prefill_chunk_tokens: int, base_tokens: int = MLFQ_BASE_TOKENS, levels: int = MLFQ_LEVELS):
+    def __init__(self, prefill_chunk_tokens: int, base_tokens: int = MLFQ_BASE_TOKENS, levels: int = MLFQ_LEVELS,
+                 starvation_steps: int = MLFQ_STARVATION_STEPS):
         self.prefill_chunk_tokens, self.base_tokens, self.levels = prefill_chunk_tokens, base_tokens, levels
+        self.starvation_steps = starvation_steps
 
     def quantum(self, level: int) -> int:
         return self.base_tokens * 2 ** level
@@ -68,6 +75,12 @@ class MlfqPolicy:
         seq.level_tokens += 1
         if seq.level_tokens >= self.quantum(seq.level) and seq.level < self.levels - 1:
             seq.level, seq.level_tokens = seq.level + 1, 0
+
+    def on_idle(self, seq: Any) -> None:
+        """Starvation guard (as FastServe): a sequence left waiting ``starvation_steps`` steps goes to the top."""
+        seq.idle_steps += 1
+        if seq.idle_steps >= self.starvation_steps:
+            seq.level, seq.level_tokens, seq.idle_steps = 0, 0, 0
 
 
 def make_policy(name: str, prefill_chunk_tokens: int):

@@ -25,7 +25,6 @@ import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
@@ -36,76 +35,14 @@ from online.server.batch_config import BatchConfig
 from online.server.batch_loop import BatchLoop
 from online.server.batch_step import private_kv
 from online.server.metrics import Metrics
+from online.server.jobs import (GenerationJob, QueueFullError, SchedulerClosedError, max_new_tokens_for,
+                                shutting_down, timeout_error)
 from online.server.policy import make_policy
 from online.server.schemas import ApiError
 from online.server.sequence import Sequence, TextDecoder
 from tandem.errors import TandemError
 
 log = logging.getLogger("tandem.server")
-
-
-class QueueFullError(Exception):
-    """The wait queue already holds ``max_queue`` requests."""
-
-
-class SchedulerClosedError(Exception):
-    """The server is shutting down."""
-
-
-def shutting_down() -> ApiError:
-    return ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
-
-
-def timeout_error(timeout_s: float) -> ApiError:
-    return ApiError(504, f"the request did not finish within the server's timeout of {timeout_s:g} s",
-                    type="timeout_error", code="timeout")
-
-
-@dataclass(eq=False)
-class GenerationJob:
-    """One queued generation; its events go to ``events`` on the request's event loop."""
-
-    prompt: Any  # str | list[dict] chat messages | list[int]
-    max_new_tokens: int | None  # None -> up to the end of the context
-    sampling: dict[str, Any]
-    stream_pieces: bool
-    loop: asyncio.AbstractEventLoop
-    deadline_s: float  # time.monotonic() deadline
-    submitted_s: float = field(default_factory=time.monotonic)
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    _cancelled: threading.Event = field(default_factory=threading.Event)
-    _on_cancel: Any = None
-    cancel_reason: str = "cancelled"
-    n: int = 1  # choices
-    decode_options: Any = None  # logprobs / constraints, per-token (passed to each sequence untouched)
-    order: int = 0  # arrival number
-    # worker side
-    sequences: list = field(default_factory=list)
-    results: dict = field(default_factory=dict)  # choice index -> GenerationResult
-    forked: bool = False
-    admitted: bool = False
-    prompt_ids: list = field(default_factory=list)
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def cancel(self, reason: str = "cancelled") -> None:
-        """Stop this job: dropped if still queued, stopped before its next token if running.
-
-        ``reason`` names the metric it is counted under: ``cancelled`` or ``timeouts``.
-        """
-        if not self._cancelled.is_set():
-            self.cancel_reason = reason
-            self._cancelled.set()
-            if self._on_cancel is not None:
-                self._on_cancel(self)
-
-    def emit(self, kind: str, value: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # the request's loop is closed: nobody is listening any more
-            pass
 
 
 class Scheduler:
@@ -255,7 +192,7 @@ class Scheduler:
             job.emit("error", timeout_error(self.request_timeout_s))
             return self._unqueue(job)
         try:
-            max_new_tokens = self._max_new_tokens(job)
+            max_new_tokens = max_new_tokens_for(self.engine, job)
             s = job.sampling
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=s.get("temperature", 0.0),
                                     top_k=s.get("top_k", 0), top_p=s.get("top_p", 1.0), seed=s.get("seed"),
@@ -365,31 +302,5 @@ class Scheduler:
         self._end(job)
         job.emit("done", results[0] if job.n == 1 else results)
 
-    def _max_new_tokens(self, job: GenerationJob) -> int:
-        """The request's max_tokens, checked against the room the prompt leaves in the context."""
-        context = int(self.engine.max_context)
-        n_prompt = self._count_prompt_tokens(job.prompt)
-        if n_prompt is None:
-            return job.max_new_tokens if job.max_new_tokens is not None else context
-        if n_prompt >= context:
-            raise ApiError(400, f"the prompt has {n_prompt} tokens but the model's context is {context} tokens",
-                           param="messages" if isinstance(job.prompt, list) and job.prompt
-                           and isinstance(job.prompt[0], dict) else "prompt", code="context_length_exceeded")
-        room = context - n_prompt
-        if job.max_new_tokens is None:
-            return room
-        if job.max_new_tokens > room:
-            raise ApiError(400, f"the prompt ({n_prompt} tokens) plus max_tokens ({job.max_new_tokens}) exceeds the "
-                           f"model's context of {context} tokens; lower max_tokens to at most {room}",
-                           param="max_tokens", code="context_length_exceeded")
-        return job.max_new_tokens
 
-    def _count_prompt_tokens(self, prompt: Any) -> int | None:
-        tokenizer = getattr(self.engine, "tokenizer", None)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return len(prompt)
-        if tokenizer is None:
-            return None
-        if isinstance(prompt, str):
-            return len(tokenizer.encode(prompt))
-        return len(tokenizer.encode_chat(prompt))
+__all__ = ["GenerationJob", "QueueFullError", "Scheduler", "SchedulerClosedError", "timeout_error"]

@@ -78,6 +78,7 @@ class Sequence:
     admitted_order: int = 0  # for preemption: the latest admitted goes first
     level: int = 0  # MLFQ queue
     level_tokens: int = 0  # tokens generated at this level
+    idle_steps: int = 0  # steps passed over in a row (MLFQ starvation guard)
     preemptions: int = 0
     first_token_s: float = 0.0
     last_token_s: float = 0.0
