@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{port}"
         proc = start(cmd, url)
         try:
+            extra = {**extra, "model": httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]}
             stream_chat(url, "Warm up.", 8, extra)
             runs = {c: [] for c in args.clients}
             for _ in range(args.repeats):

@@ -61,9 +61,13 @@ class BatchConfig:
 
     def make_pool(self, engine) -> KVPool:
         """The pool for ``engine``: the budget given, else ``max_batch_seqs`` full contexts capped at
-        DEFAULT_KV_BUDGET_BYTES, and never less than one full context."""
+        DEFAULT_KV_BUDGET_BYTES but at least one full context, and never more than a quarter of the
+        memory available now (requests that cannot fit are answered 400, never an out-of-memory crash)."""
         budget = self.kv_budget_bytes
         if budget is None:
+            import psutil
             context_bytes = (int(engine.max_context) + self.block_tokens) * kv_bytes_per_token(engine.config)
             budget = max(context_bytes, min(DEFAULT_KV_BUDGET_BYTES, self.max_batch_seqs * context_bytes))
+            budget = min(budget, max(psutil.virtual_memory().available // 4,
+                                     self.block_tokens * kv_bytes_per_token(engine.config)))
         return KVPool.create(engine.config, budget, self.block_tokens)

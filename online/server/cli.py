@@ -41,8 +41,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="seconds a request may wait and generate in total (default 300)")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's id)")
     p.add_argument("--kv-budget", default=None,
-                   help="bytes of the paged KV pool shared by all requests, e.g. 256MiB (default: 256MiB, "
-                        "grown to hold one full context)")
+                   help="bytes of the paged KV pool shared by all requests, e.g. 256MiB (default: --max-batch "
+                        "full contexts, capped at 256MiB, at least one full context)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=128,
                    help="prompt tokens prefilled per batching step, so running streams keep their pace (default 128)")
     p.add_argument("--prefill", default="modules", choices=("modules", "step"),
