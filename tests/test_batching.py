@@ -224,14 +224,17 @@ def test_modules_path_matches_engine_generate_under_load(dense_engine):
         assert result.token_ids == ref.token_ids and result.text == ref.text
 
 
-def test_stop_strings_under_load_equal_served_alone(dense_engine):
+@pytest.mark.parametrize("path", ["modules", "fused"])
+def test_stop_strings_under_load_equal_served_alone(path, dense_engine, fused_engine):
+    engine = fused_engine if path == "fused" else dense_engine
     batch = BatchConfig(block_tokens=4, prefill_chunk_tokens=16)
     base = [{"prompt": p, "max_tokens": 16} for p in prompts(4, seed=11)]
-    alone = [serve(dense_engine, [s], batch)[0][0] for s in base]
+    alone = [serve(engine, [s], batch)[0][0] for s in base]
     specs = [{**s, "stop": [r.text[4:6]]} if len(r.text) > 6 else s for s, r in zip(base, alone)]
-    results, _, _ = serve(dense_engine, specs, batch)
+    assert sum("stop" in s for s in specs) >= 2
+    results, _, _ = serve(engine, specs, batch)
     for spec, result in zip(specs, results):
-        ref = serve(dense_engine, [spec], batch)[0][0]
+        ref = serve(engine, [spec], batch)[0][0]
         assert (result.text, result.finish_reason) == (ref.text, ref.finish_reason)
         if spec.get("stop"):
             assert result.finish_reason == "stop" and spec["stop"][0] not in result.text
