@@ -36,7 +36,6 @@ class BatchLoop:
         self.prefill_chunk_tokens, self.max_batch_seqs = prefill_chunk_tokens, max_batch_seqs
         self.on_piece, self.on_finish, self.on_first_admit, self.on_fork = on_piece, on_finish, on_first_admit, on_fork
         self.sequences: list[Sequence] = []
-        self._admissions = 0
 
     # --- membership ------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -71,8 +70,6 @@ class BatchLoop:
         reused = seq.n_computed if seq.preemptions == 0 else 0
         seq.cached_tokens = max(seq.cached_tokens, min(reused, seq.n_prompt))
         pool.counters.hits_tokens += min(seq.n_computed, seq.n_prompt)
-        self._admissions += 1
-        seq.admitted_order = self._admissions
         if seq.started_s == 0.0:
             seq.started_s = time.monotonic()
             self.on_first_admit(seq)
@@ -85,12 +82,10 @@ class BatchLoop:
         self.metrics.count_batch("preemptions")
 
     def _victim(self, protected: set) -> Sequence | None:
-        """The allocated sequence to preempt: lowest priority, latest admitted, not in ``protected``."""
+        """The allocated sequence to preempt: the lowest in policy order (FCFS: the latest arrival, as
+        vLLM), never one in ``protected`` (already in this step's batch)."""
         held = [s for s in self.sequences if s.allocated and s not in protected]
-        if not held:
-            return None
-        return max(held, key=lambda s: (self.policy.key(s)[0] if not self.policy.running_first else 0,
-                                        s.admitted_order))
+        return max(held, key=self.policy.key) if held else None
 
     def _room(self, n_blocks: int, protected: set) -> bool:
         while not self.pool.can_allocate(n_blocks):

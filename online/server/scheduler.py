@@ -236,7 +236,6 @@ class Scheduler:
             child.table, child.allocated = self.pool.fork(parent.table), True
             child.n_computed, child.n_registered = parent.n_computed, parent.n_registered
             child.cached_tokens, child.started_s, child.level = parent.cached_tokens, parent.started_s, parent.level
-            child.admitted_order = parent.admitted_order
             children.append(child)
         job.sequences += children
         self.loop.sequences += children

@@ -75,7 +75,6 @@ class Sequence:
     allocated: bool = False
     finished: bool = False
     finish_reason: str = "length"
-    admitted_order: int = 0  # for preemption: the latest admitted goes first
     level: int = 0  # MLFQ queue
     level_tokens: int = 0  # tokens generated at this level
     idle_steps: int = 0  # steps passed over in a row (MLFQ starvation guard)
