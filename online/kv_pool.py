@@ -14,8 +14,8 @@ A shared block about to be written (a fork's partial last block) is copied first
 Example::
 
     pool = KVPool.create(cfg, kv_budget_bytes=256 << 20, block_tokens=16)
-    hashes = pool.block_hashes(prompt_ids)                 # one per full block
-    table, n_cached = pool.take_prefix(hashes)               # cached blocks, refs taken
+    hashes = pool.block_hashes(prompt_ids)                   # one per full block
+    table = pool.take_prefix(hashes)                         # the cached leading blocks, refs taken
     table += pool.allocate(pool.blocks_for(len(prompt_ids)) - len(table))
     pool.register(hashes[i], table[i])                       # once block i is written and full
     pool.free(table)                                         # ref counts down; cached blocks stay reusable

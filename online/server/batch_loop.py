@@ -10,8 +10,10 @@ completes.
 
 Example::
 
-    loop = BatchLoop(engine, pool, policy, metrics, prefill_chunk_tokens=128, max_batch_seqs=32)
-    loop.add(seq)
+    loop = BatchLoop(engine, pool, make_policy("fcfs", 128), metrics, prefill_chunk_tokens=128, max_batch_seqs=32,
+                     on_piece=lambda seq, text: print(text, end=""), on_finish=print,
+                     on_first_admit=lambda seq: None, on_fork=lambda parent: [])
+    loop.add(seq)             # a Sequence (online/server/sequence.py)
     while loop.sequences:
         loop.iteration()      # finished sequences go to on_finish(seq)
 """
