@@ -9,7 +9,7 @@ chunks of one stream). Medians over ``--repeats`` runs. Goals (issue 16): aggreg
 Example::
 
     .venv/bin/python -m bench.serve_load --model smollm2 --plan profiles/SmolLM2-135M-Instruct.Q4_1/plan-probed-0 \\
-        --clients 1 8 --requests-per-client 2 --max-tokens 64 --repeats 3 --out bench/serve_load.md
+        --clients 1 8 --requests-per-client 2 --max-tokens 128 --repeats 3 --out bench/serve_load.md
 """
 from __future__ import annotations
 
@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weight-format", default=None, choices=("int8", "int4"), help="tandem without a plan")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8])
     p.add_argument("--requests-per-client", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="tokens per request (default 128, as make bench): with short generations the prefill "
+                        "steps of arriving requests are a larger share of the inter-token gaps")
     p.add_argument("--prefill-chunk-tokens", type=int, default=128)
     p.add_argument("--prefill", nargs="+", default=["modules", "step"], choices=("modules", "step"),
                    help="tandem prefill modes to run side by side (serve --prefill)")
