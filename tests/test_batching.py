@@ -302,3 +302,12 @@ def test_mlfq_promotes_a_starving_sequence():
     assert long_prompt.level > 0
     policy.on_idle(long_prompt)
     assert long_prompt.level == 0 and long_prompt.idle_steps == 0
+
+
+def test_a_request_larger_than_the_pool_is_a_clear_400(dense_engine):
+    per_token = 2 * dense_engine.config.num_layers * dense_engine.config.num_kv_heads * dense_engine.config.head_dim * 4
+    batch = BatchConfig(block_tokens=4, prefill_chunk_tokens=8, kv_budget_bytes=per_token * 4 * 5)  # 20 tokens
+    with pytest.raises(AssertionError, match="needs more KV than the server's pool holds"):
+        serve(dense_engine, [{"prompt": [5, 6, 7], "max_tokens": 30}], batch)
+    results, _, _ = serve(dense_engine, [{"prompt": [5, 6, 7], "max_tokens": 17}], batch)  # 20 tokens fit
+    assert len(results[0].token_ids) == 17
