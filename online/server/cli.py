@@ -127,6 +127,11 @@ def run_serve(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         shown_host = f"[{args.host}]" if ":" in args.host else args.host
         print(f"serving {engine.model_id} at http://{shown_host}:{args.port}/v1 (Ctrl+C to stop)", file=sys.stderr)
+        b = app.state.scheduler.describe()
+        print(f"batching: {b['path']} decode path, prefill {b['prefill']}, up to {b['max_batch_seqs']} sequences, "
+              f"{b['schedule']}; KV pool {b['kv_pool_bytes'] / 2**20:.0f} MiB "
+              f"({b['kv_pool_blocks'] * b['kv_block_tokens']} tokens)" + (f"; {b['note']}" if "note" in b else ""),
+              file=sys.stderr)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
         uvicorn.Server(config).run(sockets=[sock])
     finally:

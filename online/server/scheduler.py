@@ -131,6 +131,8 @@ class Scheduler:
     # --- producer side (event loop) ------------------------------------------------------------
     def submit(self, prompt: Any, max_new_tokens: int | None, sampling: dict[str, Any], stream_pieces: bool,
                loop: asyncio.AbstractEventLoop, n: int = 1, decode_options: Any = None) -> GenerationJob:
+        if not 1 <= n <= self.batch.max_n:
+            raise ApiError(400, f"n must be between 1 and {self.batch.max_n}", param="n")
         job = GenerationJob(prompt=prompt, max_new_tokens=max_new_tokens, sampling=sampling,
                             stream_pieces=stream_pieces, loop=loop,
                             deadline_s=time.monotonic() + self.request_timeout_s, _on_cancel=self._discard,
