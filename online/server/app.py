@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from online.constrain import grammar_tokenizer, native_tool_messages, render_tool_messages
 from online.server.metrics import Metrics
 from online.server.responses import JobStreamingResponse, Reply
 from online.server.scheduler import GenerationJob, QueueFullError, Scheduler, SchedulerClosedError, timeout_error
@@ -90,8 +91,9 @@ def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, req
                            param="max_tokens")
         if max_tokens is None and not chat:
             max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
+        tools = req.tools if chat and req.tool_mode()[0] != "none" else None
         try:
-            job = scheduler.submit(prompt, max_tokens, req.sampling(), stream_pieces=req.stream,
+            job = scheduler.submit(prompt, max_tokens, req.sampling(), stream_pieces=req.stream and tools is None,
                                    loop=asyncio.get_running_loop())
         except QueueFullError as exc:
             metrics.count("rejected")
@@ -110,7 +112,12 @@ def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, req
         kind, value = first
         if kind == "error":
             raise value
-        reply = Reply(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model=model_name, chat=chat)
+        token_bytes = None
+        if (req.logprobs if chat else req.logprobs is not None):
+            ll_tokenizer = grammar_tokenizer(engine)
+            token_bytes = lambda token_id: ll_tokenizer.decode_bytes([token_id])  # noqa: E731
+        reply = Reply(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model=model_name, chat=chat,
+                      token_bytes=token_bytes, tools=tools)
         if not req.stream:
             return JSONResponse(reply.full(value))
         return JobStreamingResponse(reply.events(job, first, req.include_usage(), request_timeout_s),
@@ -122,7 +129,7 @@ def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, req
         authorize(request)
         req = parse_request(ChatCompletionRequest, await read_json(request, max_body_bytes))
         check_model(req.model)
-        return await serve(request, req, req.chat_messages(), chat=True)
+        return await serve(request, req, chat_prompt(engine, req), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -159,6 +166,20 @@ def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, req
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def chat_prompt(engine: Any, req: ChatCompletionRequest) -> list[dict[str, Any]] | list[int]:
+    """The prompt of a chat request: its messages, or, with tools or tool turns, the messages rendered
+    for tools: token ids from the model's own template when it takes ``tools``, else the convention
+    of online.constrain.tools (a system preamble, ``<tool_call>``/``<tool_response>`` text)."""
+    messages = req.chat_messages()
+    tools = list(req.tools or ()) if req.tool_mode()[0] != "none" else []
+    if not tools and not any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        return messages
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is not None and getattr(tokenizer, "supports_tools", False):
+        return tokenizer.encode_chat(native_tool_messages(messages), tools=[t.openai() for t in tools] or None)
+    return render_tool_messages(messages, tools)
 
 
 async def next_event(job: GenerationJob, request: Request, timeout_s: float) -> tuple[str, Any] | None:

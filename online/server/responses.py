@@ -5,13 +5,21 @@ Example::
     reply = Reply(request_id="chatcmpl-1", model="smollm2", chat=True)
     reply.full(result)           # {"id", "object": "chat.completion", "choices": [...], "usage": {...}}
     sse(reply.chunk(text="Hi"))  # 'data: {...}\n\n'
+
+With ``token_bytes`` (token id -> its bytes) the choices carry logprobs: chat
+``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``, completions
+``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``. With ``tools``
+the text is parsed for tool calls (online.constrain.tools): ``message.tool_calls`` and
+``finish_reason: "tool_calls"``; a stream then carries the whole answer at the end (content or
+``delta.tool_calls``), since a call can only be told from text once it is complete.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from typing import Any
+import uuid
+from typing import Any, Callable
 
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
@@ -22,8 +30,48 @@ from online.server.scheduler import GenerationJob, timeout_error
 class Reply:
     """Builds OpenAI-shaped response bodies and stream chunks for one request."""
 
-    def __init__(self, request_id: str, model: str, chat: bool):
+    def __init__(self, request_id: str, model: str, chat: bool, token_bytes: Callable[[int], bytes] | None = None,
+                 tools: tuple[Any, ...] | None = None):
         self.id, self.model, self.chat, self.created = request_id, model, chat, int(time.time())
+        self.token_bytes = token_bytes  # set when logprobs were asked for
+        self.tools = tools  # set when the answer may be a tool call
+        self.text_offset = 0  # completions: characters of text already described by logprobs
+
+    # --- logprobs ------------------------------------------------------------------------------------
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        raw = self.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def logprobs(self, choices: list[Any]) -> dict[str, Any] | None:
+        """The ``logprobs`` object of a choice (or chunk) for these TokenChoices; None when not asked."""
+        if self.token_bytes is None:
+            return None
+        if self.chat:
+            content = []
+            for c in choices:
+                text, raw = self._token(c.token_id)
+                top = []
+                for tid, lp in c.top_logprobs:
+                    t_text, t_raw = self._token(tid)
+                    top.append({"token": t_text, "logprob": lp, "bytes": t_raw})
+                content.append({"token": text, "logprob": c.logprob, "bytes": raw, "top_logprobs": top})
+            return {"content": content, "refusal": None}
+        tokens, offsets = [], []
+        for c in choices:
+            tokens.append(self._token(c.token_id)[0])
+            offsets.append(self.text_offset)
+            self.text_offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [c.logprob for c in choices],
+                "top_logprobs": [{self._token(t)[0]: lp for t, lp in c.top_logprobs} for c in choices],
+                "text_offset": offsets}
+
+    def tool_calls(self, result: Any) -> list[dict[str, Any]]:
+        from online.constrain import parse_tool_calls
+        if not self.tools:
+            return []
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": name, "arguments": args}}
+                for name, args in parse_tool_calls(result.text, list(self.tools))]
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -34,23 +82,32 @@ class Reply:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def full(self, result: Any) -> dict[str, Any]:
+        logprobs = self.logprobs(getattr(result, "choices", []))
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}}
-            body = self._envelope("chat.completion", [{**choice, "logprobs": None,
-                                                       "finish_reason": result.finish_reason}])
+            message: dict[str, Any] = {"role": "assistant", "content": result.text}
+            finish = result.finish_reason
+            calls = self.tool_calls(result)
+            if calls:
+                message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            body = self._envelope("chat.completion", [{"index": 0, "message": message, "logprobs": logprobs,
+                                                       "finish_reason": finish}])
         else:
-            body = self._envelope("text_completion", [{"index": 0, "text": result.text, "logprobs": None,
+            body = self._envelope("text_completion", [{"index": 0, "text": result.text, "logprobs": logprobs,
                                                        "finish_reason": result.finish_reason}])
         return {**body, "usage": self.usage(result)}
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
+              choices: list[Any] | None = None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        logprobs = self.logprobs(choices) if choices else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": None,
+        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": logprobs,
                                                    "finish_reason": finish_reason}])
 
     async def events(self, job: GenerationJob, first: tuple[str, Any], include_usage: bool, timeout_s: float):
@@ -60,9 +117,18 @@ class Reply:
         kind, value = first
         while True:
             if kind == "piece":
-                yield sse(self.chunk(text=value))
+                text, choices = value if isinstance(value, tuple) else (value, None)
+                yield sse(self.chunk(text=text, choices=choices))
             elif kind == "done":
-                yield sse(self.chunk(finish_reason=value.finish_reason))
+                finish = value.finish_reason
+                if self.tools is not None:  # buffered: the whole answer now
+                    calls = self.tool_calls(value)
+                    if calls:
+                        finish = "tool_calls"
+                        yield sse(self.chunk(tool_calls=calls, choices=getattr(value, "choices", None)))
+                    elif value.text:
+                        yield sse(self.chunk(text=value.text, choices=getattr(value, "choices", None)))
+                yield sse(self.chunk(finish_reason=finish))
                 if include_usage:
                     yield sse({**self._envelope(self.chunk()["object"], []), "usage": self.usage(value)})
                 break

@@ -196,6 +196,7 @@ class Scheduler:
         except (TandemError, jinja2.TemplateError) as exc:
             job.emit("error", ApiError(400, str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
             return
+        sent_choices = 0
         try:
             for piece in stream:
                 if job.cancelled:
@@ -205,8 +206,10 @@ class Scheduler:
                     self.metrics.count("timeouts")
                     job.emit("error", timeout_error(self.request_timeout_s))
                     return
-                if piece and job.stream_pieces:
-                    job.emit("piece", piece)
+                if piece and job.stream_pieces:  # with the TokenChoices (logprobs) of the tokens behind it
+                    choices = getattr(stream, "choices", None) or []
+                    job.emit("piece", (piece, choices[sent_choices:]))
+                    sent_choices = len(choices)
             result = stream.result
         except (TandemError, jinja2.TemplateError) as exc:
             job.emit("error", ApiError(400, str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
