@@ -1,22 +1,12 @@
 """Grammars for constrained decoding, through llguidance (a maintained Rust grammar engine).
 
-Why llguidance (measured 2026-11-23 on this 2-core machine, contended, SmolLM2's 49,152-token
-vocabulary, a 4-property JSON schema, 31 decode steps; script in docs/constrained-decoding.md):
-
-=============  ==========  ===========================================  ===============  ==========
-library        wheel       install pulls                                tokenizer setup  mask/step
-=============  ==========  ===========================================  ===============  ==========
-llguidance     3.1 MB      nothing (abi3 wheel, no dependencies)        0.57 s           15 us median, 1.6 ms first
-xgrammar       1.3 MB      triton (~1 GB), apache-tvm-ffi, transformers 0.65 s           4 us median, 0.1 ms max
-outlines-core  2.3 MB      nothing                                      0.23 s           430 us median, 4.8 ms max
-=============  ==========  ===========================================  ===============  ==========
-
-All three install as prebuilt wheels. llguidance takes the ``tokenizers`` JSON the engine already
-builds from the GGUF vocabulary (no transformers, no network), needs no extra packages, and its
-mask cost is far below a decode step (milliseconds); xgrammar is faster per step but drags in
-~1 GB of triton and needs a transformers tokenizer; outlines-core is 30x slower per step and
-compiles a whole regex index per schema (170 ms). Unsupported JSON-schema keywords are reported by
-llguidance (``Unimplemented keys: ["not"]``) and become clear errors here.
+Why llguidance (measured against xgrammar and outlines-core: ``bench/grammar_mask.py``, numbers in
+bench/RESULTS.md "Grammar libraries"): all three install as wheels and mask a 49k vocabulary far
+faster than a decode step; llguidance has no dependencies (xgrammar pulls ~1 GB of triton and needs a
+transformers tokenizer), reads the ``tokenizers`` JSON the engine builds from the GGUF vocabulary
+(no network, no transformers), compiles a schema lazily (outlines-core builds a regex index per
+schema), and names unsupported JSON-schema keywords (``Unimplemented keys: ["not"]``), which become
+clear errors (HTTP 400) here.
 
 Example::
 
@@ -33,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
+import numpy as np
 import torch
 
 from tandem.errors import TandemError
@@ -140,9 +131,9 @@ class GrammarState:
             mask = torch.zeros(vocab_size, dtype=torch.bool)
             mask[sorted(self.eos_tokens)] = True
             return mask
-        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)  # [ceil(V/32)]
-        bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [ceil(V/32), 32]
-        return bits.reshape(-1)[:vocab_size].bool()
+        packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)  # [ceil(V/32) * 4], bit i = token i
+        bits = np.unpackbits(packed, count=vocab_size, bitorder="little")  # [vocab] 0/1
+        return torch.from_numpy(bits.view(np.bool_))
 
     def ends(self, token_id: int) -> bool:
         """``token_id`` (just advanced) is the end-of-sequence that closes the complete grammar."""

@@ -27,7 +27,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from online.constrain import grammar_tokenizer, native_tool_messages, render_tool_messages
+from online.constrain import grammar_tokenizer
+from online.server.features import chat_prompt
 from online.server.metrics import Metrics
 from online.server.responses import JobStreamingResponse, Reply
 from online.server.scheduler import GenerationJob, QueueFullError, Scheduler, SchedulerClosedError, timeout_error
@@ -166,20 +167,6 @@ def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, req
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
-
-
-def chat_prompt(engine: Any, req: ChatCompletionRequest) -> list[dict[str, Any]] | list[int]:
-    """The prompt of a chat request: its messages, or, with tools or tool turns, the messages rendered
-    for tools: token ids from the model's own template when it takes ``tools``, else the convention
-    of online.constrain.tools (a system preamble, ``<tool_call>``/``<tool_response>`` text)."""
-    messages = req.chat_messages()
-    tools = list(req.tools or ()) if req.tool_mode()[0] != "none" else []
-    if not tools and not any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
-        return messages
-    tokenizer = getattr(engine, "tokenizer", None)
-    if tokenizer is not None and getattr(tokenizer, "supports_tools", False):
-        return tokenizer.encode_chat(native_tool_messages(messages), tools=[t.openai() for t in tools] or None)
-    return render_tool_messages(messages, tools)
 
 
 async def next_event(job: GenerationJob, request: Request, timeout_s: float) -> tuple[str, Any] | None:

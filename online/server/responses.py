@@ -35,12 +35,15 @@ class Reply:
         self.id, self.model, self.chat, self.created = request_id, model, chat, int(time.time())
         self.token_bytes = token_bytes  # set when logprobs were asked for
         self.tools = tools  # set when the answer may be a tool call
-        self.text_offset = 0  # completions: characters of text already described by logprobs
+        self.text_bytes = b""  # completions: the text so far described by logprobs (for text_offset)
 
     # --- logprobs ------------------------------------------------------------------------------------
     def _token(self, token_id: int) -> tuple[str, list[int]]:
         raw = self.token_bytes(token_id)
-        return raw.decode("utf-8", errors="replace"), list(raw)
+        try:
+            return raw.decode("utf-8"), list(raw)
+        except UnicodeDecodeError:  # part of a character: spelled as its bytes, as OpenAI does
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
 
     def logprobs(self, choices: list[Any]) -> dict[str, Any] | None:
         """The ``logprobs`` object of a choice (or chunk) for these TokenChoices; None when not asked."""
@@ -57,13 +60,19 @@ class Reply:
                 content.append({"token": text, "logprob": c.logprob, "bytes": raw, "top_logprobs": top})
             return {"content": content, "refusal": None}
         tokens, offsets = [], []
-        for c in choices:
+        for c in choices:  # text_offset: characters before the token (a partial character counts once complete)
             tokens.append(self._token(c.token_id)[0])
-            offsets.append(self.text_offset)
-            self.text_offset += len(tokens[-1])
+            offsets.append(len(self.text_bytes.decode("utf-8", errors="ignore")))
+            self.text_bytes += self.token_bytes(c.token_id)
         return {"tokens": tokens, "token_logprobs": [c.logprob for c in choices],
-                "top_logprobs": [{self._token(t)[0]: lp for t, lp in c.top_logprobs} for c in choices],
+                "top_logprobs": [self._top_dict(c.top_logprobs) for c in choices],
                 "text_offset": offsets}
+
+    def _top_dict(self, top: tuple[tuple[int, float], ...]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for token_id, logprob in top:  # most likely first: a spelling shared by two tokens keeps the higher
+            out.setdefault(self._token(token_id)[0], logprob)
+        return out
 
     def tool_calls(self, result: Any) -> list[dict[str, Any]]:
         from online.constrain import parse_tool_calls

@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from online.server.features import parse_tool_choice, parse_tools, response_format_grammar
+
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -307,62 +309,6 @@ class CompletionRequest(_SamplingRequest):
         if suffix:
             raise ValueError("suffix is not supported")
         return None
-
-
-def response_format_grammar(fmt: dict[str, Any]) -> Any:
-    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}``
-    -> an online.constrain.Grammar (None for text); ValueError naming what is wrong or unsupported."""
-    from online.constrain import Grammar
-    from tandem.errors import TandemError
-    kind = fmt.get("type")
-    try:
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            return Grammar.json_object()
-        if kind == "json_schema":
-            spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                raise ValueError('json_schema must be {"name": ..., "schema": {...}, "strict": ...}')
-            if not isinstance(spec.get("strict", False), (bool, type(None))):
-                raise ValueError("json_schema.strict must be a boolean")
-            return Grammar.json_schema(spec.get("schema", {}))
-    except TandemError as exc:
-        raise ValueError(str(exc)) from None
-    raise ValueError(f"unsupported response_format type {kind!r} (supported: text, json_object, json_schema)")
-
-
-def parse_tools(tools: list[Any]) -> tuple[Any, ...]:
-    """OpenAI ``tools`` -> ToolSpecs (each parameters schema checked); ValueError naming the problem."""
-    from online.constrain import ToolSpec
-    from tandem.errors import TandemError
-    try:
-        specs = tuple(ToolSpec.from_openai(t) for t in tools)
-    except TandemError as exc:
-        raise ValueError(str(exc)) from None
-    names = [t.name for t in specs]
-    if len(set(names)) != len(names):
-        raise ValueError("tool names must be unique")
-    return specs
-
-
-def parse_tool_choice(choice: Any, tools: Any) -> Any:
-    """``"none" | "auto" | "required" | {"type": "function", "function": {"name"}}`` -> the string, or
-    ``("function", name)``."""
-    if choice is None:
-        return None
-    if isinstance(choice, str):
-        if choice not in ("none", "auto", "required"):
-            raise ValueError(f"unsupported tool_choice {choice!r} (supported: none, auto, required, or a function)")
-        if choice != "none" and not tools:
-            raise ValueError(f"tool_choice {choice!r} needs tools")
-        return choice
-    fn = choice.get("function")
-    if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
-    if not tools or fn["name"] not in {t.name for t in tools}:
-        raise ValueError(f"tool_choice names {fn['name']!r}, which is not among the tools")
-    return ("function", fn["name"])
 
 
 def parse_request(model: type[BaseModel], payload: Any) -> Any:
