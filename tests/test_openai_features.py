@@ -22,6 +22,7 @@ from online.constrain import Grammar, ToolSpec, parse_tool_calls, render_tool_me
 from online.sampling import DecodeOptions, SamplingParams, choose_token, make_generator
 from online.server import create_app
 from online.server.app import chat_prompt
+from online.server.responses import may_be_tool_call
 from online.server.schemas import ChatCompletionRequest, parse_request
 from tandem.errors import TandemError
 from helpers_tiny import build_tiny_chat_model
@@ -201,6 +202,8 @@ def test_tool_call_parsing_and_grammar(ref_engine):
             jsonschema.validate(json.loads(calls[0][1]), spec.parameters)
     with pytest.raises(TandemError, match="not among"):
         tool_call_grammar(tools, "nope")
+    assert may_be_tool_call("") and may_be_tool_call("  <tool_") and may_be_tool_call('{"na')
+    assert not may_be_tool_call("The") and not may_be_tool_call("<b>")
 
 
 def test_openai_client_tool_calls_round_trip(srv, ref_engine):
@@ -227,6 +230,11 @@ def test_openai_client_tool_calls_round_trip(srv, ref_engine):
     assert "<tool_response>" in rendered[-1]["content"] and "<tools>" in rendered[0]["content"]
     ref = ref_engine.generate(rendered, max_new_tokens=8)
     assert answer.choices[0].message.content == ref.text and answer.choices[0].message.tool_calls is None
+    # the same with stream: true (tool_choice auto): content arrives as it is generated, once it cannot be a call
+    chunks = list(client.chat.completions.create(model=ref_engine.model_id, messages=follow, tools=[WEATHER, CLOCK],
+                                                 max_tokens=8, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
 
     # a named function, streamed: one delta.tool_calls chunk, finish_reason tool_calls
     chunks = list(client.chat.completions.create(
@@ -300,6 +308,11 @@ def test_response_format_over_http(srv, ref_engine):
         response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}})
     assert chat.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    comp = client.completions.create(model=ref_engine.model_id, prompt="Data:", max_tokens=300, temperature=0,
+                                     extra_body={"response_format": {"type": "json_schema",
+                                                                     "json_schema": {"name": "r", "schema": SCHEMAS[2]}}})
+    assert comp.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(comp.choices[0].text), SCHEMAS[2])
     text = client.chat.completions.create(model=ref_engine.model_id, messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=5, temperature=0, response_format={"type": "text"})
     assert text.choices[0].message.content == ref_engine.generate([{"role": "user", "content": "hi"}], max_new_tokens=5).text

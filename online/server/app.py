@@ -94,7 +94,7 @@ def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, req
             max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
         tools = req.tools if chat and req.tool_mode()[0] != "none" else None
         try:
-            job = scheduler.submit(prompt, max_tokens, req.sampling(), stream_pieces=req.stream and tools is None,
+            job = scheduler.submit(prompt, max_tokens, req.sampling(), stream_pieces=req.stream,
                                    loop=asyncio.get_running_loop())
         except QueueFullError as exc:
             metrics.count("rejected")
@@ -118,7 +118,8 @@ def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, req
             ll_tokenizer = grammar_tokenizer(engine)
             token_bytes = lambda token_id: ll_tokenizer.decode_bytes([token_id])  # noqa: E731
         reply = Reply(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model=model_name, chat=chat,
-                      token_bytes=token_bytes, tools=tools)
+                      token_bytes=token_bytes, tools=tools,
+                      parallel_tool_calls=not chat or req.parallel_tool_calls is not False)
         if not req.stream:
             return JSONResponse(reply.full(value))
         return JobStreamingResponse(reply.events(job, first, req.include_usage(), request_timeout_s),

@@ -10,8 +10,8 @@ With ``token_bytes`` (token id -> its bytes) the choices carry logprobs: chat
 ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``, completions
 ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``. With ``tools``
 the text is parsed for tool calls (online.constrain.tools): ``message.tool_calls`` and
-``finish_reason: "tool_calls"``; a stream then carries the whole answer at the end (content or
-``delta.tool_calls``), since a call can only be told from text once it is complete.
+``finish_reason: "tool_calls"``; a stream streams content as usual once the text can no longer
+be a tool call, and sends a call whole as one ``delta.tool_calls`` chunk at the end.
 """
 from __future__ import annotations
 
@@ -31,10 +31,11 @@ class Reply:
     """Builds OpenAI-shaped response bodies and stream chunks for one request."""
 
     def __init__(self, request_id: str, model: str, chat: bool, token_bytes: Callable[[int], bytes] | None = None,
-                 tools: tuple[Any, ...] | None = None):
+                 tools: tuple[Any, ...] | None = None, parallel_tool_calls: bool = True):
         self.id, self.model, self.chat, self.created = request_id, model, chat, int(time.time())
         self.token_bytes = token_bytes  # set when logprobs were asked for
         self.tools = tools  # set when the answer may be a tool call
+        self.max_tool_calls = None if parallel_tool_calls else 1
         self.text_bytes = b""  # completions: the text so far described by logprobs (for text_offset)
 
     # --- logprobs ------------------------------------------------------------------------------------
@@ -80,7 +81,7 @@ class Reply:
             return []
         return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                  "function": {"name": name, "arguments": args}}
-                for name, args in parse_tool_calls(result.text, list(self.tools))]
+                for name, args in parse_tool_calls(result.text, list(self.tools))[:self.max_tool_calls]]
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -124,19 +125,26 @@ class Reply:
         if self.chat:
             yield sse(self.chunk(role=True))
         kind, value = first
+        held_text, held_choices = "", []  # with tools: text that may still turn out to be a tool call
+        holding = self.tools is not None
         while True:
             if kind == "piece":
                 text, choices = value if isinstance(value, tuple) else (value, None)
-                yield sse(self.chunk(text=text, choices=choices))
+                if holding:
+                    held_text, held_choices = held_text + text, held_choices + list(choices or [])
+                    holding = may_be_tool_call(held_text)
+                    text, choices = (None, None) if holding else (held_text, held_choices)
+                if text:
+                    yield sse(self.chunk(text=text, choices=choices))
             elif kind == "done":
                 finish = value.finish_reason
-                if self.tools is not None:  # buffered: the whole answer now
+                if holding:  # the held text is the whole answer: a call, or content after all
                     calls = self.tool_calls(value)
                     if calls:
                         finish = "tool_calls"
-                        yield sse(self.chunk(tool_calls=calls, choices=getattr(value, "choices", None)))
-                    elif value.text:
-                        yield sse(self.chunk(text=value.text, choices=getattr(value, "choices", None)))
+                        yield sse(self.chunk(tool_calls=calls, choices=held_choices))
+                    elif held_text:
+                        yield sse(self.chunk(text=held_text, choices=held_choices))
                 yield sse(self.chunk(finish_reason=finish))
                 if include_usage:
                     yield sse({**self._envelope(self.chunk()["object"], []), "usage": self.usage(value)})
@@ -151,6 +159,12 @@ class Reply:
                 job.cancel("timeouts")
                 kind, value = "error", timeout_error(timeout_s)
         yield "data: [DONE]\n\n"
+
+
+def may_be_tool_call(text: str) -> bool:
+    """The answer so far could still be (the start of) a tool call: ``<tool_call>`` or a bare JSON object."""
+    head = text.lstrip()
+    return not head or head.startswith(("<tool_call>", "{")) or "<tool_call>".startswith(head)
 
 
 def sse(payload: dict[str, Any]) -> str:

@@ -269,9 +269,18 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     prompt: Any
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = None  # extension (as vLLM): constrained text completions
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, fmt: dict[str, Any] | None) -> Any:
+        return None if fmt is None else response_format_grammar(fmt)
 
     def decode_extras(self) -> dict[str, Any]:
-        return {} if self.logprobs is None else {"logprobs": True, "top_logprobs": self.logprobs}
+        extras: dict[str, Any] = {} if self.logprobs is None else {"logprobs": True, "top_logprobs": self.logprobs}
+        if self.response_format is not None:
+            extras["grammar"] = self.response_format
+        return extras
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
