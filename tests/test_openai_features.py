@@ -181,6 +181,26 @@ def generation_logits(engine: Engine, prompt_ids: list[int], token_ids: list[int
     return torch.stack(rows).float()
 
 
+def test_generate_cli_json_schema_and_logprobs(tiny_dir, ref_engine, tmp_path, capsys):
+    from tandem.cli import main
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMAS[0]))
+    code = main(["generate", "--model", str(tiny_dir), "--prompt", "hi", "--max-new-tokens", "300", "--json",
+                 "--json-schema", str(schema_file), "--logprobs", "2"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(out["text"]), SCHEMAS[0])
+    ref = ref_engine.generate("hi", max_new_tokens=300, grammar=Grammar.json_schema(SCHEMAS[0]), logprobs=True, top_logprobs=2)
+    assert out["text"] == ref.text and [x["logprob"] for x in out["logprobs"]] == [c.logprob for c in ref.choices]
+    (tmp_path / "bad.json").write_text('{"type": "object", "not": {}}')
+    for argv, fragment in ((["--json-schema", str(tmp_path / "bad.json")], "not"),
+                           (["--json-schema", str(tmp_path / "missing.json")], "cannot read"),
+                           (["--json", "--logprobs", "99"], "--logprobs"), (["--logprobs", "2"], "--json")):
+        code = main(["generate", "--model", str(tiny_dir), "--prompt", "hi", *argv])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "\n" not in err and fragment in err and "Traceback" not in err, err
+
+
 # --- tools ---------------------------------------------------------------------------------------------
 def test_tool_call_parsing_and_grammar(ref_engine):
     tools = [ToolSpec.from_openai(WEATHER), ToolSpec.from_openai(CLOCK)]
