@@ -18,7 +18,9 @@ import torch
 from online import Engine
 from online.generate import decode_one_token, prefill
 from online.kv_cache import KVCache
-from online.constrain import Grammar, ToolSpec, parse_tool_calls, render_tool_messages, tool_call_grammar
+from online.constrain import (Grammar, GrammarConstraint, ToolSpec, parse_tool_calls, render_tool_messages,
+                              tool_call_grammar)
+from online.constrain.grammar import build_grammar_tokenizer
 from online.sampling import DecodeOptions, SamplingParams, choose_token, make_generator
 from online.server import create_app
 from online.server.app import chat_prompt
@@ -141,6 +143,38 @@ def test_json_schema_outputs_validate_on_the_tiny_model(ref_engine):
             jsonschema.validate(json.loads(out.text), schema)
     out = ref_engine.generate("{", max_new_tokens=400, temperature=0.7, seed=5, grammar=Grammar.json_object())
     assert out.finish_reason == "length" or isinstance(json.loads(out.text), dict)
+
+
+def random_walk(tokenizer, grammar: Grammar, seed: int, max_steps: int = 400) -> str:
+    """Text of a walk choosing uniformly among the tokens the grammar allows, decoded by our tokenizer."""
+    state = GrammarConstraint(build_grammar_tokenizer(tokenizer, tokenizer.vocab_size, list(tokenizer.eos_token_ids)),
+                              grammar)()
+    gen, ids = torch.Generator().manual_seed(seed), []
+    for _ in range(max_steps):
+        allowed = state.allowed(tokenizer.vocab_size).nonzero().flatten()  # [n_allowed]
+        token = int(allowed[torch.randint(len(allowed), (1,), generator=gen)])
+        state.advance(token)
+        if state.ends(token):
+            return tokenizer.decode(ids)
+        ids.append(token)
+    raise AssertionError(f"the grammar did not complete in {max_steps} tokens: {tokenizer.decode(ids)!r}")
+
+
+def test_grammar_bridge_agrees_with_our_tokenizers(ref_engine, tmp_path):
+    """llguidance's view of the vocabulary (built from the tokenizers JSON) decodes as ours does: walks
+    through the allowed tokens of byte-level BPE and SentencePiece (byte fallback) GGUF vocabularies
+    give text that parses and validates."""
+    from online.loading.tokenizer import Tokenizer
+    from test_tokenizer import read_gguf, write_sentencepiece_gguf
+    write_sentencepiece_gguf(tmp_path / "sp.gguf")
+    sentencepiece = Tokenizer.from_gguf_metadata(read_gguf(tmp_path / "sp.gguf")[1])
+    for tokenizer in (ref_engine.tokenizer, sentencepiece):
+        first = GrammarConstraint(build_grammar_tokenizer(tokenizer, tokenizer.vocab_size, [2]),
+                                  Grammar.json_object())().allowed(tokenizer.vocab_size)
+        assert first.any() and all(tokenizer.decode([int(t)]).startswith("{") for t in first.nonzero().flatten())
+        for schema in SCHEMAS:
+            for seed in range(3):
+                jsonschema.validate(json.loads(random_walk(tokenizer, Grammar.json_schema(schema), seed)), schema)
 
 
 def test_unsupported_schema_features_are_named():
