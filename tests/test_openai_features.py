@@ -305,6 +305,44 @@ def test_openai_client_tool_calls_round_trip(srv, ref_engine):
     assert plain.choices[0].message.content == ref_engine.generate(question, max_new_tokens=6).text
 
 
+def test_auto_tool_choice_parses_a_call_the_model_writes():
+    """tool_choice auto: a call the model writes by itself (here: a canned text) becomes message.tool_calls,
+    in a full reply and in a stream (held back while it can still be a call); other text stays content."""
+    import asyncio
+    from types import SimpleNamespace
+    from online.server.responses import Reply
+    tools = (ToolSpec.from_openai(WEATHER), ToolSpec.from_openai(CLOCK))
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+
+    def result(text):
+        return SimpleNamespace(text=text, token_ids=[0] * 3, prompt_tokens=5, finish_reason="stop", choices=[])
+
+    def streamed(text, pieces):
+        reply = Reply("chatcmpl-x", "m", chat=True, tools=tools)
+        job = SimpleNamespace(events=asyncio.Queue(), deadline_s=float("inf"), cancel=lambda *a: None)
+
+        async def run():
+            for piece in pieces[1:]:
+                job.events.put_nowait(("piece", (piece, [])))
+            job.events.put_nowait(("done", result(text)))
+            return [e async for e in reply.events(job, ("piece", (pieces[0], [])), False, 60)]
+        return [json.loads(e[6:]) for e in asyncio.run(run()) if e.startswith("data: {")]
+
+    full = Reply("chatcmpl-x", "m", chat=True, tools=tools).full(result("ok " + call))
+    message = full["choices"][0]["message"]
+    assert full["choices"][0]["finish_reason"] == "tool_calls" and message["content"] == "ok"
+    assert message["tool_calls"][0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+    assert Reply("c", "m", chat=True, tools=tools).full(result("Hello"))["choices"][0]["message"]["content"] == "Hello"
+
+    events = streamed(call, [call[:5], call[5:20], call[20:]])
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert [d.get("content") for d in deltas[1:]] == [None, None] and deltas[1]["tool_calls"][0]["function"]["name"] == "get_time"
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    events = streamed("Hello there", ["Hel", "lo", " there"])
+    assert [e["choices"][0]["delta"].get("content") for e in events[1:-1]] == ["Hel", "lo", " there"]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
 def test_chat_template_with_tools_renders_them_itself(ref_engine):
     tokenizer = ref_engine.tokenizer
     saved = tokenizer.chat_template, tokenizer._template

@@ -98,7 +98,9 @@ class Reply:
             finish = result.finish_reason
             calls = self.tool_calls(result)
             if calls:
-                message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+                before = result.text.split("<tool_call>")[0].strip() if "<tool_call>" in result.text else ""
+                message = {"role": "assistant", "content": before or None, "tool_calls": calls}
+                finish = "tool_calls"
             body = self._envelope("chat.completion", [{"index": 0, "message": message, "logprobs": logprobs,
                                                        "finish_reason": finish}])
         else:
