@@ -338,6 +338,11 @@ def test_auto_tool_choice_parses_a_call_the_model_writes():
     deltas = [e["choices"][0]["delta"] for e in events]
     assert [d.get("content") for d in deltas[1:]] == [None, None] and deltas[1]["tool_calls"][0]["function"]["name"] == "get_time"
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    events = streamed("ok " + call, ["ok ", "<tool", call[5:]])
+    assert events[1]["choices"][0]["delta"]["content"] == "ok " and "tool_calls" in events[2]["choices"][0]["delta"]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls" and len(events) == 4
+    events = streamed("a <b> c", ["a <", "b> c"])  # a '<' that is not a call: held only while it might be
+    assert [e["choices"][0]["delta"].get("content") for e in events[1:-1]] == ["a ", "<b> c"]
     events = streamed("Hello there", ["Hel", "lo", " there"])
     assert [e["choices"][0]["delta"].get("content") for e in events[1:-1]] == ["Hel", "lo", " there"]
     assert events[-1]["choices"][0]["finish_reason"] == "stop"

@@ -127,26 +127,23 @@ class Reply:
         if self.chat:
             yield sse(self.chunk(role=True))
         kind, value = first
-        held_text, held_choices = "", []  # with tools: text that may still turn out to be a tool call
-        holding = self.tools is not None
+        held = ToolCallHold() if self.tools is not None else None
         while True:
             if kind == "piece":
                 text, choices = value if isinstance(value, tuple) else (value, None)
-                if holding:
-                    held_text, held_choices = held_text + text, held_choices + list(choices or [])
-                    holding = may_be_tool_call(held_text)
-                    text, choices = (None, None) if holding else (held_text, held_choices)
+                if held is not None:
+                    text, choices = held.push(text, choices or [])
                 if text:
                     yield sse(self.chunk(text=text, choices=choices))
             elif kind == "done":
                 finish = value.finish_reason
-                if holding:  # the held text is the whole answer: a call, or content after all
+                if held is not None:  # the held-back tail: a call, or content after all
                     calls = self.tool_calls(value)
                     if calls:
                         finish = "tool_calls"
-                        yield sse(self.chunk(tool_calls=calls, choices=held_choices))
-                    elif held_text:
-                        yield sse(self.chunk(text=held_text, choices=held_choices))
+                        yield sse(self.chunk(tool_calls=calls, choices=held.choices))
+                    elif held.text:
+                        yield sse(self.chunk(text=held.text, choices=held.choices))
                 yield sse(self.chunk(finish_reason=finish))
                 if include_usage:
                     yield sse({**self._envelope(self.chunk()["object"], []), "usage": self.usage(value)})
@@ -163,10 +160,38 @@ class Reply:
         yield "data: [DONE]\n\n"
 
 
+CALL_TAG = "<tool_call>"
+
+
+class ToolCallHold:
+    """Streaming with tools: text passes as content except what may be a tool call, which is held back
+    (``text``, ``choices``) until the end: a whole answer that may be a bare JSON call, everything from
+    ``<tool_call>`` on, and a tail that may be the start of that tag."""
+
+    def __init__(self) -> None:
+        self.text, self.choices, self.emitted_any, self.in_call = "", [], False, False
+
+    def push(self, text: str, choices: list[Any]) -> tuple[str, list[Any]]:
+        """Add a piece; returns the content (and its TokenChoices) that can be sent now."""
+        self.text, self.choices = self.text + text, self.choices + list(choices)
+        if self.in_call or (not self.emitted_any and may_be_tool_call(self.text)):
+            return "", []
+        cut = self.text.find(CALL_TAG)
+        if cut >= 0:
+            self.in_call = True
+        else:
+            cut = len(self.text) - next((n for n in range(len(CALL_TAG) - 1, 0, -1)
+                                         if self.text.endswith(CALL_TAG[:n])), 0)
+        out, self.text = self.text[:cut], self.text[cut:]
+        out_choices, self.choices = (self.choices, []) if out else ([], self.choices)
+        self.emitted_any = self.emitted_any or bool(out)
+        return out, out_choices
+
+
 def may_be_tool_call(text: str) -> bool:
     """The answer so far could still be (the start of) a tool call: ``<tool_call>`` or a bare JSON object."""
     head = text.lstrip()
-    return not head or head.startswith(("<tool_call>", "{")) or "<tool_call>".startswith(head)
+    return not head or head.startswith((CALL_TAG, "{")) or CALL_TAG.startswith(head)
 
 
 def sse(payload: dict[str, Any]) -> str:
