@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import jsonschema
 import pytest
 import torch
+from pydantic import BaseModel, Field
 
 from online import Engine
 from online.generate import decode_one_token, prefill
@@ -50,6 +52,17 @@ SCHEMAS = [
         "id": {"type": "integer", "minimum": 0, "maximum": 999}}, "required": ["id"], "additionalProperties": False}]},
         "note": {"type": "string", "maxLength": 4}}, "required": ["item"], "additionalProperties": False},
 ]
+
+
+class Point(BaseModel):
+    x: int = Field(ge=0, le=9)
+    y: int = Field(ge=0, le=9)
+
+
+class Shape(BaseModel):
+    color: Literal["red", "blue"]
+    points: list[Point] = Field(max_length=3)
+    closed: bool
 
 
 @pytest.fixture(scope="module")
@@ -405,6 +418,12 @@ def test_response_format_over_http(srv, ref_engine):
         response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}})
     assert chat.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    # the client's structured-output helper: a pydantic model's strict schema ($defs, enums, bounds) parses back
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    parsed = parse(model=ref_engine.model_id, messages=[{"role": "user", "content": "a shape"}], response_format=Shape,
+                   max_tokens=400, temperature=0.9, seed=4).choices[0].message.parsed
+    assert isinstance(parsed, Shape) and len(parsed.points) <= 3
+
     comp = client.completions.create(model=ref_engine.model_id, prompt="Data:", max_tokens=300, temperature=0,
                                      extra_body={"response_format": {"type": "json_schema",
                                                                      "json_schema": {"name": "r", "schema": SCHEMAS[2]}}})
