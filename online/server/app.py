@@ -4,6 +4,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream: true`
 events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 Every error is answered as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status
 (5xx only for real server faults).
+OpenAI features (logprobs, ``response_format``, ``tools``): parsed in online/server/features.py,
+decoded through online.constrain (llguidance), shaped in online/server/responses.py.
 
 Example::
 
