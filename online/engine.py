@@ -288,7 +288,9 @@ class Engine:
             return None
         constraint = None
         if grammar is not None:
-            from .constrain import GrammarConstraint, grammar_tokenizer
+            from .constrain import Grammar, GrammarConstraint, grammar_tokenizer
+            if not isinstance(grammar, Grammar):
+                raise TandemError(f"grammar must be an online.constrain.Grammar, got {type(grammar).__name__}")
             constraint = GrammarConstraint(grammar_tokenizer(self), grammar)
         return DecodeOptions(logprobs=bool(logprobs or top_logprobs), top_logprobs=top_logprobs, constraint=constraint)
 
