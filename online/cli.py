@@ -23,6 +23,11 @@ def add_parsers(sub) -> None:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    fmt = gen.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON valid for this JSON-schema file")
+    fmt.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help="with --json: each token's log-probability and its N most likely alternatives (0..20)")
     add_engine_arguments(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(handler=run_generate)
@@ -94,15 +99,25 @@ def run_generate(args) -> int:
     from online.sampling import SamplingParams
     SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()))  # validate before loading
+    grammar = cli_grammar(args)
+    if args.logprobs is not None and not args.json:
+        raise TandemError("--logprobs needs --json (the log-probabilities are printed in the JSON object)")
+    if args.logprobs is not None and not 0 <= args.logprobs <= 20:
+        raise TandemError(f"--logprobs must be between 0 and 20, got {args.logprobs}")
     engine = load_engine(args)
     prompt = prompt_ids if prompt_ids is not None else (
         [{"role": "user", "content": args.prompt}] if args.chat else args.prompt)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                  top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, grammar=grammar)
     if args.json:
+        if args.logprobs is not None:
+            kwargs.update(logprobs=True, top_logprobs=args.logprobs)
         result = engine.generate(prompt, **kwargs)
         out = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                "model": engine.model_id, **result.stats}
+        if args.logprobs is not None:
+            out["logprobs"] = [{"token_id": c.token_id, "logprob": c.logprob, "top_logprobs": [list(t) for t in c.top_logprobs]}
+                               for c in result.choices]
         print(json.dumps(out))
         return 0
     stream = engine.stream(prompt, **kwargs)
@@ -118,6 +133,22 @@ def run_generate(args) -> int:
                      f"ttft {s['ttft_s'] * 1000:.0f} ms, prefill {s['prefill_tokens_per_s']:.1f} tok/s, "
                      f"decode {s['decode_tokens_per_s']:.1f} tok/s, finish: {result.finish_reason}]\n")
     return 0
+
+
+def cli_grammar(args):
+    """The --json-schema / --json-object constraint (online.constrain.Grammar), or None."""
+    if args.json_schema is None and not args.json_object:
+        return None
+    from online.constrain import Grammar
+    if args.json_object:
+        return Grammar.json_object()
+    try:
+        schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise TandemError(f"cannot read --json-schema {args.json_schema}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise TandemError(f"--json-schema {args.json_schema} is not valid JSON: {exc}") from None
+    return Grammar.json_schema(schema)
 
 
 def run_perplexity(args) -> int:

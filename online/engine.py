@@ -28,7 +28,7 @@ from .generate import LoopTimings, decode_one_token, prefill, token_loop
 from .kv_cache import KVCache
 from .loading import load_checkpoint
 from .model.build import build_model
-from .sampling import SamplingParams
+from .sampling import DecodeOptions, SamplingParams, TokenChoice
 
 KV_CAPACITY_ROUND_TOKENS = 256
 
@@ -40,10 +40,12 @@ class GenerationResult:
     prompt_tokens: int
     finish_reason: str  # "stop" | "length"
     stats: dict[str, Any] = field(default_factory=dict)
+    choices: list[TokenChoice] = field(default_factory=list)  # one per generated token (logprobs when asked)
 
 
 class TextStream:
-    """Iterator of text pieces; ``.result`` holds the GenerationResult once exhausted; ``close()`` stops early."""
+    """Iterator of text pieces; ``.result`` holds the GenerationResult once exhausted; ``close()`` stops early.
+    ``choices`` grows with each generated token (TokenChoice, with logprobs when asked for)."""
 
     def __init__(self, pieces: Iterator[str], holder: dict) -> None:
         self._pieces = pieces
@@ -58,6 +60,10 @@ class TextStream:
     @property
     def result(self) -> GenerationResult | None:
         return self._holder.get("result")
+
+    @property
+    def choices(self) -> list[TokenChoice]:
+        return self._holder.setdefault("choices", [])
 
     def close(self) -> None:
         self._pieces.close()
@@ -250,38 +256,62 @@ class Engine:
     # --- generation ------------------------------------------------------------------------
     def generate(self, prompt: str | list, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
-                 ignore_eos: bool = False) -> GenerationResult:
+                 ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0,
+                 grammar: Any = None) -> GenerationResult:
+        """Generate to the end; see :meth:`stream` for the arguments."""
         stream = self.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                             top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos)
+                             top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, logprobs=logprobs,
+                             top_logprobs=top_logprobs, grammar=grammar)
         for _ in stream:
             pass
         return stream.result
 
     def stream(self, prompt: str | list, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
-               ignore_eos: bool = False) -> TextStream:
+               ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0,
+               grammar: Any = None) -> TextStream:
+        """Text pieces as they are generated. ``logprobs``/``top_logprobs`` (0..20): each token's
+        log-probability (log-softmax of the raw logits) and its most likely alternatives, in
+        ``stream.choices`` / ``result.choices``. ``grammar`` (online.constrain.Grammar): the output is
+        constrained to it token by token (llguidance) and ends when the grammar is complete."""
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed, stop=tuple(stop or ()))
+        options = self.decode_options(logprobs, top_logprobs, grammar)
         prompt_ids = self.encode_prompt(prompt)
         holder: dict = {}
         eos_ids = set() if ignore_eos else self.eos_token_ids
-        return TextStream(self._pieces(prompt_ids, params, eos_ids, holder), holder)
+        return TextStream(self._pieces(prompt_ids, params, eos_ids, holder, options), holder)
 
-    def _pieces(self, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int], holder: dict) -> Iterator[str]:
+    def decode_options(self, logprobs: bool = False, top_logprobs: int = 0, grammar: Any = None) -> DecodeOptions | None:
+        """DecodeOptions for this engine (the grammar bound to its tokenizer); None when plain."""
+        if not logprobs and not top_logprobs and grammar is None:
+            return None
+        constraint = None
+        if grammar is not None:
+            from .constrain import Grammar, GrammarConstraint, grammar_tokenizer
+            if not isinstance(grammar, Grammar):
+                raise TandemError(f"grammar must be an online.constrain.Grammar, got {type(grammar).__name__}")
+            constraint = GrammarConstraint(grammar_tokenizer(self), grammar)
+        return DecodeOptions(logprobs=bool(logprobs or top_logprobs), top_logprobs=top_logprobs, constraint=constraint)
+
+    def _pieces(self, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int], holder: dict,
+                options: DecodeOptions | None = None) -> Iterator[str]:
         cache = self._kv_cache(len(prompt_ids) + params.max_new_tokens)
         timings = LoopTimings()
         before = self._counters()
         generated: list[int] = []
+        choices: list[TokenChoice] = holder.setdefault("choices", [])
         emitted = 0
         text, finish = "", "length"
         hold_back = max((len(s) for s in params.stop), default=1) - 1
         for event in token_loop(self.model, self.executor, cache, prompt_ids, params, eos_ids,
                                 self.max_context, timings, decode_threads=self.decode_threads,
-                                compiled=self.compiled_decode):
+                                compiled=self.compiled_decode, options=options):
             if event.finish_reason == "stop":
                 finish = "stop"
                 break
             generated.append(event.token_id)
+            choices.append(event.choice)
             if event.finish_reason == "length":
                 finish = "length"
             if self.tokenizer is None:
@@ -305,7 +335,8 @@ class Engine:
         if len(text) > emitted:
             yield text[emitted:]
         holder["result"] = GenerationResult(text=text, token_ids=generated, prompt_tokens=len(prompt_ids),
-                                            finish_reason=finish, stats=self._stats(prompt_ids, generated, timings, before))
+                                            finish_reason=finish, stats=self._stats(prompt_ids, generated, timings, before),
+                                            choices=choices)
 
     def _counters(self) -> dict | None:
         """Cumulative executor counters (expert-cache counters prefixed ``experts.``)."""

@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 
 from .kv_cache import KVCache
-from .sampling import SamplingParams, make_generator, sample_next
+from .sampling import DecodeOptions, SamplingParams, TokenChoice, choose_token, make_generator
 
 PREFILL_CHUNK_TOKENS = 512
 
@@ -37,6 +37,7 @@ def decode_one_token(model, executor, cache: KVCache, token_id: int, pos: int, c
 class TokenEvent:
     token_id: int
     finish_reason: str | None  # None while running; "stop" (EOS) | "length"
+    choice: TokenChoice | None = None  # with its logprobs when DecodeOptions asked for them
 
 
 @dataclass
@@ -49,8 +50,12 @@ class LoopTimings:
 
 def token_loop(model, executor, cache: KVCache, prompt_ids: list[int], params: SamplingParams,
                eos_ids: set[int], max_total_tokens: int, timings: LoopTimings,
-               decode_threads: int | None = None, compiled=None) -> Iterator[TokenEvent]:
+               decode_threads: int | None = None, compiled=None,
+               options: DecodeOptions | None = None) -> Iterator[TokenEvent]:
     """Yield sampled tokens one by one until EOS, max_new_tokens or the context is full.
+
+    ``options``: logprobs and a grammar constraint (``choose_token``); a sequence whose grammar is
+    complete stops as at EOS.
 
     ``decode_threads``: torch's thread count while decoding (1 when numba kernels do the parallel
     work: two OpenMP pools alternating on few cores stall each other); prefill keeps the default.
@@ -58,14 +63,15 @@ def token_loop(model, executor, cache: KVCache, prompt_ids: list[int], params: S
     prefill_threads = torch.get_num_threads()
     try:
         yield from _token_loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_tokens, timings,
-                               decode_threads, compiled)
+                               decode_threads, compiled, options)
     finally:
         torch.set_num_threads(prefill_threads)
 
 
 def _token_loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_tokens, timings, decode_threads,
-                compiled):
+                compiled, options):
     generator = make_generator(params)
+    state = options.new_state() if options is not None else None
     timings.start_s = time.perf_counter()
     logits = prefill(model, executor, cache, prompt_ids)
     if decode_threads is not None:
@@ -73,17 +79,18 @@ def _token_loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_t
     pos = len(prompt_ids)
     budget = min(params.max_new_tokens, max_total_tokens - pos)
     for step in range(budget):
-        token = sample_next(logits, params, generator)
+        choice = choose_token(logits, params, generator, options, state)
+        token = choice.token_id
         if step == 0:
             timings.first_token_s = time.perf_counter()
-        if token in eos_ids:
+        if token in eos_ids or (state is not None and state.ends(token)):
             timings.end_s = time.perf_counter()
-            yield TokenEvent(token, "stop")
+            yield TokenEvent(token, "stop", choice)
             return
         last = step == budget - 1
         if last:
             timings.end_s = time.perf_counter()
-        yield TokenEvent(token, "length" if last else None)
+        yield TokenEvent(token, "length" if last else None, choice)
         if last:
             return
         logits = decode_one_token(model, executor, cache, token, pos, compiled)

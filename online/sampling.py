@@ -1,8 +1,9 @@
-"""Sampling parameters and next-token selection (greedy, temperature, top-k, top-p)."""
+"""Sampling parameters and next-token selection (greedy, temperature, top-k, top-p, logprobs, constraints)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -66,3 +67,72 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         scores = scores.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Per-request extras of the token choice: log-probabilities and a grammar constraint.
+
+    ``constraint``: a factory called once per sequence that returns its constraint state (an object
+    with ``allowed(vocab_size) -> BoolTensor [vocab]``, ``advance(token_id)`` and ``ends(token_id)``: the
+    advanced token closed the sequence); see online.constrain.grammar.GrammarConstraint.
+
+    Example::
+
+        options = DecodeOptions(logprobs=True, top_logprobs=3)
+        choice = choose_token(logits, SamplingParams(), make_generator(SamplingParams()), options)
+        choice.token_id, choice.logprob, choice.top_logprobs  # 17, -0.21, ((17, -0.21), (4, -2.3), (9, -3.0))
+    """
+    logprobs: bool = False
+    top_logprobs: int = 0
+    constraint: Any = None  # () -> constraint state, or None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) \
+                or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise TandemError(f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            raise TandemError("top_logprobs needs logprobs")
+        if self.constraint is not None and not callable(self.constraint):
+            raise TandemError("the decode constraint must be a factory (a callable returning a state)")
+
+    def new_state(self) -> Any:
+        """A fresh constraint state for one sequence (None without a constraint)."""
+        return None if self.constraint is None else self.constraint()
+
+
+@dataclass(frozen=True)
+class TokenChoice:
+    """The chosen token; with logprobs, its log-probability and the most likely alternatives."""
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+                 options: DecodeOptions | None = None, state: Any = None) -> TokenChoice:
+    """logits [vocab] -> the next token, through the constraint ``state`` when there is one.
+
+    Log-probabilities are the log-softmax of the RAW logits: the model's own distribution, before
+    temperature, top-k/top-p and the grammar mask (as vLLM's default ``raw_logprobs``; OpenAI does
+    not say). The constraint masks disallowed tokens before sampling, greedy included; once the
+    grammar is complete only end-of-sequence is allowed. ``state`` is advanced by the chosen token.
+    """
+    scores = logits
+    if state is not None:
+        allowed = state.allowed(logits.shape[-1])  # [vocab] bool
+        scores = logits.float().masked_fill(~allowed, float("-inf"))  # [vocab]
+    token = sample_next(scores, params, generator)
+    if state is not None:
+        state.advance(token)
+    if options is None or not options.logprobs:
+        return TokenChoice(token)
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [vocab]
+    top: tuple[tuple[int, float], ...] = ()
+    if options.top_logprobs:
+        values, ids = torch.topk(logp, min(options.top_logprobs, logp.shape[-1]))  # [k], [k]
+        top = tuple((int(i), float(v)) for i, v in zip(ids, values))
+    return TokenChoice(token, float(logp[token]), top)

@@ -521,6 +521,22 @@ def test_serve_command_binds_loopback_and_rejects_a_busy_port(tiny_dir, ref_engi
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers={"Authorization": "Bearer k"},
                           json={"prompt": "hi", "max_tokens": 3, "temperature": 0}, timeout=30)
         assert resp.json()["choices"][0]["text"] == ref_engine.generate("hi", max_new_tokens=3).text
+        # a tool call round trip through the openai client against `tandem serve`
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=60)
+        tool = {"type": "function", "function": {"name": "pick", "parameters": {
+            "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["n"], "additionalProperties": False}}}
+        question = [{"role": "user", "content": "pick"}]
+        chat = client.chat.completions.create(model=ref_engine.model_id, messages=question, tools=[tool],
+                                              tool_choice="required", max_tokens=120, temperature=0)
+        call = chat.choices[0].message.tool_calls[0]
+        assert chat.choices[0].finish_reason == "tool_calls" and call.function.name == "pick"
+        assert 0 <= json.loads(call.function.arguments)["n"] <= 9
+        follow = question + [chat.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "tool", "tool_call_id": call.id, "content": "7"}]
+        answer = client.chat.completions.create(model=ref_engine.model_id, messages=follow, tools=[tool],
+                                                max_tokens=3, temperature=0)
+        assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
         # a second server on the same port: a one-line TandemError before any model is loaded
         parser = argparse.ArgumentParser()
         add_serve_parser(parser.add_subparsers(dest="command"))

@@ -269,8 +269,15 @@ class Tokenizer:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # --- chat -------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the model's chat template (as transformers does)."""
+    @property
+    def supports_tools(self) -> bool:
+        """The chat template renders a ``tools`` list itself (it refers to the variable)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render ``messages`` with the model's chat template (as transformers does); ``tools``:
+        OpenAI-style function tools, for templates that take them."""
         messages = _validate_messages(messages)
         if not self.chat_template:
             raise TandemError("this model has no chat template; pass a plain prompt instead")
@@ -278,13 +285,14 @@ class Tokenizer:
             self._template = _compile_template(self.chat_template)
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **self._special)
+                                         tools=tools, documents=None, **self._special)
         except jinja2.exceptions.TemplateError as e:
             raise TandemError(f"chat template error: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render then encode without extra special tokens (the template writes them)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
 
 
 class IncrementalDecoder:

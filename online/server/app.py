@@ -4,6 +4,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream: true`
 events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 Every error is answered as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status
 (5xx only for real server faults).
+OpenAI features (logprobs, ``response_format``, ``tools``): parsed in online/server/features.py,
+decoded through online.constrain (llguidance), shaped in online/server/responses.py.
 
 Example::
 
@@ -28,6 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from online.server.batch_config import BatchConfig
+from online.constrain import grammar_tokenizer
+from online.server.features import chat_prompt
 from online.server.metrics import Metrics
 from online.server.responses import JobStreamingResponse, Reply
 from online.server.scheduler import GenerationJob, QueueFullError, Scheduler, SchedulerClosedError, timeout_error
@@ -94,6 +98,7 @@ def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, req
                            param="max_tokens")
         if max_tokens is None and not chat:
             max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
+        tools = req.tools if chat and req.tool_mode()[0] != "none" else None
         try:
             job = scheduler.submit(prompt, max_tokens, req.sampling(), stream_pieces=req.stream,
                                    loop=asyncio.get_running_loop(), n=req.n)
@@ -114,7 +119,13 @@ def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, req
         kind, value = first
         if kind == "error":
             raise value
-        reply = Reply(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model=model_name, chat=chat)
+        token_bytes = None
+        if (req.logprobs if chat else req.logprobs is not None):
+            ll_tokenizer = grammar_tokenizer(engine)
+            token_bytes = lambda token_id: ll_tokenizer.decode_bytes([token_id])  # noqa: E731
+        reply = Reply(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model=model_name, chat=chat,
+                      token_bytes=token_bytes, tools=tools,
+                      parallel_tool_calls=not chat or req.parallel_tool_calls is not False)
         if not req.stream:
             return JSONResponse(reply.full(value))
         return JobStreamingResponse(reply.events(job, first, req.include_usage(), request_timeout_s),
@@ -126,7 +137,7 @@ def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, req
         authorize(request)
         req = parse_request(ChatCompletionRequest, await read_json(request, max_body_bytes))
         check_model(req.model)
-        return await serve(request, req, req.chat_messages(), chat=True)
+        return await serve(request, req, chat_prompt(engine, req), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

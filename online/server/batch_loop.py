@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable
 
 from online.kv_pool import KVPool
-from online.sampling import sample_next
+from online.sampling import choose_token
 from online.server.batch_step import BatchStep
 from online.server.sequence import Sequence
 
@@ -185,7 +185,9 @@ class BatchLoop:
         seq.n_registered = full
 
     def _sample(self, seq: Sequence, logits) -> None:
-        token = sample_next(logits, seq.params, seq.generator)  # "oai" wires choose_token(decode_options) here
+        # without decode_options this is exactly sample_next (same RNG draws, same greedy choice)
+        choice = choose_token(logits, seq.params, seq.generator, seq.decode_options, seq.state)
+        token = choice.token_id
         now = time.monotonic()
         if seq.n_generated == 0 and seq.first_token_s == 0.0:
             seq.first_token_s = now
@@ -193,10 +195,11 @@ class BatchLoop:
             self.metrics.observe_inter_token(now - seq.last_token_s)
         seq.last_token_s = now
         self.policy.on_token(seq)
-        if token in seq.eos_ids:
+        if token in seq.eos_ids or (seq.state is not None and seq.state.ends(token)):  # EOS / grammar complete
             seq.finish_reason = "stop"
             return self._finish(seq)
         seq.tokens.append(token)
+        seq.choices.append(choice)
         piece, stopped = seq.decoder.push(token)
         if piece:
             self.on_piece(seq, piece)

@@ -51,7 +51,7 @@ class GenerationJob:
     _on_cancel: Any = None
     cancel_reason: str = "cancelled"
     n: int = 1  # choices
-    decode_options: Any = None  # logprobs / constraints, per-token (passed to each sequence untouched)
+    decode_options: Any = None  # DecodeOptions; None: built at start from sampling's logprobs/top_logprobs/grammar
     order: int = 0  # arrival number
     # worker side
     sequences: list = field(default_factory=list)

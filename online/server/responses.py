@@ -5,13 +5,21 @@ Example::
     reply = Reply(request_id="chatcmpl-1", model="smollm2", chat=True)
     reply.full(result)           # {"id", "object": "chat.completion", "choices": [...], "usage": {...}}
     sse(reply.chunk(text="Hi"))  # 'data: {...}\n\n'
+
+With ``token_bytes`` (token id -> its bytes) the choices carry logprobs: chat
+``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``, completions
+``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``. With ``tools``
+the text is parsed for tool calls (online.constrain.tools): ``message.tool_calls`` and
+``finish_reason: "tool_calls"``; a stream streams content as usual once the text can no longer
+be a tool call, and sends a call whole as one ``delta.tool_calls`` chunk at the end.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from typing import Any
+import uuid
+from typing import Any, Callable
 
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
@@ -22,8 +30,59 @@ from online.server.scheduler import GenerationJob, timeout_error
 class Reply:
     """Builds OpenAI-shaped response bodies and stream chunks for one request."""
 
-    def __init__(self, request_id: str, model: str, chat: bool):
+    def __init__(self, request_id: str, model: str, chat: bool, token_bytes: Callable[[int], bytes] | None = None,
+                 tools: tuple[Any, ...] | None = None, parallel_tool_calls: bool = True):
         self.id, self.model, self.chat, self.created = request_id, model, chat, int(time.time())
+        self.token_bytes = token_bytes  # set when logprobs were asked for
+        self.tools = tools  # set when the answer may be a tool call
+        self.max_tool_calls = None if parallel_tool_calls else 1
+        self.text_bytes: dict[int, bytes] = {}  # completions, per choice: the text so far (for text_offset)
+
+    # --- logprobs ------------------------------------------------------------------------------------
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8"), list(raw)
+        except UnicodeDecodeError:  # part of a character: spelled as its bytes, as OpenAI does
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
+
+    def logprobs(self, choices: list[Any], index: int = 0) -> dict[str, Any] | None:
+        """The ``logprobs`` object of choice ``index`` (or its chunk) for these TokenChoices; None when not asked."""
+        if self.token_bytes is None:
+            return None
+        if self.chat:
+            content = []
+            for c in choices:
+                text, raw = self._token(c.token_id)
+                top = []
+                for tid, lp in c.top_logprobs:
+                    t_text, t_raw = self._token(tid)
+                    top.append({"token": t_text, "logprob": lp, "bytes": t_raw})
+                content.append({"token": text, "logprob": c.logprob, "bytes": raw, "top_logprobs": top})
+            return {"content": content, "refusal": None}
+        tokens, offsets = [], []
+        for c in choices:  # text_offset: characters before the token (a partial character counts once complete)
+            tokens.append(self._token(c.token_id)[0])
+            so_far = self.text_bytes.get(index, b"")
+            offsets.append(len(so_far.decode("utf-8", errors="ignore")))
+            self.text_bytes[index] = so_far + self.token_bytes(c.token_id)
+        return {"tokens": tokens, "token_logprobs": [c.logprob for c in choices],
+                "top_logprobs": [self._top_dict(c.top_logprobs) for c in choices],
+                "text_offset": offsets}
+
+    def _top_dict(self, top: tuple[tuple[int, float], ...]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for token_id, logprob in top:  # most likely first: a spelling shared by two tokens keeps the higher
+            out.setdefault(self._token(token_id)[0], logprob)
+        return out
+
+    def tool_calls(self, result: Any) -> list[dict[str, Any]]:
+        from online.constrain import parse_tool_calls
+        if not self.tools:
+            return []
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": name, "arguments": args}}
+                for name, args in parse_tool_calls(result.text, list(self.tools))[:self.max_tool_calls]]
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -33,48 +92,73 @@ class Reply:
         """OpenAI usage of one result or of the n choices of one request (the prompt counted once)."""
         results = result if isinstance(result, list) else [result]
         prompt, completion = int(results[0].prompt_tokens), sum(len(r.token_ids) for r in results)
-        cached = int(results[0].stats.get("cached_tokens", 0)) if isinstance(results[0].stats, dict) else 0
+        stats = getattr(results[0], "stats", None)
+        cached = int(stats.get("cached_tokens", 0)) if isinstance(stats, dict) else 0
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def full(self, result: Any) -> dict[str, Any]:
         results = result if isinstance(result, list) else [result]
-        if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
-                        "finish_reason": r.finish_reason} for i, r in enumerate(results)]
-            body = self._envelope("chat.completion", choices)
-        else:
-            body = self._envelope("text_completion", [{"index": i, "text": r.text, "logprobs": None,
-                                                       "finish_reason": r.finish_reason}
-                                                      for i, r in enumerate(results)])
+        choices = []
+        for i, r in enumerate(results):
+            logprobs = self.logprobs(getattr(r, "choices", []), index=i)
+            if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": r.text}
+                finish = r.finish_reason
+                calls = self.tool_calls(r)
+                if calls:
+                    before = r.text.split(CALL_TAG)[0].strip() if CALL_TAG in r.text else ""
+                    message = {"role": "assistant", "content": before or None, "tool_calls": calls}
+                    finish = "tool_calls"
+                choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+            else:
+                choices.append({"index": i, "text": r.text, "logprobs": logprobs, "finish_reason": r.finish_reason})
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         return {**body, "usage": self.usage(result)}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-              index: int = 0) -> dict[str, Any]:
+              index: int = 0, choices: list[Any] | None = None,
+              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        logprobs = self.logprobs(choices, index=index) if choices else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        return self._envelope("text_completion", [{"index": index, "text": text or "", "logprobs": None,
+        return self._envelope("text_completion", [{"index": index, "text": text or "", "logprobs": logprobs,
                                                    "finish_reason": finish_reason}])
 
     async def events(self, job: GenerationJob, first: tuple[str, Any], include_usage: bool, timeout_s: float):
         """Server-sent events: role chunk, one chunk per text piece, the finish chunk, ``[DONE]``.
-        With n > 1 every choice gets its own chunks (``index``); pieces come as (index, text)."""
+        With n > 1 every choice gets its own chunks (``index``), logprobs and tool-call hold; pieces come as
+        ``(text, choices)``, or ``(index, text, choices)`` when n > 1 (see :func:`piece_parts`)."""
         n = getattr(job, "n", 1)
         if self.chat:
             for i in range(n):
                 yield sse(self.chunk(role=True, index=i))
         kind, value = first
+        held = [ToolCallHold() for _ in range(n)] if self.tools is not None else None
         while True:
             if kind == "piece":
-                index, text = value if isinstance(value, tuple) else (0, value)
-                yield sse(self.chunk(text=text, index=index))
+                index, text, choices = piece_parts(value)
+                if held is not None:
+                    text, choices = held[index].push(text, choices)
+                if text:
+                    yield sse(self.chunk(text=text, index=index, choices=choices))
             elif kind == "done":
                 for i, result in enumerate(value if isinstance(value, list) else [value]):
-                    yield sse(self.chunk(finish_reason=result.finish_reason, index=i))
+                    finish = result.finish_reason
+                    if held is not None:  # the held-back tail: a call, or content after all
+                        calls = self.tool_calls(result)
+                        if calls:
+                            finish = "tool_calls"
+                            yield sse(self.chunk(tool_calls=calls, index=i, choices=held[i].choices))
+                        elif held[i].text:
+                            yield sse(self.chunk(text=held[i].text, index=i, choices=held[i].choices))
+                    yield sse(self.chunk(finish_reason=finish, index=i))
                 if include_usage:
                     yield sse({**self._envelope(self.chunk()["object"], []), "usage": self.usage(value)})
                 break
@@ -88,6 +172,52 @@ class Reply:
                 job.cancel("timeouts")
                 kind, value = "error", timeout_error(timeout_s)
         yield "data: [DONE]\n\n"
+
+
+CALL_TAG = "<tool_call>"
+
+
+class ToolCallHold:
+    """Streaming with tools: text passes as content except what may be a tool call, which is held back
+    (``text``, ``choices``) until the end: a whole answer that may be a bare JSON call, everything from
+    ``<tool_call>`` on, and a tail that may be the start of that tag."""
+
+    def __init__(self) -> None:
+        self.text, self.choices, self.emitted_any, self.in_call = "", [], False, False
+
+    def push(self, text: str, choices: list[Any]) -> tuple[str, list[Any]]:
+        """Add a piece; returns the content (and its TokenChoices) that can be sent now."""
+        self.text, self.choices = self.text + text, self.choices + list(choices)
+        if self.in_call or (not self.emitted_any and may_be_tool_call(self.text)):
+            return "", []
+        cut = self.text.find(CALL_TAG)
+        if cut >= 0:
+            self.in_call = True
+        else:
+            cut = len(self.text) - next((n for n in range(len(CALL_TAG) - 1, 0, -1)
+                                         if self.text.endswith(CALL_TAG[:n])), 0)
+        out, self.text = self.text[:cut], self.text[cut:]
+        out_choices, self.choices = (self.choices, []) if out else ([], self.choices)
+        self.emitted_any = self.emitted_any or bool(out)
+        return out, out_choices
+
+
+def may_be_tool_call(text: str) -> bool:
+    """The answer so far could still be (the start of) a tool call: ``<tool_call>`` or a bare JSON object."""
+    head = text.lstrip()
+    return not head or head.startswith((CALL_TAG, "{")) or CALL_TAG.startswith(head)
+
+
+def piece_parts(value: Any) -> tuple[int, str, list[Any]]:
+    """A "piece" event's value -> (choice index, text, TokenChoices): ``text``, ``(text, choices)``,
+    ``(index, text)`` or ``(index, text, choices)``."""
+    if isinstance(value, str):
+        return 0, value, []
+    if len(value) == 3:
+        return value[0], value[1], list(value[2] or [])
+    if isinstance(value[0], int):
+        return value[0], value[1], []
+    return 0, value[0], list(value[1] or [])
 
 
 def sse(payload: dict[str, Any]) -> str:

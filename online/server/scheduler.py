@@ -13,8 +13,8 @@ Example::
     scheduler.start()
     job = scheduler.submit("Hello", max_new_tokens=8, sampling={"temperature": 0.0},
                            stream_pieces=True, loop=asyncio.get_running_loop())
-    kind, value = await job.events.get()  # ("piece", str) | ("done", GenerationResult) | ("error", ApiError)
-    # with n > 1: ("piece", (index, str)) and ("done", [GenerationResult, ...])
+    kind, value = await job.events.get()  # ("piece", (str, [TokenChoice])) | ("done", GenerationResult) | ("error", ApiError)
+    # with n > 1: ("piece", (index, str, [TokenChoice])) and ("done", [GenerationResult, ...])
     scheduler.close()
 """
 from __future__ import annotations
@@ -199,6 +199,8 @@ class Scheduler:
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=s.get("temperature", 0.0),
                                     top_k=s.get("top_k", 0), top_p=s.get("top_p", 1.0), seed=s.get("seed"),
                                     stop=tuple(s.get("stop") or ()))
+            if job.decode_options is None:
+                job.decode_options = decode_options_for(self.engine, s)
             ids = self.engine.encode_prompt(job.prompt)
             budget = min(max_new_tokens, int(self.engine.max_context) - len(ids))
             if self.pool.blocks_for(len(ids) + budget) > self.pool.n_blocks:
@@ -226,10 +228,12 @@ class Scheduler:
         return Sequence(seq_id=self._seq_ids, job=job, index=index, tokens=tokens, n_prompt=len(job.prompt_ids),
                         params=params, generator=make_generator(seed_params), eos_ids=eos_ids,
                         max_total_tokens=max_total_tokens, decoder=TextDecoder(self.engine.tokenizer, params.stop),
-                        decode_options=job.decode_options)
+                        decode_options=job.decode_options,
+                        state=job.decode_options.new_state() if job.decode_options is not None else None)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
-        """n > 1: the other choices start from the parent's prompt KV (shared blocks, copy on write)."""
+        """n > 1: the other choices start from the parent's prompt KV (shared blocks, copy on write).
+        Called before the parent samples its first token: each child has its own fresh constraint state."""
         job = parent.job
         job.forked = True
         children = []
@@ -279,8 +283,11 @@ class Scheduler:
                 self._end(job)
 
     def _on_piece(self, seq: Sequence, piece: str) -> None:
+        """Emit a text piece with the TokenChoices of the tokens behind it: ``(text, choices)``, or
+        ``(index, text, choices)`` when n > 1."""
         if seq.job.stream_pieces and not seq.job.cancelled:
-            seq.job.emit("piece", piece if seq.job.n == 1 else (seq.index, piece))
+            choices, seq.sent_choices = seq.choices[seq.sent_choices:], len(seq.choices)
+            seq.job.emit("piece", (piece, choices) if seq.job.n == 1 else (seq.index, piece, choices))
 
     def _on_finish(self, seq: Sequence) -> None:
         job = seq.job
@@ -294,7 +301,7 @@ class Scheduler:
                  "preemptions": seq.preemptions}
         job.results[seq.index] = GenerationResult(text=seq.decoder.text, token_ids=list(seq.decoder.generated),
                                                   prompt_tokens=seq.n_prompt, finish_reason=seq.finish_reason,
-                                                  stats=stats)
+                                                  stats=stats, choices=list(seq.choices))
         if len(job.results) < job.n:
             return
         results = [job.results[i] for i in range(job.n)]
@@ -302,6 +309,14 @@ class Scheduler:
                                         results[0].stats, queue_wait_s=seq.started_s - job.submitted_s)
         self._end(job)
         job.emit("done", results[0] if job.n == 1 else results)
+
+
+def decode_options_for(engine: Any, sampling: dict[str, Any]) -> Any:
+    """The request's DecodeOptions (logprobs, top_logprobs, grammar from ``req.sampling()``); None when plain."""
+    logprobs, top, grammar = sampling.get("logprobs", False), sampling.get("top_logprobs", 0), sampling.get("grammar")
+    if not logprobs and not top and grammar is None:
+        return None
+    return engine.decode_options(logprobs=logprobs, top_logprobs=top or 0, grammar=grammar)
 
 
 __all__ = ["GenerationJob", "QueueFullError", "Scheduler", "SchedulerClosedError", "timeout_error"]

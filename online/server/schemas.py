@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from online.server.features import parse_tool_choice, parse_tools, response_format_grammar
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # n
 MAX_SEED = 2**63 - 1
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_LOGPROBS = 20  # top_logprobs (chat) / logprobs (completions) upper bound, as OpenAI
 
 
 class ApiError(Exception):
@@ -50,6 +53,18 @@ class ChatMessage(BaseModel):
 
     role: str
     content: Any = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # role "tool": the call this result answers
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls(cls, calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for call in calls or ():
+            fn = call.get("function")
+            if call.get("type", "function") != "function" or not isinstance(fn, dict) \
+                    or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), (str, dict)):
+                raise ValueError('each tool call must be {"id", "type": "function", "function": {"name", "arguments"}}')
+        return calls or None
 
     @field_validator("role")
     @classmethod
@@ -91,9 +106,16 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = 1
-    logprobs: Any = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, Any] | None) -> None:
+        if bias:
+            raise ValueError("logit_bias is not supported")
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -115,13 +137,6 @@ class _SamplingRequest(BaseModel):
         if not 1 <= n <= MAX_CHOICES:
             raise ValueError(f"n must be between 1 and {MAX_CHOICES}")
         return n
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, value: Any) -> None:
-        if value not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        return None
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -152,12 +167,83 @@ class _SamplingRequest(BaseModel):
             "seed": self.seed,
             "stop": self.stop,
             "ignore_eos": self.ignore_eos,
+            **self.decode_extras(),
         }
+
+    def decode_extras(self) -> dict[str, Any]:
+        """``logprobs`` / ``top_logprobs`` / ``grammar`` keyword arguments for ``Engine.stream`` (only those set)."""
+        return {}
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: Any = None
+    function_call: Any = None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _legacy_functions(cls, value: Any) -> None:
+        if value is not None:
+            raise ValueError("the deprecated functions/function_call API is not supported; use tools and tool_choice")
+        return None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None, info: Any) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, fmt: dict[str, Any] | None) -> Any:
+        return None if fmt is None else response_format_grammar(fmt)
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools: list[Any] | None) -> Any:
+        return None if not tools else parse_tools(tools)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice: Any, info: Any) -> Any:
+        return parse_tool_choice(choice, info.data.get("tools"))
+
+    @model_validator(mode="after")
+    def _format_or_tools(self) -> "ChatCompletionRequest":
+        if self.response_format is not None and self.tool_mode()[0] != "none":
+            raise ValueError("response_format json_object/json_schema together with tools is not supported; "
+                             "use tool_choice \"none\" or drop response_format")
+        return self
+
+    def tool_mode(self) -> tuple[str, str | None]:
+        """(``"none" | "auto" | "required"``, the forced tool's name or None)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none", None
+        if self.tool_choice is None:
+            return "auto", None
+        if isinstance(self.tool_choice, tuple):
+            return "required", self.tool_choice[1]
+        return self.tool_choice, None
+
+    def decode_extras(self) -> dict[str, Any]:
+        from online.constrain import tool_call_grammar
+        extras: dict[str, Any] = {}
+        if self.logprobs:
+            extras.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
+        mode, name = self.tool_mode()
+        if mode == "required":
+            extras["grammar"] = tool_call_grammar(list(self.tools), name)
+        elif self.response_format is not None:
+            extras["grammar"] = self.response_format
+        return extras
 
     @field_validator("messages")
     @classmethod
@@ -169,12 +255,33 @@ class ChatCompletionRequest(_SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        messages = [{"role": m.role, "content": m.content} for m in self.messages]
+        if not any(m.role == "tool" or m.tool_calls for m in self.messages):
+            return messages
+        for out, m in zip(messages, self.messages):
+            if m.tool_calls:
+                out["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                out["tool_call_id"] = m.tool_call_id
+        return messages
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: Any
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = None  # extension (as vLLM): constrained text completions
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, fmt: dict[str, Any] | None) -> Any:
+        return None if fmt is None else response_format_grammar(fmt)
+
+    def decode_extras(self) -> dict[str, Any]:
+        extras: dict[str, Any] = {} if self.logprobs is None else {"logprobs": True, "top_logprobs": self.logprobs}
+        if self.response_format is not None:
+            extras["grammar"] = self.response_format
+        return extras
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None

@@ -67,7 +67,10 @@ class Sequence:
     eos_ids: set[int]
     max_total_tokens: int  # n_prompt + the generation budget
     decoder: TextDecoder
-    decode_options: Any = None  # per-token options (logprobs, constraints): passed through untouched
+    decode_options: Any = None  # DecodeOptions (logprobs, grammar constraint) or None: choose_token's options
+    state: Any = None  # this sequence's constraint state (decode_options.new_state()), advanced by choose_token
+    choices: list = field(default_factory=list)  # TokenChoice of each generated token (EOS excluded)
+    sent_choices: int = 0  # choices already emitted with a streamed piece
     table: list[int] = field(default_factory=list)  # KV block ids
     n_computed: int = 0  # KV rows written (positions 0..n_computed-1)
     n_registered: int = 0  # leading full blocks published for prefix reuse
