@@ -317,3 +317,6 @@ int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_
     for (int j = 0; j < nt; j++) total += sb.counts[j];
     return total;
 }
+
+/* The multi-token step (T tokens of one or several sequences, one region): batch.h */
+#include "batch.h"
