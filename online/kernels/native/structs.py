@@ -69,6 +69,8 @@ def bind_signatures(lib: ctypes.CDLL) -> None:
     lib.tdm_decode_batch.restype = _I
     lib.tdm_batch_work_bytes.argtypes = [ctypes.POINTER(TdmModel), _I, _I]
     lib.tdm_batch_work_bytes.restype = _I
+    lib.tdm_dot_rows_multi.argtypes = [ctypes.POINTER(TdmWeight), _I, _I, _I, _P, ctypes.c_double, _P]
+    lib.tdm_dot_rows_multi.restype = None
 
 
 def addr(a: np.ndarray | None) -> int | None:
