@@ -244,7 +244,27 @@ static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B
     const tdm_predictor *P = L->pred && L->pred->rank > 0 ? L->pred : NULL;
     int zero_act = m->act == ACT_RELU || m->act == ACT_FATRELU || m->act == ACT_DRELU;
     int gate_cut = m->gated && zero_act && thr >= 0.0f;
-    for (int64_t i = 0; (P || gate_cut) && i < T; i++) { /* data-dependent rows: token by token */
+    for (int64_t b0 = t * SPARSE_SLICE; !P && gate_cut && b0 < m->n_ff; b0 += nt * SPARSE_SLICE) {
+        /* the gate cut without a predictor: every gate row for all T tokens at once, then each
+         * token's up rows where its gate passes (sparse_rows with P = NULL, token by token) */
+        int64_t n = b0 + SPARSE_SLICE < m->n_ff ? SPARSE_SLICE : m->n_ff - b0;
+        float cut = m->act == ACT_FATRELU ? alpha : 0.0f, gs[T * SPARSE_SLICE];
+        dot_rows_multi(&L->gate, b0, n, tb->x, T, gs, SPARSE_SLICE);
+        for (int64_t i = 0; i < T; i++) {
+            float g[SPARSE_SLICE], u[SPARSE_SLICE], h[SPARSE_SLICE];
+            int32_t rows[SPARSE_SLICE];
+            int64_t k = 0;
+            for (int64_t j = 0; j < n; j++) {
+                rows[k] = (int32_t)(b0 + j);
+                g[k] = gs[i * SPARSE_SLICE + j];
+                k += g[k] > cut;
+            }
+            dot_rows_idx(&L->up, rows, k, tb->x + i, u);
+            activate(m->act, alpha, m->gated, g, u, h, k);
+            batch_keep(tb, m, i, h, rows, b0, k, thr);
+        }
+    }
+    for (int64_t i = 0; P && i < T; i++) { /* predicted rows: token by token */
         qvec zq;
         if (P) predict_hidden(P, tb->x + i, t, nt, (float)m->residual_ratio, &zq);
         for (int64_t b0 = t * SPARSE_SLICE; b0 < m->n_ff; b0 += nt * SPARSE_SLICE) {
@@ -270,12 +290,16 @@ static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B
             batch_keep(tb, m, i, h, NULL, b0, n, thr);
         }
     }
-    for (int64_t i = 0; i < T; i++) {
-        float *part = sb->partial + (t * T + i) * d;
-        for (int64_t k = 0; k < d; k++) part[k] = 0.0f;
-        axpy_rows(&L->down_t, tb->idx + i * m->n_ff, tb->h + i * m->n_ff, tb->n_act[i], part);
-        sb->counts[t] += tb->n_act[i];
-    }
+    float *part = sb->partial + t * T * d; /* [T, d] this thread's down-projection sums */
+    for (int64_t k = 0; k < T * d; k++) part[k] = 0.0f;
+    int64_t same = 1; /* tokens whose active rows equal token 0's (all of them in a dense FFN) */
+    while (same < T && tb->n_act[same] == tb->n_act[0]
+           && !memcmp(tb->idx + same * m->n_ff, tb->idx, 4 * tb->n_act[0]))
+        same++;
+    axpy_rows_multi(&L->down_t, tb->idx, tb->h, m->n_ff, tb->n_act[0], same, part, d);
+    for (int64_t i = same; i < T; i++)
+        axpy_rows(&L->down_t, tb->idx + i * m->n_ff, tb->h + i * m->n_ff, tb->n_act[i], part + i * d);
+    for (int64_t i = 0; i < T; i++) sb->counts[t] += tb->n_act[i];
 #pragma omp barrier
     for (int64_t i = 0; i < T; i++)
         for (int64_t k = 0; k < d; k++) {
