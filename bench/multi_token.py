@@ -2,7 +2,7 @@
 
 For T = 1, 2, 4, 8, 16 the time of one ``step_many`` call over T consecutive tokens (after a
 ``--context``-token history) is measured side by side with T single-token calls, in rounds
-(median of ``--rounds``); the ratio that matters is step_many(T) / single(1): what verifying T
+(median of ``--rounds``; also this thread's CPU time, the step's own work with ``--threads 1``); the ratio that matters is step_many(T) / single(1): what verifying T
 drafted tokens costs in units of one decoded token. Prints a markdown table;
 ``python -m bench.multi_token [--rounds 7] [--threads 2]``.
 """
@@ -16,14 +16,12 @@ import time
 TOKEN_COUNTS = (1, 2, 4, 8, 16)
 
 
-def time_ms(fn, rounds: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def time_ms(fn) -> tuple[float, float]:
+    """(wall ms, this thread's CPU ms) of one call: with --threads 1 the OpenMP region runs on this
+    thread, so the CPU time is the step's own work, free of the scheduler's waits."""
+    w0, c0 = time.perf_counter(), time.thread_time()
+    fn()
+    return (time.perf_counter() - w0) * 1e3, (time.thread_time() - c0) * 1e3
 
 
 def measure(engine, context: int, rounds: int, counts=TOKEN_COUNTS) -> list[dict]:
@@ -36,11 +34,15 @@ def measure(engine, context: int, rounds: int, counts=TOKEN_COUNTS) -> list[dict
     rows = []
     for T in counts:
         tokens = [(11 * i + 5) % engine.model.cfg.vocab_size for i in range(T)]
+        step.step_many(tokens, context, cache)  # warm-up
         multi, single = [], []
         for _ in range(rounds):  # interleaved, so that contention hits both alike
-            multi.append(time_ms(lambda: step.step_many(tokens, context, cache), 1))
-            single.append(time_ms(lambda: step(tokens[0], context, cache), 1))
-        rows.append({"T": T, "multi_ms": statistics.median(multi), "single_ms": statistics.median(single)})
+            multi.append(time_ms(lambda: step.step_many(tokens, context, cache)))
+            single.append(time_ms(lambda: step(tokens[0], context, cache)))
+        rows.append({"T": T, "multi_ms": statistics.median(m[0] for m in multi),
+                     "single_ms": statistics.median(m[0] for m in single),
+                     "multi_cpu_ms": statistics.median(m[1] for m in multi),
+                     "single_cpu_ms": statistics.median(m[1] for m in single)})
     return rows
 
 
@@ -57,11 +59,12 @@ def main() -> None:
     rows = measure(engine, args.context, args.rounds)
     print(f"- Date: {dt.date.today().isoformat()}; threads: {args.threads}; command: `python -m bench.multi_token "
           f"--rounds {args.rounds} --context {args.context}`; median of {args.rounds} interleaved rounds.")
-    print("\n| T | step_many ms | single step ms | step_many / single | ms per token |")
-    print("|---|---|---|---|---|")
+    print("\n| T | step_many ms | single step ms | step_many / single | ms per token "
+          "| CPU ms step_many / single (this thread) |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['T']} | {r['multi_ms']:.2f} | {r['single_ms']:.2f} | {r['multi_ms'] / r['single_ms']:.2f}x "
-              f"| {r['multi_ms'] / r['T']:.2f} |")
+              f"| {r['multi_ms'] / r['T']:.2f} | {r['multi_cpu_ms']:.2f} / {r['single_cpu_ms']:.2f} |")
 
 
 if __name__ == "__main__":

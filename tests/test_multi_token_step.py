@@ -233,6 +233,9 @@ def test_bad_inputs_are_one_line_errors(tiny_model_dir):
         lambda: step.step_batch([vocab], [0], [[0]], pool),
         lambda: step.step_batch([1, 2], [0, 1], [[0], [0]], pool, [True]),
         lambda: step.step_batch([1], [0], [[0]], SimpleNamespace(keys=cache.keys, values=cache.values, block_tokens=3)),
+        lambda: step.step_batch([1, 2], [5, 1], [[0, 1], [1]], pool),  # both write row 5
+        lambda: step.step_batch([1], [0], [[0]], SimpleNamespace(keys=cache.keys[:, :, :5], values=cache.values[:, :, :5],
+                                                                 block_tokens=5)),  # not contiguous
     ]
     for call in bad:
         with pytest.raises(TandemError) as info:

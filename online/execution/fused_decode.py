@@ -269,6 +269,10 @@ class FusedDecodeStep:
             if used.size and (used.min() < 0 or used.max() >= n_blocks):
                 raise TandemError(f"block table of token {i} names a block outside the pool ({n_blocks} blocks)")
             packed_tables[i, : table.size] = table
+        written = packed_tables[np.arange(n), np.asarray(positions) // block_tokens].astype(np.int64) * block_tokens \
+            + np.asarray(positions) % block_tokens  # [n] the KV row each token writes
+        if np.unique(written).size < n:
+            raise TandemError("two tokens of one step_batch call write the same KV row (same sequence position twice?)")
         return self._run_batch(token_ids, positions, packed_tables, block_tokens, pool.keys, pool.values, want)
 
     def _run_batch(self, token_ids: list, positions: list, tables: np.ndarray, block_tokens: int,
