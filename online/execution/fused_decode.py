@@ -14,10 +14,16 @@ Layers with a predictor score their neurons first and read only the predicted ga
 attention) makes ``FusedDecodeStep.build`` raise ``FusedDecodeUnavailable`` with the reason; the
 engine then decodes through the modules.
 
+``step_many`` (T tokens of one sequence: speculative verification) and ``step_batch`` (tokens of
+several sequences over a paged KV pool: continuous batching) run T tokens in one C call
+(``tdm_decode_batch``, batch.h): every weight row is read once for all T, and each token's logits,
+KV rows and FFN counts are bit-identical to the single-token step.
+
 Example::
 
     step = FusedDecodeStep.build(model, executor)      # model: DecoderModel, executor: HybridExecutor
     logits = step(token_id, pos, cache)                 # [vocab] float32, cache updated at pos
+    many = step.step_many([t0, t1, t2], pos + 1, cache) # [3, vocab], rows pos+1..pos+3 written
 """
 from __future__ import annotations
 
