@@ -242,3 +242,20 @@ def test_bad_inputs_are_one_line_errors(tiny_model_dir):
             call()
         assert "\n" not in str(info.value) and str(info.value)
     assert torch.equal(cache.keys, torch.zeros_like(cache.keys))  # nothing half-written
+
+
+def test_layer_offload_step_goes_token_by_token(tiny_model_dir):
+    """LayerOffloadStep runs its tier layers outside C: its step_many / step_batch use its own step."""
+    from online.engine import Engine
+    from online.execution.layer_offload import layer_tier_bytes
+    folder, _ = tiny_model_dir("llama")
+    probe = Engine.load(folder, weight_format="int8", layer_offload=True, gpu_budget_bytes=0)
+    budget = layer_tier_bytes(probe.config, "q8", torch.float16, probe.max_context) + 100
+    engine = Engine.load(folder, weight_format="int8", layer_offload=True, gpu_budget_bytes=budget)
+    assert engine.layer_offload_gpu_layers == 1
+    step, cfg = engine.compiled_decode, engine.model.cfg
+    single, multi = KVCache(cfg, 16), KVCache(cfg, 16)
+    want = torch.stack([step(t, p, single) for p, t in enumerate(PROMPT)])
+    assert torch.equal(step.step_many(PROMPT[:5], 0, multi), want[:5])
+    assert torch.equal(step.step_batch(PROMPT[5:], [5, 6, 7], [[0]] * 3, multi), want[5:])
+    assert torch.equal(multi.keys[:, :, :8], single.keys[:, :, :8])

@@ -232,6 +232,8 @@ class FusedDecodeStep:
         end = start_pos + len(token_ids)
         if start_pos < 0 or end > min(cache.capacity_tokens, self._desc.rope_positions):
             raise TandemError(f"positions {start_pos}..{end - 1} are outside the KV cache ({cache.capacity_tokens} tokens)")
+        if not self._native_multi_token():
+            return torch.stack([self(t, start_pos + i, cache) for i, t in enumerate(token_ids)])
         tables = np.zeros((len(token_ids), 1), dtype=np.int32)  # [T, 1]: the cache is one block
         return self._run_batch(token_ids, list(range(start_pos, end)), tables, cache.capacity_tokens,
                                cache.keys, cache.values, [True] * len(token_ids))
@@ -275,11 +277,34 @@ class FusedDecodeStep:
             if used.size and (used.min() < 0 or used.max() >= n_blocks):
                 raise TandemError(f"block table of token {i} names a block outside the pool ({n_blocks} blocks)")
             packed_tables[i, : table.size] = table
+        if not self._native_multi_token():
+            return self._step_batch_by_token(token_ids, positions, table_list, pool, want)
         written = packed_tables[np.arange(n), np.asarray(positions) // block_tokens].astype(np.int64) * block_tokens \
             + np.asarray(positions) % block_tokens  # [n] the KV row each token writes
         if np.unique(written).size < n:
             raise TandemError("two tokens of one step_batch call write the same KV row (same sequence position twice?)")
         return self._run_batch(token_ids, positions, packed_tables, block_tokens, pool.keys, pool.values, want)
+
+    def _native_multi_token(self) -> bool:
+        """False for subclasses with their own single-token step (LayerOffloadStep runs some layers
+        outside C): their multi-token calls go token by token through that step."""
+        return type(self).__call__ is FusedDecodeStep.__call__
+
+    def _step_batch_by_token(self, token_ids, positions, tables, pool, want) -> torch.Tensor:
+        """step_batch through the single-token step: each token's sequence gathered into a contiguous
+        scratch cache, its new KV row written back to the pool."""
+        rows, bt = [], int(pool.block_tokens)
+        for token, pos, table, wanted in zip(token_ids, positions, tables, want):
+            index = torch.from_numpy(table[np.arange(pos + 1) // bt] * bt + np.arange(pos + 1) % bt)  # [pos+1]
+            scratch = KVCache(self.cfg, pos + 1)
+            scratch.keys.copy_(pool.keys.index_select(2, index))  # [L, KV, pos+1, hd]
+            scratch.values.copy_(pool.values.index_select(2, index))
+            logits = self(token, pos, scratch)
+            pool.keys[:, :, int(index[-1])] = scratch.keys[:, :, pos]
+            pool.values[:, :, int(index[-1])] = scratch.values[:, :, pos]
+            if wanted:
+                rows.append(logits)
+        return torch.stack(rows) if rows else torch.empty(0, self._desc.vocab)
 
     def _run_batch(self, token_ids: list, positions: list, tables: np.ndarray, block_tokens: int,
                    keys: torch.Tensor, values: torch.Tensor, want: list) -> torch.Tensor:
