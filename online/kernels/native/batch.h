@@ -326,7 +326,8 @@ int64_t tdm_decode_batch(const tdm_model *m, const tdm_batch *B) {
             int32_t *map = sb.rowmap + i * span;
             const int32_t *table = B->tables + i * B->table_stride;
             int64_t bt = B->block_tokens;
-            for (int64_t p = 0; p <= B->pos[i]; p++) map[p] = (int32_t)(table[p / bt] * bt + p % bt);
+            for (int64_t b = 0, p = 0; p <= B->pos[i]; b++) /* block by block: no division per position */
+                for (int64_t o = 0; o < bt && p <= B->pos[i]; o++, p++) map[p] = (int32_t)(table[b] * bt + o);
         }
         for (int64_t i = 0; i < T; i++) memcpy(tb.res + i * d, m->embed + B->tokens[i] * d, 4 * d);
 #pragma omp barrier

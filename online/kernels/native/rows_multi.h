@@ -86,12 +86,15 @@ static void dot4_i8_multi(const tdm_weight *w, int64_t r, const qvec *x, int64_t
     const int8_t *q = (const int8_t *)(w->data + r * rb);
     const float *s = w->scale + r * ss;
     const char *ahead = (const char *)(q + 8 * rb);
-    float sa[4 * nb], sb[4 * nb], ones[4 * nb];
-    for (int64_t e = 0; e < 4 * nb; e++) ones[e] = 1.0f;
+    float sa[4 * nb], sb[4 * nb];
     for (; i + 2 <= T; i += 2) {
         const qvec *xa = x + i, *xb = x + i + 1;
-        scales4(blocked ? s : ones, blocked ? ss : nb, xa->d, nb, sa); /* (blocked ? s : 1) * x->d */
-        scales4(blocked ? s : ones, blocked ? ss : nb, xb->d, nb, sb);
+        if (blocked) {
+            scales4(s, ss, xa->d, nb, sa);
+            scales4(s, ss, xb->d, nb, sb);
+        } else { /* 1.0f * x->d[b] is x->d[b] */
+            for (int k = 0; k < 4; k++) memcpy(sa + k * nb, xa->d, 4 * nb), memcpy(sb + k * nb, xb->d, 4 * nb);
+        }
         __m256 a[4], b[4];
         for (int k = 0; k < 4; k++) a[k] = b[k] = _mm256_setzero_ps();
         for (int64_t bl = 0; bl < nb; bl++) {
