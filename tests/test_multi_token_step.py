@@ -224,6 +224,7 @@ def test_bad_inputs_are_one_line_errors(tiny_model_dir):
         lambda: step.step_many([1, vocab], 0, cache),
         lambda: step.step_many([1, -1], 0, cache),
         lambda: step.step_many(["x"], 0, cache),
+        lambda: step.step_many([1.5], 0, cache),
         lambda: step.step_batch([], [], [], pool),
         lambda: step.step_batch([1, 2], [0], [[0], [1]], pool),
         lambda: step.step_batch([1], [0, 1], [[0]], pool),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 import weakref
 
 import numpy as np
@@ -50,7 +51,7 @@ MAX_BATCH_TOKENS = 64  # tokens per C call of the multi-token step (larger calls
 
 def _int_list(values, what: str) -> list[int]:
     try:
-        return [int(v) for v in values]
+        return [operator.index(v) for v in values]  # ints, numpy/torch integers; not floats
     except (TypeError, ValueError):
         raise TandemError(f"{what} must be a sequence of integers") from None
 
