@@ -260,3 +260,19 @@ def test_layer_offload_step_goes_token_by_token(tiny_model_dir):
     assert torch.equal(step.step_many(PROMPT[:5], 0, multi), want[:5])
     assert torch.equal(step.step_batch(PROMPT[5:], [5, 6, 7], [[0]] * 3, multi), want[5:])
     assert torch.equal(multi.keys[:, :, :8], single.keys[:, :, :8])
+
+
+def test_back_to_back_calls_on_one_cache_and_a_second_cache(tiny_model_dir):
+    """The layers stay bound between calls on one cache; a different cache (or a pool of another size)
+    rebinds them; single steps in between still see their own cache."""
+    folder, _ = tiny_model_dir("qwen2")
+    model, executor = packed(folder, "int4", thresholds=[0.02] * 2)
+    step = FusedDecodeStep.build(model, executor)
+    ref, a, b = KVCache(model.cfg, 24), KVCache(model.cfg, 24), KVCache(model.cfg, 32)
+    want = torch.stack([step(t, p, ref) for p, t in enumerate(PROMPT * 2)])
+    got = torch.cat([step.step_many(PROMPT[:3], 0, a), step.step_many(PROMPT[3:], 3, a), step.step_many(PROMPT, 8, a)])
+    assert torch.equal(got, want)
+    got_b = torch.cat([step.step_many(PROMPT[:5], 0, b), torch.stack([step(t, 5 + i, b) for i, t in enumerate(PROMPT[5:])]),
+                       step.step_many(PROMPT, 8, b)])
+    assert torch.equal(got_b, want)
+    assert torch.equal(a.keys, ref.keys) and torch.equal(b.keys[:, :, :24], ref.keys)

@@ -49,6 +49,10 @@ DEFAULT_RESIDUAL_RATIO = 2.0
 MAX_BATCH_TOKENS = 64  # tokens per C call of the multi-token step (larger calls are split, in order)
 
 
+def _kv_key(keys: torch.Tensor, values: torch.Tensor) -> tuple:
+    return keys.data_ptr(), values.data_ptr(), tuple(keys.shape), keys.stride(), values.stride(), keys.dtype
+
+
 def _int_list(values, what: str) -> list[int]:
     try:
         return [operator.index(v) for v in values]  # ints, numpy/torch integers; not floats
@@ -124,6 +128,7 @@ class FusedDecodeStep:
         self._layers = (TdmLayer * len(layers))(*layers)
         self._keep = keep  # arrays the descriptors point into
         self._bound_cache = None  # weakref to the KVCache the layers point into (an old cache can be freed)
+        self._kv_key = None  # (addresses, shape, strides) of the KV tensors the layers point into
         self._work: np.ndarray | None = None
         self._batch_work: np.ndarray | None = None  # the multi-token step's scratch (batch.h)
         self._desc = self._describe_model()
@@ -201,6 +206,7 @@ class FusedDecodeStep:
             self._work = np.zeros(n_bytes + 64, dtype=np.uint8)
         self._desc.work = (self._work.ctypes.data + 63) & ~63
         self._bound_cache = weakref.ref(cache)
+        self._kv_key = _kv_key(cache.keys, cache.values)
 
     def __call__(self, token_id: int, pos: int, cache: KVCache) -> torch.Tensor:
         """Logits [vocab] for ``token_id`` at ``pos``; writes its keys/values into ``cache``."""
@@ -321,11 +327,13 @@ class FusedDecodeStep:
         if tuple(keys.shape[:2]) != expected or keys.shape != values.shape or keys.shape[3] != cfg.head_dim:
             raise TandemError(f"KV pool shape {tuple(keys.shape)} does not fit this model "
                               f"({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim})")
-        k_np, v_np = _np(keys), _np(values)  # [L, KV, rows, hd]
-        for i in range(cfg.num_layers):
-            self._layers[i].k_cache = addr(k_np[i])
-            self._layers[i].v_cache = addr(v_np[i])
-        self._bound_cache = None  # the single-token step rebinds its cache next time
+        if self._kv_key != _kv_key(keys, values):  # point the layers at this pool (unless they already do)
+            k_np, v_np = _np(keys), _np(values)  # [L, KV, rows, hd]
+            for i in range(cfg.num_layers):
+                self._layers[i].k_cache = addr(k_np[i])
+                self._layers[i].v_cache = addr(v_np[i])
+            self._kv_key = _kv_key(keys, values)
+            self._bound_cache = None  # the single-token step rebinds its cache next time
         out = torch.empty(sum(want), self._desc.vocab, dtype=torch.float32)  # [sum(want), vocab]
         done, active = 0, 0
         single_work = self._desc.work
@@ -333,7 +341,7 @@ class FusedDecodeStep:
             for a in range(0, len(token_ids), MAX_BATCH_TOKENS):
                 b = min(a + MAX_BATCH_TOKENS, len(token_ids))
                 active += self._call_batch(token_ids[a:b], positions[a:b], tables[a:b], block_tokens,
-                                           k_np.shape[2], want[a:b], out[done:])
+                                           keys.shape[2], want[a:b], out[done:])
                 done += sum(want[a:b])
         finally:
             self._desc.work = single_work
