@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import operator
 import weakref
 
 import numpy as np
@@ -43,21 +42,11 @@ from ..kernels.native import NativeUnavailable, load_native
 from ..kernels.native.structs import TdmBatch, TdmLayer, TdmModel, WeightRef, addr, describe
 from ..kv_cache import KVCache
 from .fused_predict import PredictorRef, build_predictor
+from .multi_token import int_list, kv_key, pack_tables, step_batch_by_token
 
 
 DEFAULT_RESIDUAL_RATIO = 2.0
 MAX_BATCH_TOKENS = 64  # tokens per C call of the multi-token step (larger calls are split, in order)
-
-
-def _kv_key(keys: torch.Tensor, values: torch.Tensor) -> tuple:
-    return keys.data_ptr(), values.data_ptr(), tuple(keys.shape), keys.stride(), values.stride(), keys.dtype
-
-
-def _int_list(values, what: str) -> list[int]:
-    try:
-        return [operator.index(v) for v in values]  # ints, numpy/torch integers; not floats
-    except (TypeError, ValueError):
-        raise TandemError(f"{what} must be a sequence of integers") from None
 
 
 class FusedDecodeUnavailable(TandemError):
@@ -206,7 +195,7 @@ class FusedDecodeStep:
             self._work = np.zeros(n_bytes + 64, dtype=np.uint8)
         self._desc.work = (self._work.ctypes.data + 63) & ~63
         self._bound_cache = weakref.ref(cache)
-        self._kv_key = _kv_key(cache.keys, cache.values)
+        self._kv_key = kv_key(cache.keys, cache.values)
 
     def __call__(self, token_id: int, pos: int, cache: KVCache) -> torch.Tensor:
         """Logits [vocab] for ``token_id`` at ``pos``; writes its keys/values into ``cache``."""
@@ -232,7 +221,7 @@ class FusedDecodeStep:
 
             logits = step.step_many([t0, t1, t2], pos, cache)   # [3, vocab]; cache rows pos..pos+2 written
         """
-        token_ids = _int_list(token_ids, "token_ids")
+        token_ids = int_list(token_ids, "token_ids")
         if not token_ids:
             raise TandemError("step_many needs at least one token")
         start_pos = int(start_pos)
@@ -261,8 +250,8 @@ class FusedDecodeStep:
 
             out = step.step_batch([5, 9, 11], [7, 0, 1], [table_a, table_b, table_b], pool, [True, False, True])
         """
-        token_ids = _int_list(token_ids, "token_ids")
-        positions = _int_list(positions, "positions")
+        token_ids = int_list(token_ids, "token_ids")
+        positions = int_list(positions, "positions")
         n = len(token_ids)
         if n == 0 or not (len(positions) == len(tables) == n):
             raise TandemError("step_batch needs one position and one block table per token (and >= 1 token)")
@@ -270,48 +259,15 @@ class FusedDecodeStep:
         if len(want) != n:
             raise TandemError(f"logits_for has {len(want)} entries for {n} tokens")
         block_tokens = int(pool.block_tokens)
-        rows = pool.keys.shape[2] if pool.keys.dim() == 4 else 0
-        if block_tokens < 1 or rows % block_tokens:
-            raise TandemError(f"the KV pool's {rows} rows are not whole blocks of {block_tokens} tokens")
-        table_list = [np.asarray(t, dtype=np.int64).reshape(-1) for t in tables]
-        width = max(1, max(t.size for t in table_list))
-        packed_tables = np.zeros((n, width), dtype=np.int32)  # [T, width]
-        n_blocks = rows // block_tokens
-        for i, (table, pos) in enumerate(zip(table_list, positions)):
-            if pos < 0 or pos // block_tokens >= table.size:
-                raise TandemError(f"position {pos} is past the sequence's {table.size} KV blocks")
-            used = table[: pos // block_tokens + 1]
-            if used.size and (used.min() < 0 or used.max() >= n_blocks):
-                raise TandemError(f"block table of token {i} names a block outside the pool ({n_blocks} blocks)")
-            packed_tables[i, : table.size] = table
+        tables = pack_tables(tables, positions, block_tokens, pool.keys.shape[2] if pool.keys.dim() == 4 else 0)
         if not self._native_multi_token():
-            return self._step_batch_by_token(token_ids, positions, table_list, pool, want)
-        written = packed_tables[np.arange(n), np.asarray(positions) // block_tokens].astype(np.int64) * block_tokens \
-            + np.asarray(positions) % block_tokens  # [n] the KV row each token writes
-        if np.unique(written).size < n:
-            raise TandemError("two tokens of one step_batch call write the same KV row (same sequence position twice?)")
-        return self._run_batch(token_ids, positions, packed_tables, block_tokens, pool.keys, pool.values, want)
+            return step_batch_by_token(self, token_ids, positions, tables, pool, want)
+        return self._run_batch(token_ids, positions, tables, block_tokens, pool.keys, pool.values, want)
 
     def _native_multi_token(self) -> bool:
         """False for subclasses with their own single-token step (LayerOffloadStep runs some layers
         outside C): their multi-token calls go token by token through that step."""
         return type(self).__call__ is FusedDecodeStep.__call__
-
-    def _step_batch_by_token(self, token_ids, positions, tables, pool, want) -> torch.Tensor:
-        """step_batch through the single-token step: each token's sequence gathered into a contiguous
-        scratch cache, its new KV row written back to the pool."""
-        rows, bt = [], int(pool.block_tokens)
-        for token, pos, table, wanted in zip(token_ids, positions, tables, want):
-            index = torch.from_numpy(table[np.arange(pos + 1) // bt] * bt + np.arange(pos + 1) % bt)  # [pos+1]
-            scratch = KVCache(self.cfg, pos + 1)
-            scratch.keys.copy_(pool.keys.index_select(2, index))  # [L, KV, pos+1, hd]
-            scratch.values.copy_(pool.values.index_select(2, index))
-            logits = self(token, pos, scratch)
-            pool.keys[:, :, int(index[-1])] = scratch.keys[:, :, pos]
-            pool.values[:, :, int(index[-1])] = scratch.values[:, :, pos]
-            if wanted:
-                rows.append(logits)
-        return torch.stack(rows) if rows else torch.empty(0, self._desc.vocab)
 
     def _run_batch(self, token_ids: list, positions: list, tables: np.ndarray, block_tokens: int,
                    keys: torch.Tensor, values: torch.Tensor, want: list) -> torch.Tensor:
@@ -327,12 +283,12 @@ class FusedDecodeStep:
         if tuple(keys.shape[:2]) != expected or keys.shape != values.shape or keys.shape[3] != cfg.head_dim:
             raise TandemError(f"KV pool shape {tuple(keys.shape)} does not fit this model "
                               f"({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim})")
-        if self._kv_key != _kv_key(keys, values):  # point the layers at this pool (unless they already do)
+        if self._kv_key != kv_key(keys, values):  # point the layers at this pool (unless they already do)
             k_np, v_np = _np(keys), _np(values)  # [L, KV, rows, hd]
             for i in range(cfg.num_layers):
                 self._layers[i].k_cache = addr(k_np[i])
                 self._layers[i].v_cache = addr(v_np[i])
-            self._kv_key = _kv_key(keys, values)
+            self._kv_key = kv_key(keys, values)
             self._bound_cache = None  # the single-token step rebinds its cache next time
         out = torch.empty(sum(want), self._desc.vocab, dtype=torch.float32)  # [sum(want), vocab]
         done, active = 0, 0
