@@ -3,7 +3,8 @@
  * of the single-token kernels in rows.h (same products, same FMA chains in the same order, same
  * reductions), so every output is bit-identical to dot_rows on that token alone; only the work that
  * does not touch a token's accumulators is shared (int4 nibble unpacking, int8 |w|, fp16 -> fp32).
- * Tokens go two at a time: 8 accumulators + 4 unpacked rows fit the 16 ymm registers.
+ * Tokens go two at a time (8 accumulators in the 16 ymm registers); int4 rows are unpacked once per
+ * four-row block into an L1 buffer that every token pair reads.
  * Included by decode.c only, after rows.h. */
 #ifndef TANDEM_ROWS_MULTI_H
 #define TANDEM_ROWS_MULTI_H
@@ -143,8 +144,9 @@ static void dot4_i8_multi(const tdm_weight *w, int64_t r, const qvec *x, int64_t
  * all T (the same float operations per token, in the same order) */
 static void axpy_rows_multi(const tdm_weight *w, const int32_t *idx, const float *h, int64_t hs, int64_t n, int64_t T,
                             float *y, int64_t ys) {
-    int64_t j = 0, cols = w->cols;
+    int64_t j = 0;
 #ifdef TDM_SIMD
+    int64_t cols = w->cols;
     if (w->kind == KIND_F16 && cols % 8 == 0 && T > 1) {
         const uint8_t *base = w->data;
         int64_t rb = w->row_bytes;
