@@ -190,6 +190,10 @@ static void axpy_rows_multi(const tdm_weight *w, const int32_t *idx, const float
 static void dot_rows_multi(const tdm_weight *w, int64_t r0, int64_t n, const qvec *x, int64_t T, float *out,
                            int64_t os) {
     int64_t j = 0;
+    if (T == 1) { /* one token: the single-token kernels themselves */
+        dot_rows(w, r0, n, x, out);
+        return;
+    }
 #ifdef TDM_SIMD
     if (w->kind == KIND_I4 && w->group == 32)
         for (; j + 4 <= n; j += 4) dot4_i4g32_multi(w, r0 + j, x, T, out + j, os);
