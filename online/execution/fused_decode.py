@@ -14,10 +14,16 @@ Layers with a predictor score their neurons first and read only the predicted ga
 attention) makes ``FusedDecodeStep.build`` raise ``FusedDecodeUnavailable`` with the reason; the
 engine then decodes through the modules.
 
+``step_many`` (T tokens of one sequence: speculative verification) and ``step_batch`` (tokens of
+several sequences over a paged KV pool: continuous batching) run T tokens in one C call
+(``tdm_decode_batch``, batch.h): every weight row is read once for all T, and each token's logits,
+KV rows and FFN counts are bit-identical to the single-token step.
+
 Example::
 
     step = FusedDecodeStep.build(model, executor)      # model: DecoderModel, executor: HybridExecutor
     logits = step(token_id, pos, cache)                 # [vocab] float32, cache updated at pos
+    many = step.step_many([t0, t1, t2], pos + 1, cache) # [3, vocab], rows pos+1..pos+3 written
 """
 from __future__ import annotations
 
@@ -33,12 +39,14 @@ from tandem.errors import TandemError
 from ..kernels.cpu_numba import clamp_threads
 from ..kernels.quantize import ACT_IDS
 from ..kernels.native import NativeUnavailable, load_native
-from ..kernels.native.structs import TdmLayer, TdmModel, WeightRef, addr, describe
+from ..kernels.native.structs import TdmBatch, TdmLayer, TdmModel, WeightRef, addr, describe
 from ..kv_cache import KVCache
 from .fused_predict import PredictorRef, build_predictor
+from .multi_token import int_list, kv_key, pack_tables, step_batch_by_token
 
 
 DEFAULT_RESIDUAL_RATIO = 2.0
+MAX_BATCH_TOKENS = 64  # tokens per C call of the multi-token step (larger calls are split, in order)
 
 
 class FusedDecodeUnavailable(TandemError):
@@ -109,7 +117,9 @@ class FusedDecodeStep:
         self._layers = (TdmLayer * len(layers))(*layers)
         self._keep = keep  # arrays the descriptors point into
         self._bound_cache = None  # weakref to the KVCache the layers point into (an old cache can be freed)
+        self._kv_key = None  # (addresses, shape, strides) of the KV tensors the layers point into
         self._work: np.ndarray | None = None
+        self._batch_work: np.ndarray | None = None  # the multi-token step's scratch (batch.h)
         self._desc = self._describe_model()
 
     @classmethod
@@ -185,6 +195,7 @@ class FusedDecodeStep:
             self._work = np.zeros(n_bytes + 64, dtype=np.uint8)
         self._desc.work = (self._work.ctypes.data + 63) & ~63
         self._bound_cache = weakref.ref(cache)
+        self._kv_key = kv_key(cache.keys, cache.values)
 
     def __call__(self, token_id: int, pos: int, cache: KVCache) -> torch.Tensor:
         """Logits [vocab] for ``token_id`` at ``pos``; writes its keys/values into ``cache``."""
@@ -204,15 +215,24 @@ class FusedDecodeStep:
     def step_many(self, token_ids, start_pos: int, cache: KVCache) -> torch.Tensor:
         """Logits [T, vocab] for ``token_ids`` at positions ``start_pos..start_pos+T-1`` of one sequence
         (speculative verification): bit-identical to T calls of the single-token step, KV included.
+        One C call (batch.h) reads every weight row once for all T tokens.
 
         Example::
 
             logits = step.step_many([t0, t1, t2], pos, cache)   # [3, vocab]; cache rows pos..pos+2 written
         """
-        token_ids = [int(t) for t in token_ids]
+        token_ids = int_list(token_ids, "token_ids")
         if not token_ids:
             raise TandemError("step_many needs at least one token")
-        return torch.stack([self(t, start_pos + i, cache) for i, t in enumerate(token_ids)])
+        start_pos = int(start_pos)
+        end = start_pos + len(token_ids)
+        if start_pos < 0 or end > min(cache.capacity_tokens, self._desc.rope_positions):
+            raise TandemError(f"positions {start_pos}..{end - 1} are outside the KV cache ({cache.capacity_tokens} tokens)")
+        if not self._native_multi_token():
+            return torch.stack([self(t, start_pos + i, cache) for i, t in enumerate(token_ids)])
+        tables = np.zeros((len(token_ids), 1), dtype=np.int32)  # [T, 1]: the cache is one block
+        return self._run_batch(token_ids, list(range(start_pos, end)), tables, cache.capacity_tokens,
+                               cache.keys, cache.values, [True] * len(token_ids))
 
     def step_batch(self, token_ids, positions, tables, pool, logits_for=None) -> torch.Tensor:
         """Several tokens of several sequences in one step (continuous batching, chunked prefill).
@@ -221,35 +241,86 @@ class FusedDecodeStep:
         ``block_tokens`` (a KVCache is one block, table ``[0]``); ``tables[i]``: int32 block ids of
         token i's sequence; ``positions[i]``: its position. Tokens of one sequence come in position
         order; token i sees its sequence's rows ``0..positions[i]`` (earlier tokens of the same call
-        included). ``logits_for[i]``: whether token i's logits are wanted (default all). Returns
-        [sum(logits_for), vocab] in token order; each row and every KV entry is bit-identical to the
-        single-token step on a contiguous cache holding the same sequence.
+        included). ``logits_for[i]``: whether token i's logits are wanted (default all; the output
+        layer runs only for those). Returns [sum(logits_for), vocab] in token order; each row and
+        every KV entry is bit-identical to the single-token step on a contiguous cache holding the
+        same sequence. One C call (batch.h) per 64 tokens.
 
         Example::
 
             out = step.step_batch([5, 9, 11], [7, 0, 1], [table_a, table_b, table_b], pool, [True, False, True])
         """
+        token_ids = int_list(token_ids, "token_ids")
+        positions = int_list(positions, "positions")
         n = len(token_ids)
-        if not (len(positions) == len(tables) == n) or n == 0:
+        if n == 0 or not (len(positions) == len(tables) == n):
             raise TandemError("step_batch needs one position and one block table per token (and >= 1 token)")
         want = [True] * n if logits_for is None else [bool(w) for w in logits_for]
-        rows = []
-        bt = int(pool.block_tokens)
-        for token, pos, table, wanted in zip(token_ids, positions, tables, want):
-            pos = int(pos)
-            table = np.asarray(table, dtype=np.int64)
-            if pos // bt >= table.size:
-                raise TandemError(f"position {pos} is past the sequence's {table.size} KV blocks")
-            index = torch.from_numpy(table[np.arange(pos + 1) // bt] * bt + np.arange(pos + 1) % bt)  # [pos+1]
-            scratch = KVCache(self.cfg, pos + 1)
-            scratch.keys.copy_(pool.keys.index_select(2, index))  # [L, KV, pos+1, hd]
-            scratch.values.copy_(pool.values.index_select(2, index))
-            logits = self(int(token), pos, scratch)
-            pool.keys[:, :, int(index[-1])] = scratch.keys[:, :, pos]
-            pool.values[:, :, int(index[-1])] = scratch.values[:, :, pos]
-            if wanted:
-                rows.append(logits)
-        return torch.stack(rows) if rows else torch.empty(0, self._desc.vocab)
+        if len(want) != n:
+            raise TandemError(f"logits_for has {len(want)} entries for {n} tokens")
+        block_tokens = int(pool.block_tokens)
+        tables = pack_tables(tables, positions, block_tokens, pool.keys.shape[2] if pool.keys.dim() == 4 else 0)
+        if not self._native_multi_token():
+            return step_batch_by_token(self, token_ids, positions, tables, pool, want)
+        return self._run_batch(token_ids, positions, tables, block_tokens, pool.keys, pool.values, want)
+
+    def _native_multi_token(self) -> bool:
+        """False for subclasses with their own single-token step (LayerOffloadStep runs some layers
+        outside C): their multi-token calls go token by token through that step."""
+        return type(self).__call__ is FusedDecodeStep.__call__
+
+    def _run_batch(self, token_ids: list, positions: list, tables: np.ndarray, block_tokens: int,
+                   keys: torch.Tensor, values: torch.Tensor, want: list) -> torch.Tensor:
+        """tdm_decode_batch over chunks of MAX_BATCH_TOKENS tokens (validated inputs)."""
+        cfg = self.cfg
+        for t in token_ids:
+            if not 0 <= t < cfg.vocab_size:
+                raise TandemError(f"token id {t} is outside the vocabulary ({cfg.vocab_size})")
+        for p in positions:
+            if not 0 <= p < self._desc.rope_positions:
+                raise TandemError(f"position {p} is past the model's {self._desc.rope_positions} rope positions")
+        expected = (cfg.num_layers, cfg.num_kv_heads)
+        if tuple(keys.shape[:2]) != expected or keys.shape != values.shape or keys.shape[3] != cfg.head_dim:
+            raise TandemError(f"KV pool shape {tuple(keys.shape)} does not fit this model "
+                              f"({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim})")
+        if self._kv_key != kv_key(keys, values):  # point the layers at this pool (unless they already do)
+            k_np, v_np = _np(keys), _np(values)  # [L, KV, rows, hd]
+            for i in range(cfg.num_layers):
+                self._layers[i].k_cache = addr(k_np[i])
+                self._layers[i].v_cache = addr(v_np[i])
+            self._kv_key = kv_key(keys, values)
+            self._bound_cache = None  # the single-token step rebinds its cache next time
+        out = torch.empty(sum(want), self._desc.vocab, dtype=torch.float32)  # [sum(want), vocab]
+        done, active = 0, 0
+        single_work = self._desc.work
+        try:
+            for a in range(0, len(token_ids), MAX_BATCH_TOKENS):
+                b = min(a + MAX_BATCH_TOKENS, len(token_ids))
+                active += self._call_batch(token_ids[a:b], positions[a:b], tables[a:b], block_tokens,
+                                           keys.shape[2], want[a:b], out[done:])
+                done += sum(want[a:b])
+        finally:
+            self._desc.work = single_work
+        counters = self.executor.counters
+        counters.ffn_neurons_total += cfg.num_layers * self._desc.n_ff * len(token_ids)
+        counters.ffn_neurons_active += active
+        return out
+
+    def _call_batch(self, token_ids, positions, tables, block_tokens, kv_rows, want, out) -> int:
+        n = len(token_ids)
+        span = max(positions) + 1
+        n_bytes = self.native.lib.tdm_batch_work_bytes(ctypes.byref(self._desc), n, span)
+        if self._batch_work is None or self._batch_work.nbytes < n_bytes + 64:
+            self._batch_work = np.zeros(n_bytes + 64, dtype=np.uint8)
+        self._desc.work = (self._batch_work.ctypes.data + 63) & ~63
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        pos = np.asarray(positions, dtype=np.int64)
+        tables = np.ascontiguousarray(tables, dtype=np.int32)  # [n, width]
+        wanted = np.asarray(want, dtype=np.uint8)
+        batch = TdmBatch(n_tokens=n, tokens=addr(tokens), pos=addr(pos), tables=addr(tables),
+                         table_stride=tables.shape[1], block_tokens=block_tokens, kv_rows=kv_rows, span=span,
+                         want=addr(wanted), logits=out.data_ptr() if out.numel() else None)
+        return int(self.native.lib.tdm_decode_batch(ctypes.byref(self._desc), ctypes.byref(batch)))
 
     def predictor_rows(self) -> tuple[int, int]:
         """(rows predicted active, up rows computed) summed over predictor layers and calls so far."""

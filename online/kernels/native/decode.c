@@ -15,6 +15,11 @@
  * with a barrier where a phase needs the whole previous result (four per layer). Small vectors
  * (the residual stream, norms, activation quantization) are recomputed by every thread instead of
  * shared: cheaper than a barrier. Row kernels live in rows.h, attention in attention.h.
+ *
+ * The multi-token step (tdm_decode_batch: T tokens of one or several sequences over a paged KV
+ * layout, each weight row read once for all T) is batch.h with its row kernels in rows_multi.h;
+ * it is bit-identical to this single-token step per token. The library is built with
+ * -ffp-contract=off so that no scalar a*b+c rounds differently at one call site than at another.
  */
 #include <math.h>
 #include <stdint.h>
@@ -317,3 +322,6 @@ int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_
     for (int j = 0; j < nt; j++) total += sb.counts[j];
     return total;
 }
+
+/* The multi-token step (T tokens of one or several sequences, one region): batch.h */
+#include "batch.h"

@@ -43,6 +43,11 @@ class TdmModel(ctypes.Structure):
         ("head", TdmWeight), ("layers", ctypes.POINTER(TdmLayer)), ("work", _P)]
 
 
+class TdmBatch(ctypes.Structure):  # batch.h: the multi-token step's tokens, positions and block tables
+    _fields_ = [("n_tokens", _I), ("tokens", _P), ("pos", _P), ("tables", _P), ("table_stride", _I),
+                ("block_tokens", _I), ("kv_rows", _I), ("span", _I), ("want", _P), ("logits", _P)]
+
+
 def bind_signatures(lib: ctypes.CDLL) -> None:
     lib.tdm_decode.argtypes = [ctypes.POINTER(TdmModel), _I, _I, _P]
     lib.tdm_decode.restype = _I
@@ -60,6 +65,12 @@ def bind_signatures(lib: ctypes.CDLL) -> None:
     lib.tdm_gemv_float.restype = None
     lib.tdm_decode_range.argtypes = [ctypes.POINTER(TdmModel), _I, _I, _I, _P, _P]
     lib.tdm_decode_range.restype = _I
+    lib.tdm_decode_batch.argtypes = [ctypes.POINTER(TdmModel), ctypes.POINTER(TdmBatch)]
+    lib.tdm_decode_batch.restype = _I
+    lib.tdm_batch_work_bytes.argtypes = [ctypes.POINTER(TdmModel), _I, _I]
+    lib.tdm_batch_work_bytes.restype = _I
+    lib.tdm_dot_rows_multi.argtypes = [ctypes.POINTER(TdmWeight), _I, _I, _I, _P, ctypes.c_double, _P]
+    lib.tdm_dot_rows_multi.restype = None
 
 
 def addr(a: np.ndarray | None) -> int | None:

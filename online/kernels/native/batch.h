@@ -1,0 +1,374 @@
+/* The multi-token decode step: T tokens (several of one sequence, or of several sequences) through
+ * the whole model in one OpenMP region, every weight row read once per step for all T tokens
+ * (rows_multi.h). Token i's logits, KV rows and FFN counts are bit-identical to tdm_decode on a
+ * contiguous cache holding its sequence: the same row blocks per thread, the same per-token
+ * quantization, the same attention arithmetic (positions addressed through the token's block
+ * table), the same down-row order per thread and the same cross-thread partial-sum order.
+ *
+ * KV: layer l's k_cache/v_cache are [n_kv, kv_rows, hd]; token i's position p is row
+ * tables[i * table_stride + p / block_tokens] * block_tokens + p % block_tokens. Tokens of one
+ * sequence see each other causally: q/k/v of all T first, KV written, barrier, then attention.
+ * Included at the end of decode.c. */
+#ifndef TANDEM_BATCH_H
+#define TANDEM_BATCH_H
+
+#include <stdlib.h>
+
+#include "rows_multi.h"
+
+typedef struct {
+    int64_t n_tokens;        /* T >= 1 */
+    const int64_t *tokens;   /* [T] token ids */
+    const int64_t *pos;      /* [T] positions */
+    const int32_t *tables;   /* [T, table_stride] block ids */
+    int64_t table_stride, block_tokens, kv_rows;
+    int64_t span;            /* max(pos) + 1 */
+    const uint8_t *want;     /* [T] 1: this token's logits are wanted */
+    float *logits;           /* [sum(want), vocab] */
+} tdm_batch;
+
+typedef struct {
+    float *qkv, *attn, *delta, *partial; /* [T, q+2kv], [T, q], [T, d], [threads, T, d] */
+    int32_t *rowmap;                     /* [T, span]: the KV row of each position of token i's sequence */
+    int64_t *counts;                     /* [threads] */
+} batch_shared;
+
+typedef struct {
+    float *res, *xn, *h, *scores; /* [T, d], [T, max_in], [T, n_ff], [span] */
+    int32_t *idx;                 /* [T, n_ff] */
+    int64_t *n_act;               /* [T] */
+    qvec *x;                      /* [T] */
+} batch_thread;
+
+static int64_t batch_shared_bytes(const tdm_model *m, int64_t T, int64_t span) {
+    int64_t q = m->n_heads * m->head_dim, kv = m->n_kv * m->head_dim;
+    return align64(4 * T * (q + 2 * kv)) + align64(4 * T * q) + align64(4 * T * m->d)
+           + align64(4 * m->threads * T * m->d) + align64(4 * T * span) + align64(8 * m->threads);
+}
+
+static int64_t batch_thread_bytes(const tdm_model *m, int64_t T, int64_t span) {
+    int64_t n = max_in(m), nb = n / QB + 1;
+    return align64(4 * T * m->d) + align64(4 * T * n) + 2 * align64(4 * T * m->n_ff) + align64(4 * span)
+           + align64(8 * T) + align64((int64_t)sizeof(qvec) * T) + T * (2 * align64(n) + 4 * align64(4 * nb));
+}
+
+int64_t tdm_batch_work_bytes(const tdm_model *m, int64_t T, int64_t span) {
+    return batch_shared_bytes(m, T, span) + m->threads * batch_thread_bytes(m, T, span);
+}
+
+static batch_shared batch_get_shared(const tdm_model *m, int64_t T, int64_t span) {
+    int64_t q = m->n_heads * m->head_dim, kv = m->n_kv * m->head_dim;
+    uint8_t *p = m->work;
+    batch_shared s;
+    s.qkv = (float *)p; p += align64(4 * T * (q + 2 * kv));
+    s.attn = (float *)p; p += align64(4 * T * q);
+    s.delta = (float *)p; p += align64(4 * T * m->d);
+    s.partial = (float *)p; p += align64(4 * m->threads * T * m->d);
+    s.rowmap = (int32_t *)p; p += align64(4 * T * span);
+    s.counts = (int64_t *)p;
+    return s;
+}
+
+static batch_thread batch_get_thread(const tdm_model *m, int64_t T, int64_t span, int t) {
+    int64_t n = max_in(m), nb = n / QB + 1;
+    uint8_t *p = m->work + batch_shared_bytes(m, T, span) + t * batch_thread_bytes(m, T, span);
+    batch_thread b;
+    b.res = (float *)p; p += align64(4 * T * m->d);
+    b.xn = (float *)p; p += align64(4 * T * n);
+    b.h = (float *)p; p += align64(4 * T * m->n_ff);
+    b.idx = (int32_t *)p; p += align64(4 * T * m->n_ff);
+    b.scores = (float *)p; p += align64(4 * span);
+    b.n_act = (int64_t *)p; p += align64(8 * T);
+    b.x = (qvec *)p; p += align64((int64_t)sizeof(qvec) * T);
+    for (int64_t i = 0; i < T; i++) {
+        qvec *v = b.x + i;
+        v->f = b.xn + i * n;
+        v->q = (int8_t *)p; p += align64(n);
+        v->r = (int8_t *)p; p += align64(n);
+        v->d = (float *)p; p += align64(4 * nb);
+        v->dr = (float *)p; p += align64(4 * nb);
+        v->s = (float *)p; p += align64(4 * nb);
+        v->flagged = (int32_t *)p; p += align64(4 * nb);
+        v->n_flagged = 0;
+    }
+    return b;
+}
+
+/* out [hd] = attend_head over the rows rows[start..pos] of K and V (rows[s] = s: attend_head itself) */
+static void key_scores_rows(const float *q, const float *K, const int32_t *rows, int64_t start, int64_t end,
+                            int64_t hd, float scale, float *scores) {
+    int64_t s = start;
+#ifdef TDM_SIMD
+    if (hd % 8 == 0) {
+        __m256 vs = _mm256_set1_ps(scale);
+        for (; s + 8 <= end; s += 8) {
+            __m256 acc[8];
+            const float *k[8];
+            for (int j = 0; j < 8; j++) {
+                acc[j] = _mm256_setzero_ps();
+                k[j] = K + (int64_t)rows[s + j] * hd;
+            }
+            for (int64_t c = 0; c < hd; c += 8) {
+                __m256 qc = _mm256_loadu_ps(q + c);
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[j] + c), acc[j]);
+            }
+            _mm256_storeu_ps(scores + s, _mm256_mul_ps(hsum8x8(acc), vs));
+        }
+    }
+/* Self-check for the tests: out[i * n + j] = W[r0 + j] . x[i] (x: [T, cols]) with dot_rows_multi. */
+void tdm_dot_rows_multi(const tdm_weight *w, int64_t r0, int64_t n, int64_t T, const float *x, double residual_ratio,
+                        float *out) {
+    int64_t cols = w->cols, nb = cols / QB + 1;
+    qvec *v = (qvec *)malloc((size_t)T * sizeof(qvec));
+    int8_t *q = (int8_t *)malloc((size_t)(2 * T * cols));
+    float *f = (float *)malloc((size_t)(3 * T * nb) * sizeof(float));
+    int32_t *flagged = (int32_t *)malloc((size_t)(T * nb) * sizeof(int32_t));
+    if (v && q && f && flagged) {
+        for (int64_t i = 0; i < T; i++) {
+            qvec e = {x + i * cols, q + 2 * i * cols, q + (2 * i + 1) * cols, f + 3 * i * nb, f + (3 * i + 1) * nb,
+                      f + (3 * i + 2) * nb, flagged + i * nb, 0};
+            v[i] = e;
+            if (cols % QB == 0) quantize_q8(x + i * cols, cols, v + i, (float)residual_ratio);
+        }
+        dot_rows_multi(w, r0, n, v, T, out, n);
+    }
+    free(v), free(q), free(f), free(flagged);
+}
+
+#endif
+    for (; s < end; s++) scores[s] = dot_f32(q, K + (int64_t)rows[s] * hd, hd) * scale;
+}
+
+static void attend_head_rows(const float *K, const float *V, const int32_t *rows, int64_t start, int64_t pos,
+                             int64_t hd, float scale, const float *q, float *out, float *scores) {
+    key_scores_rows(q, K, rows, start, pos + 1, hd, scale, scores);
+    float mx = -INFINITY;
+    for (int64_t s = start; s <= pos; s++) mx = scores[s] > mx ? scores[s] : mx;
+    float sum = 0.0f;
+    for (int64_t s = start; s <= pos; s++) {
+        scores[s] = expf(scores[s] - mx);
+        sum += scores[s];
+    }
+    for (int64_t k = 0; k < hd; k++) out[k] = 0.0f;
+    for (int64_t s = start; s <= pos; s++) {
+        const float *restrict vs = V + (int64_t)rows[s] * hd;
+        float p = scores[s];
+        if (s + 3 <= pos) {
+            const float *restrict v1 = V + (int64_t)rows[s + 1] * hd, *restrict v2 = V + (int64_t)rows[s + 2] * hd;
+            const float *restrict v3 = V + (int64_t)rows[s + 3] * hd;
+            float p1 = scores[s + 1], p2 = scores[s + 2], p3 = scores[s + 3];
+            for (int64_t k = 0; k < hd; k++) out[k] += (p * vs[k] + p1 * v1[k]) + (p2 * v2[k] + p3 * v3[k]);
+            s += 3;
+        } else {
+            for (int64_t k = 0; k < hd; k++) out[k] += p * vs[k];
+        }
+    }
+    float inv = 1.0f / sum;
+    for (int64_t k = 0; k < hd; k++) out[k] *= inv;
+}
+
+static void batch_norm_quantize(const tdm_model *m, const float *x, const float *w, float *xn, qvec *v) {
+    rms_norm(xn, x, w, m->d, (float)m->norm_eps);
+    v->f = xn;
+    quantize_q8(xn, m->d, v, (float)m->residual_ratio);
+}
+
+static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_batch *B, batch_shared *sb,
+                            batch_thread *tb, int t, int nt) {
+    int64_t T = B->n_tokens, hd = m->head_dim, qn = m->n_heads * hd, width = qn + 2 * m->n_kv * hd, lo, hi;
+    int64_t n = max_in(m), span = B->span;
+    for (int64_t i = 0; i < T; i++) batch_norm_quantize(m, tb->res + i * m->d, L->attn_norm, tb->xn + i * n, tb->x + i);
+    chunk(m->n_heads + 2 * m->n_kv, t, nt, &lo, &hi);
+    for (int64_t u = lo; u < hi; u++) { /* q heads, then k heads, then v heads */
+        dot_rows_multi(&L->qkv, u * hd, hd, tb->x, T, sb->qkv + u * hd, width);
+        for (int64_t i = 0; i < T; i++) {
+            float *v = sb->qkv + i * width + u * hd;
+            int64_t pos = B->pos[i], row = sb->rowmap[i * span + pos];
+            if (L->qkv_bias)
+                for (int64_t k = 0; k < hd; k++) v[k] += L->qkv_bias[u * hd + k];
+            if (u < m->n_heads + m->n_kv && m->rope_cos)
+                rope_head(v, m->rope_cos + pos * hd, m->rope_sin + pos * hd, hd);
+            if (u >= m->n_heads + m->n_kv)
+                memcpy(L->v_cache + ((u - m->n_heads - m->n_kv) * B->kv_rows + row) * hd, v, 4 * hd);
+            else if (u >= m->n_heads)
+                memcpy(L->k_cache + ((u - m->n_heads) * B->kv_rows + row) * hd, v, 4 * hd);
+        }
+    }
+#pragma omp barrier
+    chunk(T * m->n_heads, t, nt, &lo, &hi);
+    for (int64_t e = lo; e < hi; e++) {
+        int64_t i = e / m->n_heads, h = e % m->n_heads, pos = B->pos[i];
+        int64_t g = h / (m->n_heads / m->n_kv);
+        int64_t start = (m->window > 0 && pos + 1 > m->window) ? pos + 1 - m->window : 0;
+        attend_head_rows(L->k_cache + g * B->kv_rows * hd, L->v_cache + g * B->kv_rows * hd, sb->rowmap + i * span,
+                         start, pos, hd, (float)m->attn_scale, sb->qkv + i * width + h * hd,
+                         sb->attn + i * qn + h * hd, tb->scores);
+    }
+#pragma omp barrier
+    for (int64_t i = 0; i < T; i++) {
+        tb->x[i].f = sb->attn + i * qn;
+        quantize_q8(sb->attn + i * qn, qn, tb->x + i, (float)m->residual_ratio);
+    }
+    chunk(m->d, t, nt, &lo, &hi);
+    dot_rows_multi(&L->o, lo, hi - lo, tb->x, T, sb->delta + lo, m->d);
+    if (L->o_bias)
+        for (int64_t i = 0; i < T; i++)
+            for (int64_t r = lo; r < hi; r++) sb->delta[i * m->d + r] += L->o_bias[r];
+#pragma omp barrier
+    for (int64_t i = 0; i < T; i++)
+        for (int64_t k = 0; k < m->d; k++) tb->res[i * m->d + k] += sb->delta[i * m->d + k];
+}
+
+/* token i's |h| > threshold neurons appended to its list (branch-free compaction, as ffn_block) */
+static void batch_keep(batch_thread *tb, const tdm_model *m, int64_t i, const float *h, const int32_t *rows,
+                       int64_t b0, int64_t n, float thr) {
+    float *hi = tb->h + i * m->n_ff;
+    int32_t *ii = tb->idx + i * m->n_ff;
+    int64_t k = tb->n_act[i];
+    for (int64_t j = 0; j < n; j++) {
+        hi[k] = h[j];
+        ii[k] = rows ? rows[j] : (int32_t)(b0 + j);
+        k += fabsf(h[j]) > thr;
+    }
+    tb->n_act[i] = k;
+}
+
+static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B, batch_shared *sb,
+                      batch_thread *tb, int t, int nt) {
+    int64_t T = B->n_tokens, d = m->d, n_in = max_in(m);
+    float alpha = (float)m->act_alpha, thr = (float)L->threshold;
+    for (int64_t i = 0; i < T; i++) {
+        batch_norm_quantize(m, tb->res + i * d, L->ffn_norm, tb->xn + i * n_in, tb->x + i);
+        tb->n_act[i] = 0;
+    }
+    const tdm_predictor *P = L->pred && L->pred->rank > 0 ? L->pred : NULL;
+    int zero_act = m->act == ACT_RELU || m->act == ACT_FATRELU || m->act == ACT_DRELU;
+    int gate_cut = m->gated && zero_act && thr >= 0.0f;
+    for (int64_t b0 = t * SPARSE_SLICE; !P && gate_cut && b0 < m->n_ff; b0 += nt * SPARSE_SLICE) {
+        /* the gate cut without a predictor: every gate row for all T tokens at once, then each
+         * token's up rows where its gate passes (sparse_rows with P = NULL, token by token) */
+        int64_t n = b0 + SPARSE_SLICE < m->n_ff ? SPARSE_SLICE : m->n_ff - b0;
+        float cut = m->act == ACT_FATRELU ? alpha : 0.0f, gs[T * SPARSE_SLICE];
+        dot_rows_multi(&L->gate, b0, n, tb->x, T, gs, SPARSE_SLICE);
+        for (int64_t i = 0; i < T; i++) {
+            float g[SPARSE_SLICE], u[SPARSE_SLICE], h[SPARSE_SLICE];
+            int32_t rows[SPARSE_SLICE];
+            int64_t k = 0;
+            for (int64_t j = 0; j < n; j++) {
+                rows[k] = (int32_t)(b0 + j);
+                g[k] = gs[i * SPARSE_SLICE + j];
+                k += g[k] > cut;
+            }
+            dot_rows_idx(&L->up, rows, k, tb->x + i, u);
+            activate(m->act, alpha, m->gated, g, u, h, k);
+            batch_keep(tb, m, i, h, rows, b0, k, thr);
+        }
+    }
+    for (int64_t i = 0; P && i < T; i++) { /* predicted rows: token by token */
+        qvec zq;
+        if (P) predict_hidden(P, tb->x + i, t, nt, (float)m->residual_ratio, &zq);
+        for (int64_t b0 = t * SPARSE_SLICE; b0 < m->n_ff; b0 += nt * SPARSE_SLICE) {
+            float g[SPARSE_SLICE], u[SPARSE_SLICE], h[SPARSE_SLICE];
+            int32_t rows[SPARSE_SLICE];
+            int64_t n = b0 + SPARSE_SLICE < m->n_ff ? SPARSE_SLICE : m->n_ff - b0;
+            n = sparse_rows(P, &L->gate, &L->up, m->gated, gate_cut, m->act == ACT_FATRELU ? alpha : 0.0f, b0, n, &zq,
+                            tb->x + i, rows, g, u, t);
+            activate(m->act, alpha, m->gated, g, u, h, n);
+            batch_keep(tb, m, i, h, rows, b0, n, thr);
+        }
+        if (P) {
+#pragma omp barrier /* P->z is the next token's */
+        }
+    }
+    for (int64_t b0 = t * FFN_SLICE; !(P || gate_cut) && b0 < m->n_ff; b0 += nt * FFN_SLICE) {
+        int64_t n = b0 + FFN_SLICE < m->n_ff ? FFN_SLICE : m->n_ff - b0;
+        float g[T * FFN_SLICE], u[T * FFN_SLICE], h[FFN_SLICE];
+        dot_rows_multi(&L->up, b0, n, tb->x, T, u, FFN_SLICE);
+        if (m->gated) dot_rows_multi(&L->gate, b0, n, tb->x, T, g, FFN_SLICE);
+        for (int64_t i = 0; i < T; i++) {
+            activate(m->act, alpha, m->gated, g + i * FFN_SLICE, u + i * FFN_SLICE, h, n);
+            batch_keep(tb, m, i, h, NULL, b0, n, thr);
+        }
+    }
+    float *part = sb->partial + t * T * d; /* [T, d] this thread's down-projection sums */
+    for (int64_t k = 0; k < T * d; k++) part[k] = 0.0f;
+    int64_t same = 1; /* tokens whose active rows equal token 0's (all of them in a dense FFN) */
+    while (same < T && tb->n_act[same] == tb->n_act[0]
+           && !memcmp(tb->idx + same * m->n_ff, tb->idx, 4 * tb->n_act[0]))
+        same++;
+    axpy_rows_multi(&L->down_t, tb->idx, tb->h, m->n_ff, tb->n_act[0], same, part, d);
+    for (int64_t i = same; i < T; i++)
+        axpy_rows(&L->down_t, tb->idx + i * m->n_ff, tb->h + i * m->n_ff, tb->n_act[i], part + i * d);
+    for (int64_t i = 0; i < T; i++) sb->counts[t] += tb->n_act[i];
+#pragma omp barrier
+    for (int64_t i = 0; i < T; i++)
+        for (int64_t k = 0; k < d; k++) {
+            float a = L->down_bias ? L->down_bias[k] : 0.0f;
+            for (int j = 0; j < nt; j++) a += sb->partial[(j * T + i) * d + k];
+            tb->res[i * d + k] += a;
+        }
+}
+
+/* T tokens through the whole model (see the top of this file); logits of the wanted tokens in token
+ * order. Returns the FFN neurons computed (summed over tokens and layers). */
+int64_t tdm_decode_batch(const tdm_model *m, const tdm_batch *B) {
+    int64_t T = B->n_tokens, span = B->span, d = m->d, n_in = max_in(m);
+    batch_shared sb = batch_get_shared(m, T, span);
+    int nt = (int)m->threads;
+    for (int j = 0; j < nt; j++) sb.counts[j] = 0;
+    int64_t n_want = 0;
+    for (int64_t i = 0; i < T; i++) n_want += B->want[i] != 0;
+#pragma omp parallel num_threads(nt)
+    {
+        int t = omp_get_thread_num(), n = omp_get_num_threads();
+        batch_thread tb = batch_get_thread(m, T, span, t);
+        for (int64_t i = t; i < T; i += n) { /* each token's rows, positions 0..pos */
+            int32_t *map = sb.rowmap + i * span;
+            const int32_t *table = B->tables + i * B->table_stride;
+            int64_t bt = B->block_tokens;
+            for (int64_t b = 0, p = 0; p <= B->pos[i]; b++) /* block by block: no division per position */
+                for (int64_t o = 0; o < bt && p <= B->pos[i]; o++, p++) map[p] = (int32_t)(table[b] * bt + o);
+        }
+        for (int64_t i = 0; i < T; i++) memcpy(tb.res + i * d, m->embed + B->tokens[i] * d, 4 * d);
+#pragma omp barrier
+        for (int64_t l = 0; l < m->n_layers; l++) {
+            batch_attention(m, &m->layers[l], B, &sb, &tb, t, n);
+            batch_ffn(m, &m->layers[l], B, &sb, &tb, t, n);
+        }
+        if (n_want > 0) {
+            int64_t w = 0, lo, hi;
+            for (int64_t i = 0; i < T; i++) /* the wanted tokens' final norms, packed to the front */
+                if (B->want[i]) {
+                    batch_norm_quantize(m, tb.res + i * d, m->final_norm, tb.xn + w * n_in, tb.x + w);
+                    w++;
+                }
+            chunk(m->vocab, t, n, &lo, &hi);
+            dot_rows_multi(&m->head, lo, hi - lo, tb.x, n_want, B->logits + lo, m->vocab);
+        }
+    }
+    int64_t total = 0;
+    for (int j = 0; j < nt; j++) total += sb.counts[j];
+    return total;
+}
+
+/* Self-check for the tests: out[i * n + j] = W[r0 + j] . x[i] (x: [T, cols]) with dot_rows_multi. */
+void tdm_dot_rows_multi(const tdm_weight *w, int64_t r0, int64_t n, int64_t T, const float *x, double residual_ratio,
+                        float *out) {
+    int64_t cols = w->cols, nb = cols / QB + 1;
+    qvec *v = (qvec *)malloc((size_t)T * sizeof(qvec));
+    int8_t *q = (int8_t *)malloc((size_t)(2 * T * cols));
+    float *f = (float *)malloc((size_t)(3 * T * nb) * sizeof(float));
+    int32_t *flagged = (int32_t *)malloc((size_t)(T * nb) * sizeof(int32_t));
+    if (v && q && f && flagged) {
+        for (int64_t i = 0; i < T; i++) {
+            qvec e = {x + i * cols, q + 2 * i * cols, q + (2 * i + 1) * cols, f + 3 * i * nb, f + (3 * i + 1) * nb,
+                      f + (3 * i + 2) * nb, flagged + i * nb, 0};
+            v[i] = e;
+            if (cols % QB == 0) quantize_q8(x + i * cols, cols, v + i, (float)residual_ratio);
+        }
+        dot_rows_multi(w, r0, n, v, T, out, n);
+    }
+    free(v), free(q), free(f), free(flagged);
+}
+
+#endif
