@@ -93,6 +93,8 @@ class Engine:
         self.compiled_decode = None  # online.execution.fused_decode.FusedDecodeStep when available
         self.decode_path = "modules"
         self.decode_path_reason = ""
+        self._draft_step = None  # the sparse drafter's step (online/speculative/setup.py), built on first use
+        self.draft_thresholds_info = None
 
     @classmethod
     def load(cls, model: str | Path, threads: int | None = None, plan: str | Path | None = None,
@@ -250,24 +252,48 @@ class Engine:
     # --- generation ------------------------------------------------------------------------
     def generate(self, prompt: str | list, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
-                 ignore_eos: bool = False) -> GenerationResult:
+                 ignore_eos: bool = False, speculate: str | None = None,
+                 draft_tokens: int | None = None) -> GenerationResult:
+        """``speculate``: off (default) | lookup | sparse | auto, exact speculative decoding
+        (online/speculative); ``draft_tokens``: the most tokens drafted per verify step."""
         stream = self.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                             top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos)
+                             top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, speculate=speculate,
+                             draft_tokens=draft_tokens)
         for _ in stream:
             pass
         return stream.result
 
     def stream(self, prompt: str | list, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
-               ignore_eos: bool = False) -> TextStream:
+               ignore_eos: bool = False, speculate: str | None = None,
+               draft_tokens: int | None = None) -> TextStream:
+        from .speculative import SpeculationConfig
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed, stop=tuple(stop or ()))
+        spec = SpeculationConfig.parse(speculate, draft_tokens)
         prompt_ids = self.encode_prompt(prompt)
         holder: dict = {}
         eos_ids = set() if ignore_eos else self.eos_token_ids
-        return TextStream(self._pieces(prompt_ids, params, eos_ids, holder), holder)
+        return TextStream(self._pieces(prompt_ids, params, eos_ids, holder, spec), holder)
 
-    def _pieces(self, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int], holder: dict) -> Iterator[str]:
+    def _events(self, cache: KVCache, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int],
+                timings: LoopTimings, speculation):
+        """The token events: the speculative loop when it runs, else the plain one."""
+        if speculation is not None and speculation.active:
+            from .speculative.loop import speculative_token_loop
+            return speculative_token_loop(self.model, self.executor, cache, prompt_ids, params, eos_ids,
+                                          self.max_context, timings, speculation.step, speculation.drafters,
+                                          speculation.policy, speculation.stats, decode_threads=self.decode_threads)
+        return token_loop(self.model, self.executor, cache, prompt_ids, params, eos_ids, self.max_context, timings,
+                          decode_threads=self.decode_threads, compiled=self.compiled_decode)
+
+    def _pieces(self, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int], holder: dict,
+                spec=None) -> Iterator[str]:
+        from .speculative.loop import SpecStats
+        from .speculative.setup import speculation_for
+        speculation = speculation_for(self, spec) if spec is not None else None
+        if speculation is not None:
+            speculation.stats = SpecStats(spec.mode if speculation.active else "off")
         cache = self._kv_cache(len(prompt_ids) + params.max_new_tokens)
         timings = LoopTimings()
         before = self._counters()
@@ -275,9 +301,7 @@ class Engine:
         emitted = 0
         text, finish = "", "length"
         hold_back = max((len(s) for s in params.stop), default=1) - 1
-        for event in token_loop(self.model, self.executor, cache, prompt_ids, params, eos_ids,
-                                self.max_context, timings, decode_threads=self.decode_threads,
-                                compiled=self.compiled_decode):
+        for event in self._events(cache, prompt_ids, params, eos_ids, timings, speculation):
             if event.finish_reason == "stop":
                 finish = "stop"
                 break
@@ -304,8 +328,13 @@ class Engine:
             timings.end_s = time.perf_counter()
         if len(text) > emitted:
             yield text[emitted:]
+        stats = self._stats(prompt_ids, generated, timings, before)
+        if speculation is not None:
+            stats.update(speculation.stats.as_dict())
+            if speculation.reason:
+                stats["speculate_reason"] = speculation.reason
         holder["result"] = GenerationResult(text=text, token_ids=generated, prompt_tokens=len(prompt_ids),
-                                            finish_reason=finish, stats=self._stats(prompt_ids, generated, timings, before))
+                                            finish_reason=finish, stats=stats)
 
     def _counters(self) -> dict | None:
         """Cumulative executor counters (expert-cache counters prefixed ``experts.``)."""
