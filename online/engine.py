@@ -95,6 +95,7 @@ class Engine:
         self.decode_path_reason = ""
         self._draft_step = None  # the sparse drafter's step (online/speculative/setup.py), built on first use
         self.draft_thresholds_info = None
+        self.default_speculation = None  # SpeculationConfig used when a call passes speculate=None (serve)
 
     @classmethod
     def load(cls, model: str | Path, threads: int | None = None, plan: str | Path | None = None,
@@ -191,6 +192,23 @@ class Engine:
             engine._use_fused_decode()
         return engine
 
+    def set_default_speculation(self, speculate: str | None, draft_tokens: int | None = None) -> dict:
+        """Speculation for calls that pass none (``tandem serve --speculate``); checked now: an
+        explicit sparse drafter that cannot be built raises here, not per request. Returns what
+        runs (``speculate`` and, when it is off or a drafter is left out, ``speculate_reason``).
+
+        Example::
+
+            engine.set_default_speculation("lookup", 6)
+        """
+        from .speculative import SpeculationConfig
+        from .speculative.setup import speculation_for
+        spec = SpeculationConfig.parse(speculate, draft_tokens)
+        check = speculation_for(self, spec)
+        self.default_speculation = spec
+        out = {"speculate": spec.mode if check.active or not spec.enabled else "off"}
+        return out | ({"speculate_reason": check.reason} if check.reason else {})
+
     def _use_fused_decode(self) -> None:
         from .execution.fused_decode import FusedDecodeStep, FusedDecodeUnavailable
         try:
@@ -270,7 +288,10 @@ class Engine:
         from .speculative import SpeculationConfig
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed, stop=tuple(stop or ()))
-        spec = SpeculationConfig.parse(speculate, draft_tokens)
+        if speculate is None and draft_tokens is None and self.default_speculation is not None:
+            spec = self.default_speculation
+        else:
+            spec = SpeculationConfig.parse(speculate, draft_tokens)
         prompt_ids = self.encode_prompt(prompt)
         holder: dict = {}
         eos_ids = set() if ignore_eos else self.eos_token_ids
@@ -409,9 +430,11 @@ class Engine:
         cache = self._kv_cache(len(ids))
         return prefill(self.model, self.executor, cache, ids, all_logits=True).float()
 
-    def step_logits(self, token_ids: list[int]) -> torch.Tensor:
+    def step_logits(self, token_ids: list[int], tokens_per_step: int = 1) -> torch.Tensor:
         """Logits [T, vocab] computed one token at a time through the decode path generation uses
-        (the fused C step where it applies): what sampling sees, unlike ``logits`` (batched prefill)."""
+        (the fused C step where it applies): what sampling sees, unlike ``logits`` (batched prefill).
+        ``tokens_per_step`` > 1: that many tokens per multi-token step (``step_many``, the speculative
+        verify step: bit-identical to single steps; needs the fused step)."""
         ids = [int(t) for t in token_ids]
         if not ids:
             raise TandemError("no tokens to score")
@@ -422,6 +445,12 @@ class Engine:
         if self.decode_threads is not None:
             torch.set_num_threads(self.decode_threads)
         try:
+            if tokens_per_step > 1:
+                from .speculative.setup import verifier_step
+                step = verifier_step(self)
+                with torch.inference_mode():
+                    return torch.cat([step.step_many(ids[i:i + tokens_per_step], i, cache)
+                                      for i in range(0, len(ids), tokens_per_step)]).float()
             rows = [decode_one_token(self.model, self.executor, cache, t, pos, self.compiled_decode)
                     for pos, t in enumerate(ids)]
         finally:
@@ -429,10 +458,11 @@ class Engine:
         return torch.stack(rows).float()
 
     def perplexity(self, token_ids: list[int], window_tokens: int = 512, stride_tokens: int = 256,
-                   decode_steps: bool = False) -> tuple[float, int]:
+                   decode_steps: bool = False, tokens_per_step: int = 1) -> tuple[float, int]:
         """Sliding-window perplexity; returns (perplexity, number of scored tokens). ``decode_steps``
         scores one token at a time through the decode path (``step_logits``: what generation
-        computes, the fused step included) instead of batched prefill."""
+        computes, the fused step included) instead of batched prefill; ``tokens_per_step`` > 1
+        scores the known text that many tokens per multi-token step (same numbers, fewer weight reads)."""
         if len(token_ids) < 2:
             raise TandemError("need at least 2 tokens to compute perplexity")
         window_tokens = min(window_tokens, self.max_context - 1)
@@ -441,7 +471,8 @@ class Engine:
         for begin in range(0, len(token_ids), stride_tokens):
             end = min(begin + window_tokens, len(token_ids))
             window = token_ids[begin:end]
-            logits = self.step_logits(window) if decode_steps else self.logits(window)  # [W, vocab]
+            logits = (self.step_logits(window, tokens_per_step) if decode_steps or tokens_per_step > 1
+                      else self.logits(window))  # [W, vocab]
             n_new = end - max(prev_end, begin + 1)
             targets = torch.tensor(window[-n_new:])
             logp = F.log_softmax(logits[-n_new - 1:-1].double(), dim=-1)

@@ -285,3 +285,35 @@ def test_engine_speculation_off_on_the_module_path_says_why(chat_engine):
 def test_bad_speculation_values_are_one_line_errors(mode, k):
     with pytest.raises(TandemError):
         SpeculationConfig.parse(mode, k)
+
+
+# --- draft thresholds from the profile ---------------------------------------------------------
+
+def _profile(extra_tensors=None, search=(), activity="threshold"):
+    from offline.profile_artifact import Profile
+    from offline.thresholds import AbsHistogram
+    hist = AbsHistogram(2)
+    hist.add(0, torch.linspace(0.001, 1.0, 500)[None, :])
+    hist.add(1, torch.linspace(0.002, 2.0, 500)[None, :])
+    tensors = {"neuron_freq": torch.zeros(2, 4), "neuron_mean_abs": torch.zeros(2, 4),
+               "hot_order": torch.zeros(2, 4, dtype=torch.long), "thresholds": torch.tensor([0.1, 0.2]),
+               "layer_sparsity": torch.zeros(2), "abs_log2_histogram": hist.counts.float(), **(extra_tensors or {})}
+    return Profile("fp", "m", activity, tensors, quality={"search": list(search)}), hist
+
+
+def test_draft_thresholds_from_the_profile_or_derived_for_old_profiles():
+    from offline.draft_thresholds import draft_thresholds
+    points = [{"sparsity": 0.475, "increase": 0.12}, {"sparsity": 0.7, "increase": 0.35},
+              {"sparsity": 0.2, "increase": 0.01}]
+    old, hist = _profile(search=points)
+    derived = draft_thresholds(old, max_quality_loss=0.2)
+    want = hist.quantile_thresholds(0.475)  # the sparsest measured point within +20%
+    assert derived.source.startswith("derived") and derived.uniform_sparsity == 0.475
+    assert derived.thresholds == tuple(max(float(w), b) for w, b in zip(want, (0.1, 0.2)))
+    new, _ = _profile({"draft_thresholds": torch.tensor([0.3, 0.05])}, points)
+    stored = draft_thresholds(new)
+    assert stored.source == "profile" and stored.thresholds == (pytest.approx(0.3), pytest.approx(0.2))
+    with pytest.raises(TandemError):
+        draft_thresholds(_profile(search=[{"sparsity": 0.7, "increase": 0.35}])[0], max_quality_loss=0.2)
+    with pytest.raises(TandemError):
+        draft_thresholds(_profile(activity="relu")[0])

@@ -37,6 +37,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds a request may wait and generate in total (default 300)")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's id)")
+    p.add_argument("--speculate", default=None, metavar="{off,lookup,sparse,auto}",
+                   help="exact speculative decoding for requests that run alone (see `tandem generate --help`)")
+    p.add_argument("--draft-tokens", type=int, default=None, metavar="K", help="most tokens drafted per verify step")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run_serve)
     return p
@@ -87,6 +90,8 @@ def _is_loopback(host: str) -> bool:
 def run_serve(args: argparse.Namespace) -> int:
     """Load the engine, bind the socket and serve until interrupted. Returns the exit code."""
     api_key = _validate(args)
+    from online.speculative import SpeculationConfig
+    SpeculationConfig.parse(getattr(args, "speculate", None), getattr(args, "draft_tokens", None))  # before loading
     sock = _bind(args.host, args.port)
     try:
         import uvicorn
@@ -95,6 +100,10 @@ def run_serve(args: argparse.Namespace) -> int:
         from online.server.app import create_app
 
         engine = Engine.load(args.model, threads=args.threads, plan=args.plan)
+        if getattr(args, "speculate", None) is not None:
+            shown = engine.set_default_speculation(args.speculate, args.draft_tokens)
+            print(f"speculate: {shown['speculate']}" + (f" ({shown['speculate_reason']})"
+                                                          if "speculate_reason" in shown else ""), file=sys.stderr)
         app = create_app(engine, api_key=api_key, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
                          served_model_name=args.served_model_name)
         if api_key is None and not _is_loopback(args.host):
