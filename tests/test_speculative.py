@@ -317,3 +317,18 @@ def test_draft_thresholds_from_the_profile_or_derived_for_old_profiles():
         draft_thresholds(_profile(search=[{"sparsity": 0.7, "increase": 0.35}])[0], max_quality_loss=0.2)
     with pytest.raises(TandemError):
         draft_thresholds(_profile(activity="relu")[0])
+
+
+@pytest.mark.slow
+def test_real_model_lookup_and_auto_equal_plain_greedy_on_a_copying_prompt(smollm2_path):
+    engine = Engine.load(str(smollm2_path), weight_format="int4")
+    assert engine.decode_path == "fused"
+    passage = "The keeper wrote down every ship that passed the point, the weather and the colour of the sea."
+    prompt = [{"role": "user", "content": f"Repeat this sentence exactly: {passage}"}]
+    plain = engine.generate(prompt, max_new_tokens=32)
+    for mode in ("lookup", "auto"):
+        got = engine.generate(prompt, max_new_tokens=32, speculate=mode, draft_tokens=6)
+        assert got.token_ids == plain.token_ids and got.finish_reason == plain.finish_reason
+    assert got.stats["draft_tokens"] > 0 or got.stats["plain_steps"] > 0
+    lookup = engine.generate(prompt, max_new_tokens=32, speculate="lookup", draft_tokens=6)
+    assert lookup.stats["acceptance_rate"] > 0  # a copying prompt: some drafts are the model's own tokens

@@ -52,3 +52,22 @@ def test_bad_speculation_flags_are_one_line_errors(capsys, chat_model, extra, fr
     code, _, err = run_cli(capsys, "generate", "--model", chat_model, "--prompt", "hi", *extra)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and fragment in lines[0]
+
+
+def test_serve_rejects_a_bad_speculate_value_before_loading(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "serve", "--model", str(tmp_path / "absent.gguf"), "--speculate", "fast",
+                           "--port", "8123")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "--speculate must be one of" in lines[0]
+
+
+def test_engine_default_speculation_applies_to_calls_that_pass_none(chat_model):
+    from online import Engine
+    engine = Engine.load(chat_model, weight_format="int4")
+    plain = engine.generate("hello", max_new_tokens=16, ignore_eos=True)
+    assert engine.set_default_speculation("lookup", 3) == {"speculate": "lookup"}
+    got = engine.generate("hello", max_new_tokens=16, ignore_eos=True)
+    assert got.stats["speculate"] == "lookup" and got.token_ids == plain.token_ids
+    modules = Engine.load(chat_model, weight_format="int4", fused_decode=False)
+    shown = modules.set_default_speculation("auto")
+    assert shown["speculate"] == "off" and "fused decode step" in shown["speculate_reason"]
