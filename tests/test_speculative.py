@@ -332,3 +332,17 @@ def test_real_model_lookup_and_auto_equal_plain_greedy_on_a_copying_prompt(smoll
     assert got.stats["draft_tokens"] > 0 or got.stats["plain_steps"] > 0
     lookup = engine.generate(prompt, max_new_tokens=32, speculate="lookup", draft_tokens=6)
     assert lookup.stats["acceptance_rate"] > 0  # a copying prompt: some drafts are the model's own tokens
+
+
+def test_sparse_drafter_from_a_plans_profile_is_exact(tiny_model_dir, tmp_path):
+    from helpers_plans import tiny_plan
+    folder, _ = tiny_model_dir("llama")
+    plan_dir = tiny_plan(folder, tmp_path, "rtx4090", 0)  # an all-CPU plan: the fused step decodes
+    engine = Engine.load(str(folder), plan=plan_dir)
+    assert engine.decode_path == "fused"
+    plain = engine.generate(PROMPT, max_new_tokens=30, ignore_eos=True)
+    got = engine.generate(PROMPT, max_new_tokens=30, ignore_eos=True, speculate="sparse", draft_tokens=4)
+    assert got.token_ids == plain.token_ids and got.stats["speculate"] == "sparse" and got.stats["draft_tokens"] > 0
+    info = engine.draft_thresholds_info
+    assert info.source == "profile"
+    assert all(d >= t for d, t in zip(info.thresholds, (s.threshold for s in engine.executor.splits)))
