@@ -78,6 +78,7 @@ def _loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_tokens,
     while True:
         for token in pending:  # EOS and the length limit, one token at a time
             emitted += 1
+            timings.decode_steps = emitted - 1  # tokens that came from decode steps (as token_loop counts)
             history.append(token)
             if token in eos_ids:
                 timings.end_s = time.perf_counter()
@@ -93,7 +94,6 @@ def _loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_tokens,
         pending = _next_tokens(history, cache, params, generator, step, drafters, policy, stats,
                                budget - emitted)
         stats.decode_s += time.perf_counter() - t0
-        timings.decode_steps += len(pending)
         stats.step_tokens += len(pending)
 
 
