@@ -175,4 +175,6 @@ def run_perplexity(args) -> int:
         print(json.dumps(out))
     else:
         print(f"perplexity {ppl:.4f} over {scored} tokens")
+        if reason:
+            sys.stderr.write(f"[speculate off: {reason}]\n")
     return 0
