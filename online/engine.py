@@ -312,7 +312,7 @@ class Engine:
                 spec=None) -> Iterator[str]:
         from .speculative.loop import SpecStats
         from .speculative.setup import speculation_for
-        speculation = speculation_for(self, spec) if spec is not None else None
+        speculation = speculation_for(self, spec, params) if spec is not None else None
         if speculation is not None:
             speculation.stats = SpecStats(spec.mode if speculation.active else "off")
         cache = self._kv_cache(len(prompt_ids) + params.max_new_tokens)

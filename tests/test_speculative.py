@@ -346,3 +346,16 @@ def test_sparse_drafter_from_a_plans_profile_is_exact(tiny_model_dir, tmp_path):
     info = engine.draft_thresholds_info
     assert info.source == "profile"
     assert all(d >= t for d, t in zip(info.thresholds, (s.threshold for s in engine.executor.splits)))
+
+
+def test_engine_speculative_sampling_runs_and_is_reproducible_per_seed(chat_engine):
+    e = chat_engine
+    e._draft_step = e.compiled_decode.with_thresholds([0.04, 0.04])
+    try:
+        for mode in ("lookup", "sparse", "auto"):
+            kwargs = dict(max_new_tokens=24, ignore_eos=True, temperature=0.9, top_p=0.95, seed=3, speculate=mode)
+            a, b = e.generate("hello there", **kwargs), e.generate("hello there", **kwargs)
+            assert a.token_ids == b.token_ids and len(a.token_ids) == 24 and a.finish_reason == "length"
+            assert a.stats["speculate"] == mode and all(0 <= t < e.config.vocab_size for t in a.token_ids)
+    finally:
+        e._draft_step = None

@@ -70,8 +70,9 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 class SpecPolicy:
-    """``adapt``: pick k by the model (else always the most available, up to K); ``allow_plain``:
-    auto mode, where plain decode competes with the drafters."""
+    """``adapt``: pick k (and, in auto, the drafter or plain decode) by the model; else always the
+    first drafter with a draft, as many tokens as it has up to K: no decision depends on timing, so
+    seeded sampling is reproducible. ``allow_plain``: auto mode, where plain decode competes."""
 
     def __init__(self, max_draft_tokens: int, drafters: tuple[str, ...], adapt: bool = True,
                  allow_plain: bool = False) -> None:
@@ -102,7 +103,7 @@ class SpecPolicy:
         options = {n: min(limit, a) for n, a in available.items() if n in self.drafters and min(limit, a) >= 1}
         if not options:
             return None, 0
-        if not self.allow_plain:
+        if not self.allow_plain or not self.adapt:  # fixed k: the first drafter that has a draft
             name = next(iter(options))
             return name, self.best_k(name, options[name])[0]
         plain_s = self.costs.estimate(1) if 1 in self.costs.seconds else None

@@ -60,9 +60,11 @@ def draft_step(engine):
     return engine._draft_step
 
 
-def speculation_for(engine, config: SpeculationConfig) -> Speculation:
+def speculation_for(engine, config: SpeculationConfig, params=None) -> Speculation:
     """Off (with the reason) where the decode path has no multi-token step; ``sparse`` asked for
-    explicitly and impossible raises; ``auto`` leaves the sparse drafter out and says why."""
+    explicitly and impossible raises; ``auto`` leaves the sparse drafter out and says why. Seeded
+    sampling (``params``) pins k: timing-driven choices would change which random draws make which
+    token, so the same seed would not give the same text."""
     spec = Speculation(config)
     if not config.enabled:
         return spec
@@ -82,6 +84,7 @@ def speculation_for(engine, config: SpeculationConfig) -> Speculation:
             if config.mode == "sparse":
                 raise
             spec.reason = f"sparse drafter left out: {exc}"
-    spec.policy = SpecPolicy(config.max_draft_tokens, tuple(spec.drafters), adapt=config.adapt,
+    seeded_sampling = params is not None and not params.greedy and params.seed is not None
+    spec.policy = SpecPolicy(config.max_draft_tokens, tuple(spec.drafters), adapt=config.adapt and not seeded_sampling,
                              allow_plain=config.mode == "auto")
     return spec
