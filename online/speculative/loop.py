@@ -33,15 +33,14 @@ class SpecStats:
     accepted: int = 0
     verify_steps: int = 0
     plain_steps: int = 0
-    step_tokens: int = 0  # tokens emitted by verify + plain steps
+    verify_tokens: int = 0  # tokens the verify steps produced (accepted drafts + the verifier's own)
     draft_s: float = 0.0
     decode_s: float = 0.0
 
     def as_dict(self) -> dict:
-        steps = self.verify_steps + self.plain_steps
         return {"speculate": self.mode, "draft_tokens": self.drafted,
                 "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
-                "tokens_per_verify_step": round(self.step_tokens / steps, 4) if steps else 0.0,
+                "tokens_per_verify_step": round(self.verify_tokens / self.verify_steps, 4) if self.verify_steps else 0.0,
                 "verify_steps": self.verify_steps, "plain_steps": self.plain_steps,
                 "draft_time_share": round(self.draft_s / self.decode_s, 4) if self.decode_s > 0 else 0.0}
 
@@ -94,7 +93,6 @@ def _loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_tokens,
         pending = _next_tokens(history, cache, params, generator, step, drafters, policy, stats,
                                budget - emitted)
         stats.decode_s += time.perf_counter() - t0
-        stats.step_tokens += len(pending)
 
 
 @torch.inference_mode()
@@ -119,6 +117,7 @@ def _next_tokens(history, cache, params, generator, step, drafters, policy, stat
             stats.verify_steps += 1
             stats.drafted += len(draft.tokens)
             stats.accepted += accepted
+            stats.verify_tokens += len(out)
             return out
     t0 = time.perf_counter()
     logits = step(history[-1], pos, cache)  # [vocab]
