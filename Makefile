@@ -9,7 +9,7 @@ DEFAULT_GGUF := $(MODELS_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 THREADS ?= 2
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: setup run test test-fast bench bench-gpu bench-peers clean
+.PHONY: setup run test test-fast bench bench-gpu bench-peers bench-spec clean
 
 setup: $(STAMP) $(DEFAULT_GGUF)
 
@@ -41,6 +41,9 @@ bench: setup
 # (without CUDA the same rows run on the CPU tier and are labelled so).
 bench-gpu: setup
 	bash bench/gpu.sh
+
+bench-spec: setup
+	$(BIN)/python -m bench.speculative --threads $(THREADS) $(if $(PLAN),--plan $(PLAN),)
 
 bench-peers: setup
 	bash bench/build_peers.sh

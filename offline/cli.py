@@ -95,6 +95,11 @@ def format_summary(profile, profile_dir: Path) -> str:
         if q.get("search"):
             lines.append("search (training windows): "
                          + ", ".join(f"{p['sparsity']:.1%}->{p['increase']:+.2%}" for p in q["search"]))
+        draft = q.get("draft")
+        if draft:
+            lines.append(f"draft thresholds (speculative self-drafting): uniform sparsity {draft['uniform_sparsity']:.1%}, "
+                         f"{draft['selection_perplexity_increase']:+.2%} on the training windows "
+                         f"(budget {draft['max_quality_loss']:.0%})")
     if profile.extra.get("mean_skew") is not None:
         lines.append(f"skew: on average {profile.extra['mean_skew']:.1%} of a layer's neurons carry "
                      f"{profile.extra.get('skew_mass', 0.8):.0%} of its activations (a flat spread: "

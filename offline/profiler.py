@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from tandem.errors import TandemError
 from .calibration import CalibrationSet, split_documents
+from .draft_thresholds import DEFAULT_DRAFT_QUALITY_LOSS, DRAFT_SEARCH_STEPS
 from .collect import InstrumentedExecutor, ObserverGroup, base_executor, run_windows, split_windows
 from .moe_stats import ExpertObserver
 from .neurons import NeuronObserver, hot_order, skew_fraction
@@ -45,13 +46,18 @@ HOT_SHARE = 0.2
 
 def profile_model(engine, calib: CalibrationSet | Sequence[list[int]], *, max_quality_loss: float = 0.02,
                   window_tokens: int = DEFAULT_WINDOW_TOKENS, search_steps: int = DEFAULT_SEARCH_STEPS,
-                  progress: bool = True) -> Profile:
+                  progress: bool = True, draft_quality_loss: float | None = DEFAULT_DRAFT_QUALITY_LOSS) -> Profile:
     """Profile ``engine``'s model on calibration documents (a CalibrationSet, or token-id documents
-    that are split here: every 5th held out). Returns the Profile (not yet saved)."""
+    that are split here: every 5th held out). Returns the Profile (not yet saved).
+    ``draft_quality_loss``: budget of the looser draft thresholds (speculative self-drafting;
+    offline/draft_thresholds.py) searched after the configured ones; None skips that search."""
     if not 0.0 < max_quality_loss <= 1.0:
         raise TandemError(f"--max-quality-loss must be in (0, 1] (0.02 = 2% perplexity increase), got {max_quality_loss}")
     if search_steps < 1:
         raise TandemError(f"search steps must be >= 1, got {search_steps}")
+    if draft_quality_loss is not None and not max_quality_loss < draft_quality_loss <= 10.0:
+        raise TandemError(f"the draft quality budget must be above --max-quality-loss ({max_quality_loss}) and "
+                          f"at most 10, got {draft_quality_loss}")
     if not isinstance(calib, CalibrationSet):
         train, held_out = split_documents(list(calib))
         calib = CalibrationSet(train, held_out, {"kind": "token_ids", "train_tokens": sum(map(len, train)),
@@ -66,6 +72,8 @@ def profile_model(engine, calib: CalibrationSet | Sequence[list[int]], *, max_qu
     relu = cfg.ffn_is_relu_sparse
     n_windows = (len(train_windows) + len(held_windows) * (1 if relu else 2)
                  + (0 if relu else len(train_windows) * (2 + search_steps)))
+    draft_steps = 0 if relu or draft_quality_loss is None else DRAFT_SEARCH_STEPS
+    n_windows += draft_steps * len(train_windows)
     timings: dict[str, float] = {}
     with tqdm(total=n_windows, desc="profile", unit="win", disable=not progress, leave=True) as bar:
         def tick(_ids: list[int]) -> None:
@@ -104,6 +112,16 @@ def profile_model(engine, calib: CalibrationSet | Sequence[list[int]], *, max_qu
             search = ThresholdSearch(selection.quantile, selection.thresholds, dense_ppl, sparse_ppl,
                                      chosen.sparsity(), scored, selection.points, selection.increase)
         timings["quality_s"] = time.perf_counter() - t0
+        draft = None
+        if draft_steps:  # looser thresholds for the sparse self-drafter, searched above the chosen ones
+            t0 = time.perf_counter()
+            bar.set_description("profile: draft search")
+            draft = search_uniform_sparsity(engine, hist, train_windows, draft_quality_loss, draft_steps,
+                                            dense_perplexity=selection.dense_perplexity, on_window=tick,
+                                            lowest_quantile=selection.quantile)
+            if draft.quantile <= selection.quantile:
+                draft = selection
+            timings["draft_search_s"] = time.perf_counter() - t0
 
         # pass 3: activity counts at the adopted thresholds
         if not relu:
@@ -114,7 +132,13 @@ def profile_model(engine, calib: CalibrationSet | Sequence[list[int]], *, max_qu
                 pass
             timings["count_s"] = time.perf_counter() - t0
         bar.set_description("profile: done")
-    return _assemble(engine, calib, neurons, hist, experts, search, max_quality_loss, window_tokens, timings)
+    profile = _assemble(engine, calib, neurons, hist, experts, search, max_quality_loss, window_tokens, timings)
+    if draft is not None:
+        profile.tensors["draft_thresholds"] = torch.maximum(draft.thresholds.float(), search.thresholds.float())
+        profile.quality["draft"] = {"max_quality_loss": draft_quality_loss, "uniform_sparsity": round(draft.quantile, 6),
+                                    "selection_perplexity_increase": round(draft.increase, 6),
+                                    "selection": "bisection on the training windows above the chosen quantile"}
+    return profile
 
 
 def _assemble(engine, calib: CalibrationSet, neurons: NeuronObserver, hist: AbsHistogram | None,

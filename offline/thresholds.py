@@ -139,17 +139,18 @@ class ThresholdSearch:
 
 def search_uniform_sparsity(engine, hist: AbsHistogram, held_out_windows: Sequence[list[int]],
                             max_quality_loss: float, steps: int = 7, dense_perplexity: float | None = None,
-                            on_window: Callable | None = None, on_point: Callable | None = None) -> ThresholdSearch:
-    """Bisection on the uniform quantile q in [0, MAX_SEARCH_SPARSITY]: the largest q whose perplexity
-    increase on ``held_out_windows`` (the selection windows) is <= max_quality_loss (assumes the
-    increase grows with q)."""
+                            on_window: Callable | None = None, on_point: Callable | None = None,
+                            lowest_quantile: float = 0.0) -> ThresholdSearch:
+    """Bisection on the uniform quantile q in [lowest_quantile, MAX_SEARCH_SPARSITY]: the largest q whose
+    perplexity increase on ``held_out_windows`` (the selection windows) is <= max_quality_loss (assumes
+    the increase grows with q). Nothing within the budget: quantile 0 (dense)."""
     base = engine.executor
     if dense_perplexity is None:
         dense_perplexity, _ = windows_perplexity(engine, base, held_out_windows, on_window)
     zeros = torch.zeros(engine.config.num_layers)
     best = ThresholdSearch(0.0, zeros, dense_perplexity, dense_perplexity, zeros.clone(),
                            sum(max(len(w) - 1, 0) for w in held_out_windows))
-    lo, hi = 0.0, MAX_SEARCH_SPARSITY
+    lo, hi = lowest_quantile, MAX_SEARCH_SPARSITY
     points: list[SearchPoint] = []
     for _ in range(steps):
         q = (lo + hi) / 2

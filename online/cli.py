@@ -29,6 +29,7 @@ def add_parsers(sub) -> None:
     gen.add_argument("--logprobs", type=int, default=None, metavar="N",
                      help="with --json: each token's log-probability and its N most likely alternatives (0..20)")
     add_engine_arguments(gen)
+    add_speculation_arguments(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(handler=run_generate)
 
@@ -40,8 +41,24 @@ def add_parsers(sub) -> None:
     ppl.add_argument("--decode-steps", action="store_true",
                      help="score token by token through the decode path generation uses (fused step included)")
     add_engine_arguments(ppl)
+    add_speculation_arguments(ppl)
     ppl.add_argument("--json", action="store_true")
     ppl.set_defaults(handler=run_perplexity)
+
+
+def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculate", default=None, metavar="{off,lookup,sparse,auto}",
+                   help="exact speculative decoding: draft with prompt lookup, with the model's own weights at "
+                        "looser FFN thresholds (sparse; needs --plan), or auto (a drafter only where it pays); "
+                        "the output is what plain decoding gives (default off)")
+    p.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                   help="most tokens drafted per verify step (default 5; k adapts below it); perplexity: "
+                        "tokens scored per multi-token step")
+
+
+def speculation_config(args):
+    from online.speculative import SpeculationConfig
+    return SpeculationConfig.parse(args.speculate, args.draft_tokens)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -104,11 +121,13 @@ def run_generate(args) -> int:
         raise TandemError("--logprobs needs --json (the log-probabilities are printed in the JSON object)")
     if args.logprobs is not None and not 0 <= args.logprobs <= 20:
         raise TandemError(f"--logprobs must be between 0 and 20, got {args.logprobs}")
+    spec = speculation_config(args)
     engine = load_engine(args)
     prompt = prompt_ids if prompt_ids is not None else (
         [{"role": "user", "content": args.prompt}] if args.chat else args.prompt)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, grammar=grammar)
+                  top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, grammar=grammar,
+                  speculate=spec.mode, draft_tokens=spec.draft_tokens if spec.enabled else None)
     if args.json:
         if args.logprobs is not None:
             kwargs.update(logprobs=True, top_logprobs=args.logprobs)
@@ -132,6 +151,10 @@ def run_generate(args) -> int:
     sys.stderr.write(f"[{s['prompt_tokens']} prompt tokens, {s['generated_tokens']} generated, "
                      f"ttft {s['ttft_s'] * 1000:.0f} ms, prefill {s['prefill_tokens_per_s']:.1f} tok/s, "
                      f"decode {s['decode_tokens_per_s']:.1f} tok/s, finish: {result.finish_reason}]\n")
+    if spec.enabled:
+        sys.stderr.write(f"[speculate {s['speculate']}: acceptance {s['acceptance_rate']:.2f}, "
+                         f"{s['tokens_per_verify_step']:.2f} tokens per verify step, draft time "
+                         f"{s['draft_time_share']:.0%}{'; ' + s['speculate_reason'] if 'speculate_reason' in s else ''}]\n")
     return 0
 
 
@@ -161,13 +184,28 @@ def run_perplexity(args) -> int:
         raise TandemError(f"cannot read {path}: {e}") from None
     if args.window < 2 or args.stride < 1:
         raise TandemError("--window must be >= 2 and --stride >= 1")
+    spec = speculation_config(args)
     engine = load_engine(args)
     ids = engine.encode_prompt_for_scoring(text)
+    tokens_per_step, reason = 1, ""
+    if spec.enabled:  # the text is known: score it K tokens per multi-token step
+        from online.speculative.setup import verifier_step
+        try:
+            verifier_step(engine)
+            tokens_per_step = spec.draft_tokens
+        except TandemError as exc:
+            reason = str(exc)
     ppl, scored = engine.perplexity(ids, window_tokens=args.window, stride_tokens=args.stride,
-                                    decode_steps=args.decode_steps)
+                                    decode_steps=args.decode_steps or spec.enabled, tokens_per_step=tokens_per_step)
     if args.json:
-        print(json.dumps({"perplexity": ppl, "tokens": scored, "model": engine.model_id,
-                          "decode_path": engine.decode_path if args.decode_steps else "prefill"}))
+        out = {"perplexity": ppl, "tokens": scored, "model": engine.model_id,
+               "decode_path": engine.decode_path if args.decode_steps or spec.enabled else "prefill"}
+        if spec.enabled:
+            out.update(speculate=spec.mode if not reason else "off", tokens_per_step=tokens_per_step)
+            out.update({"speculate_reason": reason} if reason else {})
+        print(json.dumps(out))
     else:
         print(f"perplexity {ppl:.4f} over {scored} tokens")
+        if reason:
+            sys.stderr.write(f"[speculate off: {reason}]\n")
     return 0

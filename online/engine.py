@@ -99,6 +99,9 @@ class Engine:
         self.compiled_decode = None  # online.execution.fused_decode.FusedDecodeStep when available
         self.decode_path = "modules"
         self.decode_path_reason = ""
+        self._draft_step = None  # the sparse drafter's step (online/speculative/setup.py), built on first use
+        self.draft_thresholds_info = None
+        self.default_speculation = None  # SpeculationConfig used when a call passes speculate=None (serve)
 
     @classmethod
     def load(cls, model: str | Path, threads: int | None = None, plan: str | Path | None = None,
@@ -195,6 +198,23 @@ class Engine:
             engine._use_fused_decode()
         return engine
 
+    def set_default_speculation(self, speculate: str | None, draft_tokens: int | None = None) -> dict:
+        """Speculation for calls that pass none (``tandem serve --speculate``); checked now: an
+        explicit sparse drafter that cannot be built raises here, not per request. Returns what
+        runs (``speculate`` and, when it is off or a drafter is left out, ``speculate_reason``).
+
+        Example::
+
+            engine.set_default_speculation("lookup", 6)
+        """
+        from .speculative import SpeculationConfig
+        from .speculative.setup import speculation_for
+        spec = SpeculationConfig.parse(speculate, draft_tokens)
+        check = speculation_for(self, spec)
+        self.default_speculation = spec
+        out = {"speculate": spec.mode if check.active or not spec.enabled else "off"}
+        return out | ({"speculate_reason": check.reason} if check.reason else {})
+
     def _use_fused_decode(self) -> None:
         from .execution.fused_decode import FusedDecodeStep, FusedDecodeUnavailable
         try:
@@ -257,11 +277,13 @@ class Engine:
     def generate(self, prompt: str | list, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
                  ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0,
-                 grammar: Any = None) -> GenerationResult:
+                 grammar: Any = None, speculate: str | None = None,
+                 draft_tokens: int | None = None) -> GenerationResult:
         """Generate to the end; see :meth:`stream` for the arguments."""
         stream = self.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, logprobs=logprobs,
-                             top_logprobs=top_logprobs, grammar=grammar)
+                             top_logprobs=top_logprobs, grammar=grammar, speculate=speculate,
+                             draft_tokens=draft_tokens)
         for _ in stream:
             pass
         return stream.result
@@ -269,18 +291,27 @@ class Engine:
     def stream(self, prompt: str | list, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
                ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0,
-               grammar: Any = None) -> TextStream:
+               grammar: Any = None, speculate: str | None = None,
+               draft_tokens: int | None = None) -> TextStream:
         """Text pieces as they are generated. ``logprobs``/``top_logprobs`` (0..20): each token's
         log-probability (log-softmax of the raw logits) and its most likely alternatives, in
         ``stream.choices`` / ``result.choices``. ``grammar`` (online.constrain.Grammar): the output is
-        constrained to it token by token (llguidance) and ends when the grammar is complete."""
+        constrained to it token by token (llguidance) and ends when the grammar is complete.
+        ``speculate``: off (default) | lookup | sparse | auto, exact speculative decoding
+        (online/speculative; off, with ``speculate_reason``, when logprobs or a grammar are asked
+        for); ``draft_tokens``: the most tokens drafted per verify step."""
+        from .speculative import SpeculationConfig
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed, stop=tuple(stop or ()))
         options = self.decode_options(logprobs, top_logprobs, grammar)
+        if speculate is None and draft_tokens is None and self.default_speculation is not None:
+            spec = self.default_speculation
+        else:
+            spec = SpeculationConfig.parse(speculate, draft_tokens)
         prompt_ids = self.encode_prompt(prompt)
         holder: dict = {}
         eos_ids = set() if ignore_eos else self.eos_token_ids
-        return TextStream(self._pieces(prompt_ids, params, eos_ids, holder, options), holder)
+        return TextStream(self._pieces(prompt_ids, params, eos_ids, holder, options, spec), holder)
 
     def decode_options(self, logprobs: bool = False, top_logprobs: int = 0, grammar: Any = None) -> DecodeOptions | None:
         """DecodeOptions for this engine (the grammar bound to its tokenizer); None when plain."""
@@ -294,8 +325,29 @@ class Engine:
             constraint = GrammarConstraint(grammar_tokenizer(self), grammar)
         return DecodeOptions(logprobs=bool(logprobs or top_logprobs), top_logprobs=top_logprobs, constraint=constraint)
 
+    def _events(self, cache: KVCache, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int],
+                timings: LoopTimings, speculation, options: DecodeOptions | None):
+        """The token events: the speculative loop when it runs, else the plain one."""
+        if speculation is not None and speculation.active:
+            from .speculative.loop import speculative_token_loop
+            return speculative_token_loop(self.model, self.executor, cache, prompt_ids, params, eos_ids,
+                                          self.max_context, timings, speculation.step, speculation.drafters,
+                                          speculation.policy, speculation.stats, decode_threads=self.decode_threads)
+        return token_loop(self.model, self.executor, cache, prompt_ids, params, eos_ids, self.max_context, timings,
+                          decode_threads=self.decode_threads, compiled=self.compiled_decode, options=options)
+
     def _pieces(self, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int], holder: dict,
-                options: DecodeOptions | None = None) -> Iterator[str]:
+                options: DecodeOptions | None = None, spec=None) -> Iterator[str]:
+        from .speculative.loop import SpecStats
+        from .speculative.setup import speculation_for
+        speculation = None
+        if spec is not None and spec.enabled and options is not None:
+            speculation = speculation_for(self, type(spec).parse("off", None), params)
+            speculation.reason = "logprobs and grammars choose token by token: speculation is off for this request"
+        elif spec is not None:
+            speculation = speculation_for(self, spec, params)
+        if speculation is not None:
+            speculation.stats = SpecStats(spec.mode if speculation.active else "off")
         cache = self._kv_cache(len(prompt_ids) + params.max_new_tokens)
         timings = LoopTimings()
         before = self._counters()
@@ -304,9 +356,7 @@ class Engine:
         emitted = 0
         text, finish = "", "length"
         hold_back = max((len(s) for s in params.stop), default=1) - 1
-        for event in token_loop(self.model, self.executor, cache, prompt_ids, params, eos_ids,
-                                self.max_context, timings, decode_threads=self.decode_threads,
-                                compiled=self.compiled_decode, options=options):
+        for event in self._events(cache, prompt_ids, params, eos_ids, timings, speculation, options):
             if event.finish_reason == "stop":
                 finish = "stop"
                 break
@@ -334,9 +384,13 @@ class Engine:
             timings.end_s = time.perf_counter()
         if len(text) > emitted:
             yield text[emitted:]
+        stats = self._stats(prompt_ids, generated, timings, before)
+        if speculation is not None:
+            stats.update(speculation.stats.as_dict())
+            if speculation.reason:
+                stats["speculate_reason"] = speculation.reason
         holder["result"] = GenerationResult(text=text, token_ids=generated, prompt_tokens=len(prompt_ids),
-                                            finish_reason=finish, stats=self._stats(prompt_ids, generated, timings, before),
-                                            choices=choices)
+                                            finish_reason=finish, stats=stats, choices=choices)
 
     def _counters(self) -> dict | None:
         """Cumulative executor counters (expert-cache counters prefixed ``experts.``)."""
@@ -411,9 +465,11 @@ class Engine:
         cache = self._kv_cache(len(ids))
         return prefill(self.model, self.executor, cache, ids, all_logits=True).float()
 
-    def step_logits(self, token_ids: list[int]) -> torch.Tensor:
+    def step_logits(self, token_ids: list[int], tokens_per_step: int = 1) -> torch.Tensor:
         """Logits [T, vocab] computed one token at a time through the decode path generation uses
-        (the fused C step where it applies): what sampling sees, unlike ``logits`` (batched prefill)."""
+        (the fused C step where it applies): what sampling sees, unlike ``logits`` (batched prefill).
+        ``tokens_per_step`` > 1: that many tokens per multi-token step (``step_many``, the speculative
+        verify step: bit-identical to single steps; needs the fused step)."""
         ids = [int(t) for t in token_ids]
         if not ids:
             raise TandemError("no tokens to score")
@@ -424,6 +480,12 @@ class Engine:
         if self.decode_threads is not None:
             torch.set_num_threads(self.decode_threads)
         try:
+            if tokens_per_step > 1:
+                from .speculative.setup import verifier_step
+                step = verifier_step(self)
+                with torch.inference_mode():
+                    return torch.cat([step.step_many(ids[i:i + tokens_per_step], i, cache)
+                                      for i in range(0, len(ids), tokens_per_step)]).float()
             rows = [decode_one_token(self.model, self.executor, cache, t, pos, self.compiled_decode)
                     for pos, t in enumerate(ids)]
         finally:
@@ -431,10 +493,11 @@ class Engine:
         return torch.stack(rows).float()
 
     def perplexity(self, token_ids: list[int], window_tokens: int = 512, stride_tokens: int = 256,
-                   decode_steps: bool = False) -> tuple[float, int]:
+                   decode_steps: bool = False, tokens_per_step: int = 1) -> tuple[float, int]:
         """Sliding-window perplexity; returns (perplexity, number of scored tokens). ``decode_steps``
         scores one token at a time through the decode path (``step_logits``: what generation
-        computes, the fused step included) instead of batched prefill."""
+        computes, the fused step included) instead of batched prefill; ``tokens_per_step`` > 1
+        scores the known text that many tokens per multi-token step (same numbers, fewer weight reads)."""
         if len(token_ids) < 2:
             raise TandemError("need at least 2 tokens to compute perplexity")
         window_tokens = min(window_tokens, self.max_context - 1)
@@ -443,7 +506,8 @@ class Engine:
         for begin in range(0, len(token_ids), stride_tokens):
             end = min(begin + window_tokens, len(token_ids))
             window = token_ids[begin:end]
-            logits = self.step_logits(window) if decode_steps else self.logits(window)  # [W, vocab]
+            logits = (self.step_logits(window, tokens_per_step) if decode_steps or tokens_per_step > 1
+                      else self.logits(window))  # [W, vocab]
             n_new = end - max(prev_end, begin + 1)
             targets = torch.tensor(window[-n_new:])
             logp = F.log_softmax(logits[-n_new - 1:-1].double(), dim=-1)

@@ -56,6 +56,21 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     """logits [vocab] -> token id."""
     if params.greedy:
         return int(torch.argmax(logits))
+    probs = sampling_probs(logits, params)  # [vocab]
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution ``sample_next`` draws from (temperature, top-k, top-p applied): [vocab] float32.
+    Greedy (temperature 0) is the one-hot of the argmax. Speculative sampling applies it to the
+    verifier's and the drafter's logits alike.
+
+    Example::
+
+        p = sampling_probs(logits, SamplingParams(temperature=0.8, top_p=0.9))   # sums to 1
+    """
+    if params.greedy:
+        return torch.nn.functional.one_hot(torch.argmax(logits), logits.shape[-1]).float()
     scores = logits.float() / params.temperature  # [vocab]
     if params.top_k and params.top_k < scores.shape[0]:
         kth = torch.topk(scores, params.top_k).values[-1]
@@ -65,8 +80,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
         drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= params.top_p  # keep the first token always
         scores = scores.scatter(0, order[drop], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.softmax(scores, dim=-1)
 
 
 MAX_TOP_LOGPROBS = 20

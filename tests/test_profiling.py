@@ -278,6 +278,14 @@ def test_threshold_profile_on_tiny_llama(tiny_model_dir):
         assert math.isclose(float(profile.tensors["layer_sparsity"][i]), 1 - float(ref.double().mean()), abs_tol=1e-5)
         if q["uniform_sparsity"] > 0:
             assert abs(float(profile.tensors["layer_sparsity"][i]) - q["uniform_sparsity"]) < 0.01
+    # the speculative drafter's looser thresholds: within their budget on the training windows, re-measured
+    draft = profile.tensors["draft_thresholds"]
+    assert bool((draft >= profile.thresholds).all()) and q["draft"]["uniform_sparsity"] >= q["uniform_sparsity"]
+    windows = train_windows(docs)
+    dense_train, _ = windows_perplexity(engine, engine.executor, windows)
+    draft_train, _ = windows_perplexity(engine, ThresholdedExecutor(engine.executor, draft), windows)
+    assert math.isclose(draft_train / dense_train - 1, q["draft"]["selection_perplexity_increase"], abs_tol=1e-5)
+    assert q["draft"]["selection_perplexity_increase"] <= q["draft"]["max_quality_loss"]
 
 
 # --- MoE -----------------------------------------------------------------------------------------

@@ -16,8 +16,10 @@ def main() -> None:
     args = ap.parse_args()
     import numpy as np
     from llama_cpp import Llama
+    # logits_all: llm.scores holds every evaluated row (without it only some versions fill the last
+    # row, and argmax over a stale row gives wrong tokens)
     llm = Llama(model_path=args.gguf, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=1024,
-                n_batch=512, verbose=False)
+                n_batch=512, logits_all=True, verbose=False)
     ids = llm.tokenize(BENCH_PROMPT.encode(), add_bos=False)
     prefill, decode = [], []
     for run in range(args.runs + 1):

@@ -27,6 +27,7 @@ Example::
 """
 from __future__ import annotations
 
+import copy
 import ctypes
 import math
 import weakref
@@ -326,3 +327,26 @@ class FusedDecodeStep:
         """(rows predicted active, up rows computed) summed over predictor layers and calls so far."""
         refs = [k for k in self._keep if isinstance(k, PredictorRef)]
         return int(sum(int(r.predicted.sum()) for r in refs)), int(sum(int(r.computed.sum()) for r in refs))
+
+    def with_thresholds(self, thresholds) -> "FusedDecodeStep":
+        """The same packed weights, KV layout and predictors at other per-layer FFN thresholds (the
+        speculative sparse drafter); its own scratch and neuron counters (not the executor's).
+
+        Example::
+
+            draft_step = step.with_thresholds([0.05] * n_layers)   # looser: reads fewer down rows
+        """
+        values = [float(t) for t in thresholds]
+        if len(values) != self.cfg.num_layers or not all(math.isfinite(v) and v >= 0 for v in values):
+            raise TandemError(f"need {self.cfg.num_layers} finite thresholds >= 0")
+        clone = copy.copy(self)
+        layers = [TdmLayer.from_buffer_copy(self._layers[i]) for i in range(self.cfg.num_layers)]
+        for layer, value in zip(layers, values):
+            layer.threshold = value
+        clone._layers = (TdmLayer * len(layers))(*layers)
+        clone._desc = TdmModel.from_buffer_copy(self._desc)
+        clone._desc.layers = clone._layers
+        clone._work, clone._bound_cache = None, None
+        clone.executor = copy.copy(self.executor)
+        clone.executor.counters = type(self.executor.counters)()
+        return clone

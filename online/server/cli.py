@@ -51,6 +51,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--max-batch", type=int, default=32, help="sequences stepped together at most (default 32)")
     p.add_argument("--schedule", default="fcfs", choices=("fcfs", "mlfq"),
                    help="fcfs (default) or mlfq: FastServe's skip-join multi-level feedback queue")
+    p.add_argument("--speculate", default=None, metavar="{off,lookup,sparse,auto}",
+                   help="exact speculative decoding for requests that run alone (see `tandem generate --help`)")
+    p.add_argument("--draft-tokens", type=int, default=None, metavar="K", help="most tokens drafted per verify step")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run_serve)
     return p
@@ -111,6 +114,8 @@ def run_serve(args: argparse.Namespace) -> int:
     """Load the engine, bind the socket and serve until interrupted. Returns the exit code."""
     api_key = _validate(args)
     batch = batch_config(args)
+    from online.speculative import SpeculationConfig
+    SpeculationConfig.parse(getattr(args, "speculate", None), getattr(args, "draft_tokens", None))  # before loading
     sock = _bind(args.host, args.port)
     try:
         import uvicorn
@@ -120,6 +125,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
         engine = Engine.load(args.model, threads=args.threads, plan=args.plan,
                              weight_format=getattr(args, "weight_format", None))
+        if getattr(args, "speculate", None) is not None:
+            shown = engine.set_default_speculation(args.speculate, args.draft_tokens)
+            print(f"speculate: {shown['speculate']}" + (f" ({shown['speculate_reason']})"
+                                                          if "speculate_reason" in shown else ""), file=sys.stderr)
         app = create_app(engine, api_key=api_key, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
                          served_model_name=args.served_model_name, batch=batch)
         if api_key is None and not _is_loopback(args.host):
