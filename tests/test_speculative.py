@@ -359,3 +359,44 @@ def test_engine_speculative_sampling_runs_and_is_reproducible_per_seed(chat_engi
             assert a.stats["speculate"] == mode and all(0 <= t < e.config.vocab_size for t in a.token_ids)
     finally:
         e._draft_step = None
+
+
+# --- the policy -----------------------------------------------------------------------------------
+
+def test_expected_tokens_matches_a_simulation():
+    from online.speculative.policy import expected_tokens
+    rng = random.Random(0)
+    for a, k in ((0.3, 1), (0.7, 4), (0.9, 8)):
+        total = 0
+        for _ in range(20000):
+            n = 0
+            while n < k and rng.random() < a:
+                n += 1
+            total += n + 1
+        assert abs(total / 20000 - expected_tokens(a, k)) < 0.05 * expected_tokens(a, k)
+
+
+def test_auto_uses_a_drafter_only_where_it_pays():
+    from online.speculative.policy import SpecPolicy, expected_tokens
+
+    def trained(draft_token_s, verify_s_per_token, accepted):
+        policy = SpecPolicy(5, ("sparse",), allow_plain=True)
+        for _ in range(3):
+            policy.record_plain(0.03)
+        for _ in range(10):
+            policy.record_verify("sparse", 5, accepted, 6, 0.03 + 5 * verify_s_per_token, 5 * draft_token_s)
+        return policy
+
+    seen = set()
+    for draft_s, per_token, accepted in ((0.028, 0.003, 5), (0.002, 0.003, 4), (0.002, 0.03, 1), (0.0, 0.001, 0)):
+        policy = trained(draft_s, per_token, accepted)
+        a = policy.drafters["sparse"].acceptance
+        rates = {k: expected_tokens(a, k) / (policy.costs.estimate(k + 1) + k * draft_s) for k in range(1, 6)}
+        best_k = max(rates, key=rates.get)
+        name, k = policy.choose(10, {"sparse": 5})
+        seen.add(name)
+        if rates[best_k] > 1 / 0.03:
+            assert (name, k) == ("sparse", best_k)
+        else:
+            assert (name, k) == (None, 0)
+    assert seen == {None, "sparse"}  # both outcomes occur

@@ -27,10 +27,15 @@ REPROBE_EVERY = 24  # auto retries a drafter it dropped after this many steps wi
 class StepCosts:
     """Seconds per step by the number of tokens it ran (T = 1: the plain single-token step)."""
     seconds: dict[int, float] = field(default_factory=dict)
+    counts: dict[int, int] = field(default_factory=dict)
 
     def record(self, tokens: int, seconds: float) -> None:
+        """The first measurement of a size stands only until the second replaces it (a first call
+        pays for binding the cache and sizing scratch); later ones enter the moving average."""
+        n = self.counts.get(tokens, 0)
         old = self.seconds.get(tokens)
-        self.seconds[tokens] = seconds if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * seconds
+        self.seconds[tokens] = seconds if n < 2 else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * seconds
+        self.counts[tokens] = n + 1
 
     def estimate(self, tokens: int) -> float | None:
         """Measured, interpolated, or extrapolated (along the last two sizes; proportional from one)."""
@@ -80,6 +85,8 @@ class SpecPolicy:
         self.adapt, self.allow_plain = adapt, allow_plain
         self.costs = StepCosts()
         self.drafters = {name: DrafterStats() for name in drafters}
+        self.plain_steps = 0
+        self.steps_since_plain = 0
 
     def rate(self, name: str, k: int) -> float | None:
         """Modeled tokens per second drafting k with ``name`` (None while a cost is unknown)."""
@@ -107,8 +114,8 @@ class SpecPolicy:
             name = next(iter(options))
             return name, self.best_k(name, options[name])[0]
         plain_s = self.costs.estimate(1) if 1 in self.costs.seconds else None
-        if plain_s is None:
-            return None, 0  # measure the plain step first
+        if plain_s is None or self.plain_steps < PROBE_VERIFIES or self.steps_since_plain >= REPROBE_EVERY:
+            return None, 0  # measure (and now and then re-measure) the plain step
         for name, limit_k in options.items():  # explore: measure each drafter before trusting the model
             stats = self.drafters[name]
             if stats.verifies < PROBE_VERIFIES or stats.steps_since_used >= REPROBE_EVERY:
@@ -122,6 +129,8 @@ class SpecPolicy:
 
     def record_plain(self, seconds: float) -> None:
         self.costs.record(1, seconds)
+        self.plain_steps += 1
+        self.steps_since_plain = 0
         for stats in self.drafters.values():
             stats.steps_since_used += 1
 
@@ -135,5 +144,6 @@ class SpecPolicy:
         stats.draft_token_s = per_token if stats.draft_token_s is None else (
             (1 - EMA_WEIGHT) * stats.draft_token_s + EMA_WEIGHT * per_token)
         stats.verifies += 1
+        self.steps_since_plain += 1
         for other_name, other in self.drafters.items():
             other.steps_since_used = 0 if other_name == name else other.steps_since_used + 1
