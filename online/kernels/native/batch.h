@@ -115,26 +115,6 @@ static void key_scores_rows(const float *q, const float *K, const int32_t *rows,
             _mm256_storeu_ps(scores + s, _mm256_mul_ps(hsum8x8(acc), vs));
         }
     }
-/* Self-check for the tests: out[i * n + j] = W[r0 + j] . x[i] (x: [T, cols]) with dot_rows_multi. */
-void tdm_dot_rows_multi(const tdm_weight *w, int64_t r0, int64_t n, int64_t T, const float *x, double residual_ratio,
-                        float *out) {
-    int64_t cols = w->cols, nb = cols / QB + 1;
-    qvec *v = (qvec *)malloc((size_t)T * sizeof(qvec));
-    int8_t *q = (int8_t *)malloc((size_t)(2 * T * cols));
-    float *f = (float *)malloc((size_t)(3 * T * nb) * sizeof(float));
-    int32_t *flagged = (int32_t *)malloc((size_t)(T * nb) * sizeof(int32_t));
-    if (v && q && f && flagged) {
-        for (int64_t i = 0; i < T; i++) {
-            qvec e = {x + i * cols, q + 2 * i * cols, q + (2 * i + 1) * cols, f + 3 * i * nb, f + (3 * i + 1) * nb,
-                      f + (3 * i + 2) * nb, flagged + i * nb, 0};
-            v[i] = e;
-            if (cols % QB == 0) quantize_q8(x + i * cols, cols, v + i, (float)residual_ratio);
-        }
-        dot_rows_multi(w, r0, n, v, T, out, n);
-    }
-    free(v), free(q), free(f), free(flagged);
-}
-
 #endif
     for (; s < end; s++) scores[s] = dot_f32(q, K + (int64_t)rows[s] * hd, hd) * scale;
 }
