@@ -190,3 +190,21 @@ def test_health_metrics_and_logprobs_requests_decode_token_by_token(engine):
         assert metric(text, "tandem_spec_verify_steps_total") == app.state.scheduler.loop.spec.counters.verify_steps > 0
     off = create_app(engine, batch=BatchConfig(block_tokens=4))
     assert off.state.scheduler.describe()["speculation"]["mode"] == "off"
+
+
+def test_spec_max_seqs_flag_and_off_on_the_module_path(tiny_dir):
+    import argparse
+
+    from online.server.cli import add_serve_parser, batch_config
+    from tandem.errors import TandemError
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    base = ["serve", "--model", "m"]
+    assert batch_config(parser.parse_args(base + ["--spec-max-seqs", "3"])).spec_max_seqs == 3
+    assert batch_config(parser.parse_args(base)).spec_max_seqs == 2
+    with pytest.raises(TandemError):
+        batch_config(parser.parse_args(base + ["--spec-max-seqs", "0"]))
+    dense = Engine.load(str(tiny_dir))  # float32: the module path, no fused batched step
+    dense.default_speculation = SpeculationConfig("lookup")
+    described = create_app(dense, batch=BatchConfig(block_tokens=4)).state.scheduler.describe()["speculation"]
+    assert described["mode"] == "off" and "module path" in described["reason"]
