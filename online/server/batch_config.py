@@ -41,9 +41,10 @@ class BatchConfig:
     schedule: str = "fcfs"
     max_n: int = 16  # choices per request
     prefill: str = "modules"  # "modules": batched module prefill in chunks; "step": through step_batch (fused)
+    spec_max_seqs: int = 2  # serve --speculate drafts only while at most this many sequences are in the loop
 
     def __post_init__(self) -> None:
-        for name in ("block_tokens", "prefill_chunk_tokens", "max_batch_seqs", "max_n"):
+        for name in ("block_tokens", "prefill_chunk_tokens", "max_batch_seqs", "max_n", "spec_max_seqs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TandemError(f"{name} must be an integer >= 1, got {value!r}")

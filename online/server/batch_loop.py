@@ -23,7 +23,8 @@ import time
 from typing import Any, Callable
 
 from online.kv_pool import KVPool
-from online.sampling import choose_token
+from online.sampling import TokenChoice, choose_token
+from online.server.batch_spec import DEFAULT_SPEC_MAX_SEQS, BatchSpeculation
 from online.server.batch_step import BatchStep
 from online.server.sequence import Sequence
 
@@ -32,12 +33,15 @@ class BatchLoop:
     def __init__(self, engine: Any, pool: KVPool, policy: Any, metrics: Any, prefill_chunk_tokens: int,
                  max_batch_seqs: int, on_piece: Callable[[Sequence, str], None],
                  on_finish: Callable[[Sequence], None], on_first_admit: Callable[[Any], None],
-                 on_fork: Callable[[Sequence], list[Sequence]], prefill: str = "modules") -> None:
+                 on_fork: Callable[[Sequence], list[Sequence]], prefill: str = "modules",
+                 speculation: Any = None, spec_max_seqs: int = DEFAULT_SPEC_MAX_SEQS) -> None:
         self.engine, self.pool, self.policy, self.metrics = engine, pool, policy, metrics
         self.step = BatchStep(engine, pool, prefill_chunk_tokens, prefill)
+        self.spec = BatchSpeculation.create(engine, speculation, spec_max_seqs, self.step.fused)
         self.prefill_chunk_tokens, self.max_batch_seqs = prefill_chunk_tokens, max_batch_seqs
         self.on_piece, self.on_finish, self.on_first_admit, self.on_fork = on_piece, on_finish, on_first_admit, on_fork
         self.sequences: list[Sequence] = []
+        self._plain_spec: set = set()  # eligible sequences that took a plain step this iteration (auto's cost)
 
     # --- membership ------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -136,7 +140,35 @@ class BatchLoop:
             items.append((seq, n))
             if not seq.decoding:
                 budget -= n
-        return [(s, n) for s, n in items if s.allocated]
+        items = [(s, n) for s, n in items if s.allocated]
+        if self.spec.enabled:
+            self._plan_drafts(items)
+        return items
+
+    def _plan_drafts(self, items: list[tuple[Sequence, int]]) -> None:
+        """Speculation while few sequences run: drafts for eligible decoding sequences, with blocks
+        for their positions taken only from free blocks (speculation never preempts anyone)."""
+        few = len(self.sequences) <= self.spec.max_seqs
+        protected = {s for s, _ in items}
+        self._plain_spec = set()
+        for seq, n in items:
+            seq.draft = []
+            if not (few and self.spec.eligible(seq)):
+                continue
+            k = self.spec.choose(seq, self.pool)
+            missing = self.pool.blocks_for(seq.n_computed + 1 + k) - len(seq.table)
+            if k >= 1 and (missing <= 0 or self.pool.can_allocate(missing)) and self._prepare_blocks(seq, 1 + k, protected):
+                self.spec.draft(seq, k)
+            if not seq.draft:
+                self._trim_blocks(seq)
+                self._plain_spec.add(seq)
+
+    def _trim_blocks(self, seq: Sequence) -> None:
+        """Free blocks past the sequence's next position (taken for drafts that were rejected)."""
+        keep = self.pool.blocks_for(len(seq.tokens))
+        if len(seq.table) > keep:
+            self.pool.free(seq.table[keep:])
+            del seq.table[keep:]
 
     def _room_for_admission(self, seq: Sequence, protected: set) -> bool:
         """MLFQ: preempt lower-priority idle sequences for a higher-priority arrival."""
@@ -156,7 +188,9 @@ class BatchLoop:
         items = self.plan()
         if not items:
             return 0
+        t0 = time.perf_counter()
         logits = self.step.run(items)
+        step_s = time.perf_counter() - t0
         stepped = {seq for seq, _ in items}
         for seq in self.sequences:
             if seq in stepped:
@@ -167,6 +201,11 @@ class BatchLoop:
             for seq, _ in items:
                 self._register_blocks(seq)
         for seq, row in logits.items():
+            if seq.draft:
+                self._emit_verified(seq, self.spec.verify(seq, row, step_s))
+                continue
+            if seq in self._plain_spec:
+                self.spec.record_plain(seq, step_s)
             group = [seq]
             if seq.n_generated == 0 and seq.job.n > 1 and not seq.job.forked:
                 group += self.on_fork(seq)
@@ -184,9 +223,19 @@ class BatchLoop:
             self.pool.register(hashes[i], seq.table[i])
         seq.n_registered = full
 
+    def _emit_verified(self, seq: Sequence, tokens: list[int]) -> None:
+        """The tokens of a verify step, one at a time through the same EOS / stop / length checks."""
+        for token in tokens:
+            self._take(seq, TokenChoice(token))
+            if seq.finished:
+                return
+        self._trim_blocks(seq)
+
     def _sample(self, seq: Sequence, logits) -> None:
         # without decode_options this is exactly sample_next (same RNG draws, same greedy choice)
-        choice = choose_token(logits, seq.params, seq.generator, seq.decode_options, seq.state)
+        self._take(seq, choose_token(logits, seq.params, seq.generator, seq.decode_options, seq.state))
+
+    def _take(self, seq: Sequence, choice: TokenChoice) -> None:
         token = choice.token_id
         now = time.monotonic()
         if seq.n_generated == 0 and seq.first_token_s == 0.0:

@@ -130,13 +130,19 @@ class BatchStep:
         for seq, n in items:
             table = np.asarray(seq.table, dtype=np.int32)
             last = seq.n_computed + n == len(seq.tokens)
+            drafted = seq.draft if last else []  # speculation: the pending token + drafts, logits for each
             for pos in range(seq.n_computed, seq.n_computed + n):
                 tokens.append(seq.tokens[pos])
                 positions.append(pos)
                 tables.append(table)
                 wanted.append(last and pos == seq.n_computed + n - 1)
+            for i, token in enumerate(drafted):
+                tokens.append(token)
+                positions.append(seq.n_computed + n + i)
+                tables.append(table)
+                wanted.append(True)
             if last:
-                owners.append(seq)
+                owners.append((seq, 1 + len(drafted) if drafted else 0))
         threads = torch.get_num_threads()
         if self.engine.decode_threads:  # the C step has its own OpenMP pool: keep torch's out of its way
             torch.set_num_threads(self.engine.decode_threads)
@@ -144,7 +150,11 @@ class BatchStep:
             logits = self.engine.compiled_decode.step_batch(tokens, positions, tables, self.pool, wanted)  # [k, vocab]
         finally:
             torch.set_num_threads(threads)
-        return {seq: logits[i] for i, seq in enumerate(owners)}
+        out, row = {}, 0
+        for seq, rows in owners:  # a drafting sequence gets its [k+1, vocab] rows, the others [vocab]
+            out[seq] = logits[row:row + rows] if rows else logits[row]
+            row += max(rows, 1)
+        return out
 
     @torch.inference_mode()
     def _run_modules(self, items: list[tuple[Any, int]]) -> dict[Any, torch.Tensor]:

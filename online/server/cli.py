@@ -52,7 +52,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--schedule", default="fcfs", choices=("fcfs", "mlfq"),
                    help="fcfs (default) or mlfq: FastServe's skip-join multi-level feedback queue")
     p.add_argument("--speculate", default=None, metavar="{off,lookup,sparse,auto}",
-                   help="exact speculative decoding for requests that run alone (see `tandem generate --help`)")
+                   help="exact speculative decoding inside the batching loop: drafted tokens ride in the batched "
+                        "step while at most --spec-max-seqs sequences run (see `tandem generate --help`)")
+    p.add_argument("--spec-max-seqs", type=int, default=2, metavar="N",
+                   help="speculate only while at most N sequences are being served (default 2); above, batching alone")
     p.add_argument("--draft-tokens", type=int, default=None, metavar="K", help="most tokens drafted per verify step")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run_serve)
@@ -65,7 +68,8 @@ def batch_config(args: argparse.Namespace):
     budget = parse_bytes(args.kv_budget) if getattr(args, "kv_budget", None) is not None else None
     return BatchConfig(kv_budget_bytes=budget, prefill_chunk_tokens=args.prefill_chunk_tokens,
                        max_batch_seqs=args.max_batch, schedule=args.schedule,
-                       prefill=getattr(args, "prefill", "modules"))
+                       prefill=getattr(args, "prefill", "modules"),
+                       spec_max_seqs=getattr(args, "spec_max_seqs", 2))
 
 
 def _validate(args: argparse.Namespace) -> str | None:
@@ -141,6 +145,8 @@ def run_serve(args: argparse.Namespace) -> int:
               f"{b['schedule']}; KV pool {b['kv_pool_bytes'] / 2**20:.0f} MiB "
               f"({b['kv_pool_blocks'] * b['kv_block_tokens']} tokens)" + (f"; {b['note']}" if "note" in b else ""),
               file=sys.stderr)
+        spec = b["speculation"]
+        print(f"speculation: {spec['mode']} ({spec['reason']})", file=sys.stderr)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
         uvicorn.Server(config).run(sockets=[sock])
     finally:

@@ -86,6 +86,7 @@ class Metrics:
         self.preemptions_total = 0
         self.pool: Any = None  # the scheduler's KVPool (gauges read live at render time)
         self.decode_tokens_per_s: float | None = None
+        self.speculation: Any = None  # the loop's BatchSpeculation (counters read at render time)
 
     def observe_request(self, path: str, status: int, duration_s: float) -> None:
         endpoint = endpoint_label(path)
@@ -179,6 +180,13 @@ class Metrics:
                 ("tandem_rejected_total", "Requests rejected with 429 because the queue was full.", self.rejected_total),
             ):
                 metric(name, "counter", help_text, [f"{name} {value}"])
+            spec = self.speculation.counters.as_dict() if self.speculation is not None and self.speculation.enabled else None
+            for key, name, help_text in (
+                ("draft_tokens", "tandem_spec_draft_tokens_total", "Tokens drafted by serve --speculate."),
+                ("accepted_tokens", "tandem_spec_accepted_tokens_total", "Drafted tokens the verifier accepted."),
+                ("verify_steps", "tandem_spec_verify_steps_total", "Sequence steps that verified a draft."),
+            ) if spec is not None else ():
+                metric(name, "counter", help_text, [f"{name} {spec[key]}"])
             metric("tandem_queue_depth", "gauge", "Requests waiting for the engine.", [f"tandem_queue_depth {queue_depth}"])
             metric("tandem_running_requests", "gauge", "Requests being generated now.", [f"tandem_running_requests {running}"])
             if self.cache_hit_rate is not None:

@@ -65,7 +65,9 @@ class Scheduler:
         self.loop = BatchLoop(engine, self.pool, self.policy, metrics, self.batch.prefill_chunk_tokens,
                               self.batch.max_batch_seqs, on_piece=self._on_piece, on_finish=self._on_finish,
                               on_first_admit=self._on_first_admit, on_fork=self._fork,
-                              prefill=self.batch.prefill)
+                              prefill=self.batch.prefill, speculation=getattr(engine, "default_speculation", None),
+                              spec_max_seqs=self.batch.spec_max_seqs)
+        metrics.speculation = self.loop.spec
         self._cond = threading.Condition()
         self._incoming: collections.deque[GenerationJob] = collections.deque()
         self._active: list[GenerationJob] = []  # worker side: jobs with sequences in the loop
@@ -101,7 +103,7 @@ class Scheduler:
                 "prefill_chunk_tokens": self.batch.prefill_chunk_tokens, "prefix_caching": step.prefix_caching,
                 "kv_pool_blocks": self.pool.n_blocks, "kv_block_tokens": self.pool.block_tokens,
                 "kv_pool_bytes": self.pool.nbytes, "kv_blocks_used": self.pool.n_used,
-                "speculation": "off: the server batches sequences instead (one weight read serves every stream)",
+                "speculation": self.loop.spec.describe(),
                 **({} if step.path == "fused" else
                    {"note": "no fused batched step for this model/plan: sequences step one by one through the "
                             "module path" + ("; attention KV on the GPU tier holds one sequence, so one runs at "

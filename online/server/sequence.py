@@ -85,6 +85,9 @@ class Sequence:
     first_token_s: float = 0.0
     last_token_s: float = 0.0
     started_s: float = 0.0  # first admission
+    spec: Any = None  # SeqSpec (online/server/batch_spec.py): drafters and policy, with serve --speculate
+    draft: list[int] = field(default_factory=list)  # tokens drafted after the pending one for this step
+    draft_probs: Any = None  # [len(draft), vocab] q rows of a sampling drafter, else None
 
     @property
     def n_generated(self) -> int:
