@@ -19,6 +19,7 @@ import os
 import socket
 import statistics
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -40,11 +41,13 @@ def free_port() -> int:
 
 def start(cmd: list[str], url: str, timeout_s: float = 300.0) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile(mode="w+")  # not a pipe: llama.cpp's server logs more than a pipe buffers and would block
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {' '.join(cmd)}\n{proc.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"server exited: {' '.join(cmd)}\n{log.read()[-2000:]}")
         try:
             if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
                 return proc
@@ -127,7 +130,8 @@ def systems(args) -> list[tuple[str, list[str], dict, int]]:
             gguf = args.gguf or str(resolve_gguf(args.model))
             out.append(("llama-cpp-python server", [str(PEER_PYTHON), "-m", "llama_cpp.server", "--model", gguf,
                                                     "--n_threads", str(args.threads), "--n_ctx", "4096",
-                                                    "--port", str(port), "--host", "127.0.0.1"], {}, port))
+                                                    "--port", str(port), "--host", "127.0.0.1",
+                                                    "--interrupt_requests", "False"], {}, port))  # queue, not cancel
         else:
             print("peer skipped: bench/peers/venv has no llama_cpp.server (run bench/build_peers.sh)", file=sys.stderr)
     else:
@@ -170,10 +174,14 @@ def main(argv: list[str] | None = None) -> int:
             runs = {c: [] for c in args.clients}
             for _ in range(args.repeats):
                 for c in args.clients:
-                    runs[c].append(run_load(url, c, args.requests_per_client, args.max_tokens, extra))
+                    try:
+                        runs[c].append(run_load(url, c, args.requests_per_client, args.max_tokens, extra))
+                    except RuntimeError as exc:  # one system's failure does not lose the others' rows
+                        print(f"{name}, {c} clients: {exc}", file=sys.stderr)
             for c in args.clients:
-                med = {k: statistics.median(r[k] for r in runs[c]) for k in runs[c][0]}
-                rows.append((name, c, med))
+                if runs[c]:
+                    med = {k: statistics.median(r[k] for r in runs[c]) for k in runs[c][0]}
+                    rows.append((name, c, med))
         finally:
             proc.terminate()
             proc.wait(30)

@@ -25,6 +25,7 @@ from online.constrain import (Grammar, GrammarConstraint, ToolSpec, parse_tool_c
 from online.constrain.grammar import build_grammar_tokenizer
 from online.sampling import DecodeOptions, SamplingParams, choose_token, make_generator
 from online.server import create_app
+from online.server.batch_config import BatchConfig
 from online.server.app import chat_prompt
 from online.server.responses import may_be_tool_call
 from online.server.schemas import ChatCompletionRequest, parse_request
@@ -474,7 +475,8 @@ def test_n_choices_with_logprobs_and_a_json_schema_request_batched_beside_a_stre
     engine_kw = {"weight_format": "int4"}
     ref = Engine.load(str(tiny_dir), **engine_kw)
     question = [{"role": "user", "content": "hi"}]
-    with LiveServer(create_app(Engine.load(str(tiny_dir), **engine_kw))) as srv:
+    batch = BatchConfig(prefill="modules")  # the reference, Engine.generate, prefills through the modules
+    with LiveServer(create_app(Engine.load(str(tiny_dir), **engine_kw), batch=batch)) as srv:
         client = srv.client()
         chat = client.chat.completions.create(model=ref.model_id, messages=question, max_tokens=10, n=2,
                                               temperature=0.9, seed=11, logprobs=True, top_logprobs=2)

@@ -41,7 +41,7 @@ def test_64_clients_x_4_requests_with_random_disconnects(tiny_dir):
     expected = {p: ref_engine.generate(p, max_new_tokens=max_tokens, ignore_eos=True).text for p in PROMPTS}
     engine = Engine.load(str(tiny_dir), weight_format=weight_format)
     assert engine.decode_path == "fused"
-    app = create_app(engine, max_queue=256, batch=BatchConfig(block_tokens=4))
+    app = create_app(engine, max_queue=256, batch=BatchConfig(block_tokens=4, prefill="modules"))  # as generate
     with LiveServer(app) as srv:
         before = httpx.get(srv.url + "/metrics").text
 
@@ -120,7 +120,8 @@ def test_prefix_reuse_is_reported_and_changes_nothing(tiny_dir):
         answers = [http.post("/v1/chat/completions", json=b).json() for b in bodies]
         cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
         assert cached[0] == 0 and cached[2] >= cached[1] > 0
-        assert all(c % 16 == 0 and c < a["usage"]["prompt_tokens"] for c, a in zip(cached, answers))
+        # step prefill (the default) reuses whole blocks (8 tokens); module prefill whole chunks (16)
+        assert all(c % 8 == 0 and c < a["usage"]["prompt_tokens"] for c, a in zip(cached, answers))
         assert answers[2]["choices"][0]["message"]["content"] == answers[1]["choices"][0]["message"]["content"]
         assert metric(http.get("/metrics").text, "tandem_prefix_cache_hit_tokens_total") == cached[1] + cached[2]
         # streamed usage carries the same field

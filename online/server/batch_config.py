@@ -40,7 +40,7 @@ class BatchConfig:
     max_batch_seqs: int = DEFAULT_MAX_BATCH_SEQS
     schedule: str = "fcfs"
     max_n: int = 16  # choices per request
-    prefill: str = "modules"  # "modules": batched module prefill in chunks; "step": through step_batch (fused)
+    prefill: str = "step"  # "step": through step_batch (fused; bench/RESULTS.md: lower TTFT and ITL under load); "modules"
     spec_max_seqs: int = 2  # serve --speculate drafts only while at most this many sequences are in the loop
 
     def __post_init__(self) -> None:

@@ -45,9 +45,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "full contexts, capped at 256MiB, at least one full context)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=128,
                    help="prompt tokens prefilled per batching step, so running streams keep their pace (default 128)")
-    p.add_argument("--prefill", default="modules", choices=("modules", "step"),
-                   help="prompt prefill: modules (default: batched module graph, one chunk per step) or step "
-                        "(through the fused batched decode step, beside the decode tokens)")
+    p.add_argument("--prefill", default="step", choices=("modules", "step"),
+                   help="prompt prefill: step (default: through the fused batched decode step, beside the decode "
+                        "tokens) or modules (batched module graph, one chunk per step)")
     p.add_argument("--max-batch", type=int, default=32, help="sequences stepped together at most (default 32)")
     p.add_argument("--schedule", default="fcfs", choices=("fcfs", "mlfq"),
                    help="fcfs (default) or mlfq: FastServe's skip-join multi-level feedback queue")
@@ -68,7 +68,7 @@ def batch_config(args: argparse.Namespace):
     budget = parse_bytes(args.kv_budget) if getattr(args, "kv_budget", None) is not None else None
     return BatchConfig(kv_budget_bytes=budget, prefill_chunk_tokens=args.prefill_chunk_tokens,
                        max_batch_seqs=args.max_batch, schedule=args.schedule,
-                       prefill=getattr(args, "prefill", "modules"),
+                       prefill=getattr(args, "prefill", "step"),
                        spec_max_seqs=getattr(args, "spec_max_seqs", 2))
 
 
