@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from online.speculative.config import SpeculationConfig
-from online.speculative.drafters import Draft
+from online.speculative.drafters import SparseDrafter
 from online.speculative.setup import speculation_for
 from online.speculative.verify import accept_greedy, accept_sampled
 
@@ -52,33 +52,18 @@ class SpecCounters:
                 "plain_steps": self.plain_steps}
 
 
-class PagedSparseDrafter:
+class PagedSparseDrafter(SparseDrafter):
     """The sparse self-drafter over a sequence's pool blocks: the draft step (the same packed
     weights at looser FFN thresholds) one token at a time through its own ``step_batch``. It writes
     draft KV at rows pos..pos+k-1, which the verify step rewrites before reading them."""
-    name = "sparse"
 
     def __init__(self, step: Any, pool: Any, seq: Any) -> None:
-        self.step, self.pool, self.seq = step, pool, seq
+        super().__init__(step)
+        self.pool, self.seq = pool, seq
 
-    def available(self, history: list[int], k: int) -> int:
-        return k
-
-    @torch.inference_mode()
-    def propose(self, history, pos, cache, k, params, generator) -> Draft:
-        from online.sampling import sampling_probs
+    def draft_logits(self, token: int, pos: int, cache) -> torch.Tensor:
         table = np.asarray(self.seq.table, dtype=np.int32)
-        token, tokens, rows = history[-1], [], []
-        for i in range(k):
-            logits = self.step.step_batch([token], [pos + i], [table], self.pool, [True])[0]  # [vocab]
-            if params.greedy:
-                token = int(torch.argmax(logits))
-            else:
-                q = sampling_probs(logits, params)  # [vocab]
-                token = int(torch.multinomial(q, 1, generator=generator))
-                rows.append(q)
-            tokens.append(token)
-        return Draft(tokens, torch.stack(rows) if rows else None)
+        return self.step.step_batch([token], [pos], [table], self.pool, [True])[0]  # [vocab]
 
 
 @dataclass

@@ -56,7 +56,7 @@ class SparseDrafter:
     def propose(self, history, pos, cache, k, params: SamplingParams, generator) -> Draft:
         token, tokens, rows = history[-1], [], []
         for i in range(k):
-            logits = self.step(token, pos + i, cache)  # [vocab]
+            logits = self.draft_logits(token, pos + i, cache)  # [vocab]
             if params.greedy:
                 token = int(torch.argmax(logits))
             else:
@@ -65,3 +65,7 @@ class SparseDrafter:
                 rows.append(q)
             tokens.append(token)
         return Draft(tokens, torch.stack(rows) if rows else None)
+
+    def draft_logits(self, token: int, pos: int, cache) -> torch.Tensor:
+        """The draft step's logits [vocab] for ``token`` at ``pos``, writing its KV into ``cache``."""
+        return self.step(token, pos, cache)
