@@ -50,14 +50,40 @@ def machine_line() -> str:
     return f"{cpu}, {os.cpu_count()} logical cores, {platform.system()} {platform.machine()}, Python {platform.python_version()}"
 
 
+def _sections(text: str) -> list[str]:
+    """Split markdown at its level-2 headings (a leading chunk before the first one included)."""
+    chunks, current = [], []
+    for line in text.splitlines():
+        if line.startswith("## ") and current:
+            chunks.append("\n".join(current).rstrip())
+            current = []
+        current.append(line)
+    if current:
+        chunks.append("\n".join(current).rstrip())
+    return chunks
+
+
 def assemble_results() -> None:
-    body = ["# Benchmark results", "",
-            "Every figure below is measured on the machine named in its section unless labelled **modeled**.", ""]
-    for part in PARTS:
-        path = BENCH_DIR / part
-        if path.is_file():
-            body += [path.read_text().rstrip(), ""]
-    (BENCH_DIR / "RESULTS.md").write_text("\n".join(body) + "\n")
+    """Rewrite RESULTS.md with the parts' current text in place of their old sections; sections other
+    benchmarks wrote straight into RESULTS.md (serving, speculation, cold start, ...) stay where they are."""
+    path = BENCH_DIR / "RESULTS.md"
+    header = ["# Benchmark results", "",
+              "Every figure below is measured on the machine named in its section unless labelled **modeled**."]
+    parts = {part: _sections((BENCH_DIR / part).read_text()) for part in PARTS if (BENCH_DIR / part).is_file()}
+    owner = {chunk.splitlines()[0]: part for part, chunks in parts.items() for chunk in chunks}
+    old = _sections(path.read_text()) if path.is_file() else []
+    body, placed = ["\n".join(header)], set()
+    for chunk in old[1:] if old and not old[0].startswith("## ") else old:
+        part = owner.get(chunk.splitlines()[0])
+        if part is None:
+            body.append(chunk)
+        elif part not in placed:
+            body += parts[part]
+            placed.add(part)
+    body += [chunk for part, chunks in parts.items() if part not in placed for chunk in chunks]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n\n".join(body) + "\n")
+    tmp.replace(path)
 
 
 def main() -> None:

@@ -36,11 +36,12 @@ BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC", "-fno-math-er
 HOST_FLAGS = ("-march=native",)
 COMPILE_TIMEOUT_S = 120
 # How long an OpenMP thread spins at a barrier before it sleeps (libgomp's GOMP_SPINCOUNT; the user's
-# own setting wins). The step has ~4 barriers a layer; with libgomp's default (300k spins) a machine
-# where another process holds one of the cores made each barrier wait out the other thread's time
-# slice: SmolLM2 decode fell from ~100 to 9-16 tok/s. A short spin covers a barrier on an idle
-# machine and yields the core at once on a busy one (bench/RESULTS.md, "barrier spin").
-BARRIER_SPIN_COUNT = "1000"
+# own setting or OMP_WAIT_POLICY wins). The `tandem` CLI sets the same value before torch loads (tandem/cli.py); this
+# covers the Python API, whose process never ran the CLI. The step has ~4 barriers a layer; with
+# libgomp's default (300k spins) another process holding one of the two cores made each barrier wait
+# out a time slice: SmolLM2 decode fell from ~120 to 1-25 tok/s (38-40 with this value, the same
+# speed on an idle machine: bench/RESULTS.md, "barrier spin").
+BARRIER_SPIN_COUNT = "30000"
 
 
 class NativeUnavailable(TandemError):
@@ -116,7 +117,8 @@ def _build(cc: str, flags: tuple[str, ...], out: Path) -> str | None:
 def _open_library(path: str) -> ctypes.CDLL:
     """dlopen + signatures once per process and library file (content-keyed, never rewritten):
     every packed weight asks for the library on its first product."""
-    os.environ.setdefault("GOMP_SPINCOUNT", BARRIER_SPIN_COUNT)  # read by libgomp when the library loads it
+    if "OMP_WAIT_POLICY" not in os.environ:  # read by libgomp when the library loads it (as tandem/cli.py)
+        os.environ.setdefault("GOMP_SPINCOUNT", BARRIER_SPIN_COUNT)
     lib = ctypes.CDLL(path)
     bind_signatures(lib)
     return lib
