@@ -270,23 +270,16 @@ static inline __attribute__((always_inline)) void acc4_i4g32(__m256 acc[4], cons
                                  acc[k]);
 }
 
-/* out[0..3] = rows r..r+3 . x for int4 groups of 32: the activation blocks and their scales are
- * loaded once for four rows, four independent FMA chains, one reduction for the four sums. */
-static void dot4_i4g32(const tdm_weight *w, int64_t r, const qvec *x, float *out) {
+/* the tail of dot4_i4g32 (and of its multi-token twin, rows_multi.h) for one token: flagged residual blocks, minimum terms, the four sums */
+static inline void finish4_i4g32(const tdm_weight *w, int64_t r, const qvec *x, __m256 acc[4], float *out) {
     int64_t rb = w->row_bytes, ss = w->scale_stride, ng = w->cols / 32;
     const uint8_t *p = w->data + r * rb;
     const float *d = w->scale + r * ss, *m = w->minimum + r * ss;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    const char *ahead = (const char *)(p + 8 * rb); /* four rows further on: one line per group */
-    for (int64_t g = 0; g < ng; g++) {
-        _mm_prefetch(ahead + 64 * g, _MM_HINT_T0);
-        acc4_i4g32(acc, p, rb, d, ss, g, _mm256_loadu_si256((const __m256i *)(x->q + 32 * g)), x->d[g]);
-    }
-    for (int64_t f = 0; f < x->n_flagged; f++) { /* the residual of outlier blocks */
+    for (int64_t f = 0; f < x->n_flagged; f++) {
         int64_t g = x->flagged[f];
         acc4_i4g32(acc, p, rb, d, ss, g, _mm256_loadu_si256((const __m256i *)(x->r + 32 * g)), x->dr[g]);
     }
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0; /* the minimum terms: m . block sums */
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     int64_t g = 0;
     for (; g + 8 <= ng; g += 8) {
         __m256 xs = _mm256_loadu_ps(x->s + g);
@@ -299,6 +292,21 @@ static void dot4_i4g32(const tdm_weight *w, int64_t r, const qvec *x, float *out
     _mm_storeu_ps(out, sums);
     for (; g < ng; g++)
         for (int k = 0; k < 4; k++) out[k] += m[k * ss + g] * x->s[g];
+}
+
+/* out[0..3] = rows r..r+3 . x for int4 groups of 32: the activation blocks and their scales are
+ * loaded once for four rows, four independent FMA chains, one reduction for the four sums. */
+static void dot4_i4g32(const tdm_weight *w, int64_t r, const qvec *x, float *out) {
+    int64_t rb = w->row_bytes, ss = w->scale_stride, ng = w->cols / 32;
+    const uint8_t *p = w->data + r * rb;
+    const float *d = w->scale + r * ss;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const char *ahead = (const char *)(p + 8 * rb); /* four rows further on: one line per group */
+    for (int64_t g = 0; g < ng; g++) {
+        _mm_prefetch(ahead + 64 * g, _MM_HINT_T0);
+        acc4_i4g32(acc, p, rb, d, ss, g, _mm256_loadu_si256((const __m256i *)(x->q + 32 * g)), x->d[g]);
+    }
+    finish4_i4g32(w, r, x, acc, out);
 }
 
 /* the same for Q8_0 blocks (blocked = 1) or per-row int8 (blocked = 0, one scale per row) */

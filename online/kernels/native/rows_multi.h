@@ -11,30 +11,6 @@
 #include "rows.h"
 
 #ifdef TDM_SIMD
-/* the tail of dot4_i4g32 for one token: flagged residual blocks, minimum terms, the four sums */
-static inline void finish4_i4g32(const tdm_weight *w, int64_t r, const qvec *x, __m256 acc[4], float *out) {
-    int64_t rb = w->row_bytes, ss = w->scale_stride, ng = w->cols / 32;
-    const uint8_t *p = w->data + r * rb;
-    const float *d = w->scale + r * ss, *m = w->minimum + r * ss;
-    for (int64_t f = 0; f < x->n_flagged; f++) {
-        int64_t g = x->flagged[f];
-        acc4_i4g32(acc, p, rb, d, ss, g, _mm256_loadu_si256((const __m256i *)(x->r + 32 * g)), x->dr[g]);
-    }
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    int64_t g = 0;
-    for (; g + 8 <= ng; g += 8) {
-        __m256 xs = _mm256_loadu_ps(x->s + g);
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(m + g), xs, s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(m + ss + g), xs, s1);
-        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(m + 2 * ss + g), xs, s2);
-        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(m + 3 * ss + g), xs, s3);
-    }
-    __m128 sums = _mm_add_ps(hsum4x8(acc[0], acc[1], acc[2], acc[3]), hsum4x8(s0, s1, s2, s3));
-    _mm_storeu_ps(out, sums);
-    for (; g < ng; g++)
-        for (int k = 0; k < 4; k++) out[k] += m[k * ss + g] * x->s[g];
-}
-
 /* sc[k * ng + g] = d[k * ss + g] * xd[g]: the block scales of four rows times a token's activation
  * scales (the same float products the single-token kernels form one at a time) */
 static inline void scales4(const float *d, int64_t ss, const float *xd, int64_t ng, float *sc) {
