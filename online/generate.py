@@ -11,12 +11,24 @@ from .kv_cache import KVCache
 from .sampling import DecodeOptions, SamplingParams, TokenChoice, choose_token, make_generator
 
 PREFILL_CHUNK_TOKENS = 512
+# Prompts up to this many tokens are prefilled through the fused C step (``compiled.prefill_logits``):
+# it has no per-call setup, while the module graph's first call dequantizes and re-blocks weights for
+# GEMM. Longer prompts go through the module graph, whose GEMM kernels win once the prompt is long
+# (bench/RESULTS.md, "Cold start": the crossover was measured there).
+FUSED_PREFILL_MAX_TOKENS = 64
 
 
 @torch.inference_mode()
 def prefill(model, executor, cache: KVCache, token_ids: list[int], start_pos: int = 0,
-            all_logits: bool = False) -> torch.Tensor:
-    """Run the prompt through the model in chunks; logits of the last position [vocab] (or all [T, vocab])."""
+            all_logits: bool = False, compiled=None) -> torch.Tensor:
+    """Run the prompt through the model in chunks; logits of the last position [vocab] (or all [T, vocab]).
+
+    ``compiled``: the fused C step; a prompt of at most FUSED_PREFILL_MAX_TOKENS tokens goes through it
+    in one call (every KV row and the logits equal the single-token step's), unless all logits are asked for.
+    """
+    if (compiled is not None and not all_logits and len(token_ids) <= FUSED_PREFILL_MAX_TOKENS
+            and getattr(compiled, "prefills_natively", False)):
+        return compiled.prefill_logits(token_ids, start_pos, cache)
     outputs = []
     for begin in range(0, len(token_ids), PREFILL_CHUNK_TOKENS):
         chunk = torch.tensor(token_ids[begin: begin + PREFILL_CHUNK_TOKENS], dtype=torch.long)
@@ -73,7 +85,7 @@ def _token_loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_t
     generator = make_generator(params)
     state = options.new_state() if options is not None else None
     timings.start_s = time.perf_counter()
-    logits = prefill(model, executor, cache, prompt_ids)
+    logits = prefill(model, executor, cache, prompt_ids, compiled=compiled)
     if decode_threads is not None:
         torch.set_num_threads(decode_threads)
     pos = len(prompt_ids)

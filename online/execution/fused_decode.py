@@ -265,6 +265,29 @@ class FusedDecodeStep:
             return step_batch_by_token(self, token_ids, positions, tables, pool, want)
         return self._run_batch(token_ids, positions, tables, block_tokens, pool.keys, pool.values, want)
 
+    @property
+    def prefills_natively(self) -> bool:
+        """Whether ``prefill_logits`` is one C call (not token by token through a subclass's step)."""
+        return self._native_multi_token()
+
+    def prefill_logits(self, token_ids, start_pos: int, cache: KVCache) -> torch.Tensor:
+        """Logits [vocab] of the last of ``token_ids`` (a prompt at ``start_pos..``), every KV row written:
+        ``step_many`` with the output layer run for the last token only.
+
+        Example::
+
+            logits = step.prefill_logits(prompt_ids, 0, cache)   # [vocab]
+        """
+        token_ids = int_list(token_ids, "token_ids")
+        if not token_ids:
+            raise TandemError("prefill needs at least one token")
+        start_pos = int(start_pos)
+        end = start_pos + len(token_ids)
+        if start_pos < 0 or end > min(cache.capacity_tokens, self._desc.rope_positions):
+            raise TandemError(f"positions {start_pos}..{end - 1} are outside the KV cache ({cache.capacity_tokens} tokens)")
+        want = [False] * (len(token_ids) - 1) + [True]
+        return self.step_batch(token_ids, list(range(start_pos, end)), [[0]] * len(token_ids), cache, want)[0]
+
     def _native_multi_token(self) -> bool:
         """False for subclasses with their own single-token step (LayerOffloadStep runs some layers
         outside C): their multi-token calls go token by token through that step."""

@@ -63,7 +63,7 @@ def _loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_tokens,
           policy, stats, decode_threads):
     generator = make_generator(params)
     timings.start_s = time.perf_counter()
-    logits = prefill(model, executor, cache, prompt_ids)
+    logits = prefill(model, executor, cache, prompt_ids, compiled=step)
     if decode_threads is not None:
         torch.set_num_threads(decode_threads)
     budget = min(params.max_new_tokens, max_total_tokens - len(prompt_ids))
