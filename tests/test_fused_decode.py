@@ -272,5 +272,6 @@ def test_unwritable_cache_folder_falls_back_to_the_temp_dir(tmp_path, monkeypatc
     blocked.write_text("x")  # a file where the cache folder should be: mkdir fails
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(blocked))
     monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    lib = native.load_native()
-    assert lib.path.parent == tmp_path / "tmp" / f"tandem-native-{native.os.getuid()}"
+    folder = native._writable_native_dir()  # where load_native builds (building itself: the test above)
+    assert folder == tmp_path / "tmp" / f"tandem-native-{native.os.getuid()}" and folder.is_dir()
+    assert folder.stat().st_mode & 0o777 == 0o700  # a shared library is loaded from there: this user's only

@@ -38,17 +38,21 @@ def test_every_gguf_tensor_decodes_like_gguf(gemma3_path):
     """Our decoders against gguf-py's on the real file's blocks (all four quantized types)."""
     import gguf
     import numpy as np
+    from online.loading.gguf_header import read_gguf_header
     from online.loading.quants import dequantize
-    reader = gguf.GGUFReader(str(gemma3_path))
-    seen = set()
-    for t in reader.tensors:
+    seen = set()  # our header reader (checked against gguf.GGUFReader in test_gguf_header.py) finds the
+    for t in read_gguf_header(gemma3_path).tensors:  # blocks: GGUFReader spends ~20 s on the vocabulary
         name = t.tensor_type.name
         if name in seen or name == "F32":
             continue
         seen.add(name)
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-        ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-        assert np.array_equal(dequantize(t.data, name, shape), ref), t.name
+        data = np.asarray(t.data)  # [rows, row_bytes] for blocked types
+        if data.ndim == 2 and data.shape[0] > 96:  # gguf-py's decoders are slow: the first and last 48 rows
+            data = np.concatenate([data[:48], data[-48:]])
+            shape = (data.shape[0],) + shape[-1:]
+        ref = gguf.quants.dequantize(data, t.tensor_type).reshape(shape)
+        assert np.array_equal(dequantize(data, name, shape), ref), t.name
     assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= seen
 
 

@@ -316,7 +316,7 @@ def test_smollm2_pipeline_exact_path_matches_profiler_and_stays_within_limit(smo
     from offline.thresholds import ThresholdedExecutor, windows_perplexity
     from predictors.evaluate import split_into_windows
     engine = smollm2_engine
-    calib = build_calibration_set(engine, max_tokens=2500)
+    calib = build_calibration_set(engine, max_tokens=1600)
     from offline.collect import collect_layer_activations
     acts = collect_layer_activations(engine, calib.train[:2], window_tokens=256)
     thresholds = torch.tensor([float(h.abs().flatten().quantile(0.45)) for _, (_, h) in sorted(acts.items())])

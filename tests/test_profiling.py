@@ -516,7 +516,7 @@ def test_smollm2_profile_cli(smollm2_path, tmp_path):
     assert sum(len(render_document(d, tok)) for d in builtin_documents()) >= 6000
     out = tmp_path / "smol"
     rc = tandem_main(["profile", "--model", "smollm2", "--tokens", "1200", "--search-steps", "3", "--plot",
-                      "--out", str(out), "--no-progress", "--threads", "1"])
+                      "--out", str(out), "--no-progress", "--threads", "2"])
     assert rc == 0
     profile = load_profile(out)
     assert profile.activity == "threshold" and profile.neuron_freq.shape == (30, 1536)
