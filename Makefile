@@ -29,7 +29,7 @@ run: setup
 	$(BIN)/tandem generate --model smollm2 --plan "$$plan" --chat --prompt "$(PROMPT)" --max-new-tokens 64 --threads $(THREADS)
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
