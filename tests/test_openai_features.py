@@ -304,13 +304,19 @@ def test_openai_client_tool_calls_round_trip(srv, ref_engine):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
 
-    # a named function, streamed: one delta.tool_calls chunk, finish_reason tool_calls
+    # a named function, streamed: the name first, then the arguments in pieces; finish_reason tool_calls
     chunks = list(client.chat.completions.create(
         model=ref_engine.model_id, messages=question, tools=[WEATHER, CLOCK], max_tokens=300, temperature=0,
         tool_choice={"type": "function", "function": {"name": "get_time"}}, stream=True))
-    deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    assert len(deltas) == 1 and deltas[0][0].function.name == "get_time" and deltas[0][0].index == 0
-    jsonschema.validate(json.loads(deltas[0][0].function.arguments), CLOCK["function"]["parameters"])
+    deltas = [d for c in chunks if c.choices and c.choices[0].delta.tool_calls for d in c.choices[0].delta.tool_calls]
+    assert deltas[0].function.name == "get_time" and deltas[0].id and deltas[0].index == 0
+    assert {d.index for d in deltas} == {0} and len(deltas) > 2  # streamed in pieces
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(arguments), CLOCK["function"]["parameters"])
+    whole = client.chat.completions.create(
+        model=ref_engine.model_id, messages=question, tools=[WEATHER, CLOCK], max_tokens=300, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert json.loads(arguments) == json.loads(whole.choices[0].message.tool_calls[0].function.arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
     # tool_choice none: the tools are not rendered, the answer is the plain chat's
@@ -360,6 +366,33 @@ def test_auto_tool_choice_parses_a_call_the_model_writes():
     events = streamed("Hello there", ["Hel", "lo", " there"])
     assert [e["choices"][0]["delta"].get("content") for e in events[1:-1]] == ["Hel", "lo", " there"]
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tool_call_arguments_stream_in_pieces_that_join_to_the_parsed_call():
+    """Fed a character at a time, a stream names each call once and then sends argument fragments whose
+    concatenation parses to what parse_tool_calls (the whole-text reference) finds; parallel calls get
+    their own index, parallel_tool_calls false keeps the first; text that is no call sends nothing."""
+    from online.server.tool_stream import ToolCallStream, scan_tool_calls
+    tools = [ToolSpec.from_openai(WEATHER), ToolSpec.from_openai(CLOCK)]
+    known = {t.name for t in tools}
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"Lutetia\\" {x}", "days": [1, 2]}}'
+            '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
+    reference = parse_tool_calls(text, tools)
+    assert [name for name, _ in reference] == ["get_weather", "get_time"]
+    for max_calls in (None, 1):
+        stream = ToolCallStream(known, max_calls)
+        deltas = [d for i in range(1, len(text) + 1) for d in stream.update(text[:i])]
+        starts = [d for d in deltas if "id" in d]
+        assert [(d["index"], d["function"]) for d in starts] == [
+            (i, {"name": name, "arguments": ""}) for i, (name, _) in enumerate(reference[:max_calls])]
+        for i, (_, args) in enumerate(reference[:max_calls]):
+            pieces = [d["function"]["arguments"] for d in deltas if d["index"] == i and "id" not in d]
+            assert len(pieces) > 5 and json.loads("".join(pieces)) == json.loads(args)
+    for prefix in range(len(text)):  # a scan of a prefix never claims a call complete too early
+        assert all(not done or json.loads(args) for _, args, done in scan_tool_calls(text[:prefix], known))
+    assert ToolCallStream(known, None).update('{"name": "get_time", "arguments": {"zone"')[0]["function"]["name"] == "get_time"
+    assert ToolCallStream(known, None).update('{"name": "nope", "arguments": {"a": 1}}') == []
+    assert ToolCallStream(known, None).update("The weather is {sunny}") == []
 
 
 def test_chat_template_with_tools_renders_them_itself(ref_engine):

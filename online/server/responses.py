@@ -11,7 +11,8 @@ With ``token_bytes`` (token id -> its bytes) the choices carry logprobs: chat
 ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``. With ``tools``
 the text is parsed for tool calls (online.constrain.tools): ``message.tool_calls`` and
 ``finish_reason: "tool_calls"``; a stream streams content as usual once the text can no longer
-be a tool call, and sends a call whole as one ``delta.tool_calls`` chunk at the end.
+be a tool call, and streams a call as ``delta.tool_calls`` chunks: its name, then its arguments as
+they are generated (online/server/tool_stream.py).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from online.server.scheduler import GenerationJob, timeout_error
+from online.server.tool_stream import CALL_TAG, ToolCallStream
 
 
 class Reply:
@@ -118,14 +120,17 @@ class Reply:
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
               index: int = 0, choices: list[Any] | None = None,
-              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              tool_calls: list[dict[str, Any]] | None = None, first_call: int = 0) -> dict[str, Any]:
+        """One stream chunk; ``tool_calls``: whole calls (numbered from ``first_call``) or, when they
+        carry an ``index``, ToolCallStream deltas as they are."""
         logprobs = self.logprobs(choices, index=index) if choices else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
             if tool_calls:
-                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+                delta["tool_calls"] = [call if "index" in call else {"index": first_call + i, **call}
+                                       for i, call in enumerate(tool_calls)]
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
         return self._envelope("text_completion", [{"index": index, "text": text or "", "logprobs": logprobs,
@@ -141,6 +146,8 @@ class Reply:
                 yield sse(self.chunk(role=True, index=i))
         kind, value = first
         held = [ToolCallHold() for _ in range(n)] if self.tools is not None else None
+        known = {t.name for t in self.tools or ()}
+        calls_out = [ToolCallStream(known, self.max_tool_calls) for _ in range(n)]
         while True:
             if kind == "piece":
                 index, text, choices = piece_parts(value)
@@ -148,14 +155,20 @@ class Reply:
                     text, choices = held[index].push(text, choices)
                 if text:
                     yield sse(self.chunk(text=text, index=index, choices=choices))
+                deltas = calls_out[index].update(held[index].text) if held is not None else []
+                if deltas:  # a call's name, then its arguments as they are generated
+                    taken, held[index].choices = held[index].choices, []
+                    yield sse(self.chunk(tool_calls=deltas, index=index, choices=taken))
             elif kind == "done":
                 for i, result in enumerate(value if isinstance(value, list) else [value]):
                     finish = result.finish_reason
-                    if held is not None:  # the held-back tail: a call, or content after all
-                        calls = self.tool_calls(result)
-                        if calls:
-                            finish = "tool_calls"
-                            yield sse(self.chunk(tool_calls=calls, index=i, choices=held[i].choices))
+                    if held is not None:  # the held-back tail: calls not streamed yet, or content after all
+                        calls, streamed = self.tool_calls(result), calls_out[i].streamed
+                        if calls or streamed:
+                            finish = "tool_calls" if calls else finish
+                            if calls[streamed:] or held[i].choices:
+                                yield sse(self.chunk(tool_calls=calls[streamed:], first_call=streamed, index=i,
+                                                     choices=held[i].choices))
                         elif held[i].text:
                             yield sse(self.chunk(text=held[i].text, index=i, choices=held[i].choices))
                     yield sse(self.chunk(finish_reason=finish, index=i))
@@ -173,8 +186,6 @@ class Reply:
                 kind, value = "error", timeout_error(timeout_s)
         yield "data: [DONE]\n\n"
 
-
-CALL_TAG = "<tool_call>"
 
 
 class ToolCallHold:
