@@ -221,9 +221,9 @@ def test_smollm2_json_schema_and_json_object(smollm2_path):
 
 def generation_logits(engine: Engine, prompt_ids: list[int], token_ids: list[int]) -> torch.Tensor:
     """[len(token_ids), vocab]: the logits each generated token was chosen from, recomputed as generation
-    does (prefill, then one decode step per token: the fused step on a packed engine)."""
+    does (prefill and one decode step per token, through the fused step on a packed engine)."""
     cache = KVCache(engine.config, len(prompt_ids) + len(token_ids))
-    rows = [prefill(engine.model, engine.executor, cache, prompt_ids)]
+    rows = [prefill(engine.model, engine.executor, cache, prompt_ids, compiled=engine.compiled_decode)]
     for pos, token in enumerate(token_ids[:-1], start=len(prompt_ids)):
         rows.append(decode_one_token(engine.model, engine.executor, cache, token, pos, engine.compiled_decode))
     return torch.stack(rows).float()
@@ -508,7 +508,7 @@ def test_n_choices_with_logprobs_and_a_json_schema_request_batched_beside_a_stre
     engine_kw = {"weight_format": "int4"}
     ref = Engine.load(str(tiny_dir), **engine_kw)
     question = [{"role": "user", "content": "hi"}]
-    batch = BatchConfig(prefill="modules")  # the reference, Engine.generate, prefills through the modules
+    batch = BatchConfig()  # step prefill: the reference, Engine.generate, prefills short prompts through the step too
     with LiveServer(create_app(Engine.load(str(tiny_dir), **engine_kw), batch=batch)) as srv:
         client = srv.client()
         chat = client.chat.completions.create(model=ref.model_id, messages=question, max_tokens=10, n=2,
