@@ -80,8 +80,9 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
     if warning is not None:  # one line on stderr, as the CLI's errors
         import sys
         print(f"warning: {plan_dir}: {warning}", file=sys.stderr)
-    tier = GpuTier.create(plan.gpu_budget_bytes, settings.gpu_device)
-    settings = replace(settings, tier_format=tier_format_for(plan.settings.bytes_per_weight))  # the plan's bytes
+    tier = GpuTier.create(plan.gpu_budget_bytes, settings.gpu_device, threads=settings.threads)
+    settings = replace(settings, tier_format=tier_format_for(plan.settings.bytes_per_weight),  # the plan's bytes,
+                       tier_formats=plan.settings.tensor_formats)  # and its format per tensor role
     thresholds = [float(t) for t in profile.thresholds.tolist()]
     gpu_neurons = [plan.gpu_neurons(i) if not cfg.is_moe_layer(i) else None for i in range(cfg.num_layers)]
     executor = HybridExecutor.build(cfg, ffn_layers, tier, settings, gpu_neurons=gpu_neurons, thresholds=thresholds,
@@ -90,8 +91,8 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
         from .execution.tier_units import kv_dtype_for, place_plan_units
         place_plan_units(model, executor, tier, attention_on_gpu=plan.attention_on_gpu,
                          output_head_on_gpu=plan.output_head_on_gpu, embeddings_on_gpu=plan.embeddings_on_gpu,
-                         tier_format=settings.tier_format, kv_dtype=kv_dtype_for(plan.settings.kv_bytes_per_element),
-                         kv_capacity_tokens=plan.settings.context_tokens)
+                         tier_format=settings.tier_format_of, kv_dtype=kv_dtype_for(plan.settings.kv_bytes_per_element),
+                         kv_capacity_tokens=plan.settings.context_tokens, raw=raw)
     if cfg.is_moe:
         from .experts.runtime import ExpertRuntime, default_cost_model
         slots = plan.expert_cache_slots if expert_slots is None else expert_slots

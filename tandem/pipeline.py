@@ -152,7 +152,8 @@ def plan(model: str | Path, profile_dir: str | Path, hardware: str | Path, *, gp
     from placement.plan import load_plan, save_plan
     from placement.planner import check_budget, default_gpu_budget, make_plan
     from placement.predictor_info import load_predictor_info, no_predictors
-    from placement.settings import PlanSettings, checkpoint_bytes_per_weight, resolve_bytes_per_weight
+    from placement.settings import PlanSettings, checkpoint_bytes_per_weight, checkpoint_tensor_formats
+    from placement.settings import resolve_bytes_per_weight
 
     hw = load_hardware(hardware)
     budget = default_gpu_budget(hw) if gpu_budget is None else parse_bytes(str(gpu_budget))
@@ -163,7 +164,8 @@ def plan(model: str | Path, profile_dir: str | Path, hardware: str | Path, *, gp
              if predictors_dir else no_predictors(config.num_layers))
     bytes_per_weight = (checkpoint_bytes_per_weight(checkpoint) if weight_format == "auto"
                         else resolve_bytes_per_weight(_number_or_name(weight_format)))
-    settings = PlanSettings(bytes_per_weight=bytes_per_weight,
+    tensor_formats = checkpoint_tensor_formats(checkpoint) if weight_format == "auto" else {}  # GGUF blocks as they are
+    settings = PlanSettings(bytes_per_weight=bytes_per_weight, tensor_formats=tensor_formats,
                             context_tokens=context_tokens or min(config.max_context, 2048),
                             neurons_per_chunk=neurons_per_chunk, min_gpu_neurons_per_layer=min_gpu_neurons)
     check_budget(config, hw, budget, settings)

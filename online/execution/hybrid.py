@@ -51,6 +51,7 @@ class ExecutionSettings:
     threads: int = 2
     gpu_device: str | None = None  # None: CUDA when present, else the CPU
     tier_format: str = "fp32"  # how hot rows are stored on the GPU tier (a plan sets its own: fp16/q8/q4)
+    tier_formats: tuple[tuple[str, str], ...] = ()  # per tensor role (a plan's ``tensor_formats``); others: tier_format
 
     def __post_init__(self) -> None:
         from tandem.errors import TandemError
@@ -62,6 +63,12 @@ class ExecutionSettings:
             raise TandemError(f"threads must be >= 1, got {self.threads}")
         if self.tier_format not in TIER_FORMATS:
             raise TandemError(f"unknown GPU-tier format {self.tier_format!r} (choose from {', '.join(TIER_FORMATS)})")
+        if any(fmt not in TIER_FORMATS for _, fmt in self.tier_formats):
+            raise TandemError(f"unknown GPU-tier format in {dict(self.tier_formats)} (choose from {', '.join(TIER_FORMATS)})")
+
+    def tier_format_of(self, role: str) -> str:
+        """The tier format of a tensor role (``ffn_up``, ``attn_q``, ``output``, ...; see placement.settings)."""
+        return dict(self.tier_formats).get(role, self.tier_format)
 
 
 @dataclass
@@ -74,6 +81,7 @@ class GpuPart:
     gate: TierMatrix | None = None  # [n_hot, d]
     up_bias: torch.Tensor | None = None  # [n_hot] float32 on the tier
     gate_bias: torch.Tensor | None = None  # [n_hot]
+    kernel_ffn: object = None  # CPU tier: online.kernels QuantizedFFN over the same codes (tier_ffn_kernel)
 
     @property
     def nbytes(self) -> int:
@@ -183,6 +191,9 @@ class HybridExecutor(DenseExecutor):
     def _gpu_forward(self, part: GpuPart, x: torch.Tensor) -> torch.Tensor:
         x_tier = self.tier.send(x)
         cfg = self.cfg
+        if part.kernel_ffn is not None and x_tier.dtype == torch.float32:  # CPU tier: the CPU kernels, same codes
+            self.counters.ffn_neurons_active += x.shape[0] * part.neurons.numel()
+            return part.kernel_ffn.forward_dense(x_tier.contiguous())
         up = part.up.linear(x_tier, part.up_bias)  # [T, n_hot]
         if part.gate is None:
             h = activate(cfg.hidden_act, up, cfg.act_threshold)
@@ -250,17 +261,24 @@ def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor,
     cold = torch.nonzero(cold_mask).flatten()
     gpu = None
     if hot.numel():
-        fmt, prefix = settings.tier_format, f"layers.{layer}"
+        fmt, prefix = settings.tier_format_of, f"layers.{layer}"
 
         def put(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else tier.allocate(f"{prefix}.{name}", t.float().contiguous())
+
+        def rows(name: str, role: str, float_rows: torch.Tensor) -> TierMatrix:  # GGUF rows as they are, if any
+            blocks = raw.get(f"model.layers.{layer}.mlp.{name}_proj.weight")
+            if blocks is not None:
+                return TierMatrix.from_raw(blocks, fmt(role), tier, f"{prefix}.hot_{name}", rows=hot)
+            return TierMatrix.pack(float_rows[hot], fmt(role), tier, f"{prefix}.hot_{name}")
         gpu = GpuPart(
             neurons=hot, index=tier.allocate(f"{prefix}.hot_index", hot.clone()),
-            up=TierMatrix.pack(w.up[hot], fmt, tier, f"{prefix}.hot_up"),
-            down_t=TierMatrix.pack(w.down[:, hot].t(), fmt, tier, f"{prefix}.hot_down"),
-            gate=None if w.gate is None else TierMatrix.pack(w.gate[hot], fmt, tier, f"{prefix}.hot_gate"),
+            up=rows("up", "ffn_up", w.up),
+            down_t=TierMatrix.pack(w.down[:, hot].t(), fmt("ffn_down"), tier, f"{prefix}.hot_down"),  # blocks along d
+            gate=None if w.gate is None else rows("gate", "ffn_gate", w.gate),
             up_bias=put("hot_up_bias", None if w.up_bias is None else w.up_bias[hot]),
             gate_bias=put("hot_gate_bias", None if w.gate_bias is None else w.gate_bias[hot]))
+        gpu.kernel_ffn = tier_ffn_kernel(cfg, gpu, tier)
     cpu = None
     if cold.numel():
         kw = dict(act=cfg.hidden_act, act_threshold=cfg.act_threshold, threads=settings.threads)
@@ -281,6 +299,20 @@ def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor,
     cold_local[cold] = torch.arange(cold.numel())
     return LayerSplit(gpu=gpu, cpu=cpu, cpu_neurons=cold, threshold=threshold,
                       down_bias=w.down_bias, predictor=predictor if cpu is not None else None, cold_local=cold_local)
+
+
+def tier_ffn_kernel(cfg: ModelConfig, part: GpuPart, tier: GpuTier) -> QuantizedFFN | None:
+    """On a CPU tier: the hot rows as a QuantizedFFN over the tier's own codes (no copy of the weights, no
+    dequantization per call), or None (CUDA tier, or a layout the kernels do not read)."""
+    if tier.is_cuda:
+        return None
+    mats = [part.up.kernel_weight(), part.down_t.kernel_weight()]
+    gate = part.gate.kernel_weight() if part.gate is not None else None
+    if any(m is None for m in mats) or (part.gate is not None and gate is None):
+        return None
+    vec = lambda t: None if t is None else t.numpy()  # noqa: E731
+    return QuantizedFFN(mats[0], mats[1], gate, act=cfg.hidden_act, act_threshold=cfg.act_threshold,
+                        up_bias=vec(part.up_bias), gate_bias=vec(part.gate_bias), threads=tier.threads)
 
 
 def _pack_head(weight: torch.Tensor, settings: ExecutionSettings, raw_blocks) -> QuantizedLinear:

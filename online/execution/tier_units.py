@@ -9,6 +9,8 @@ Example::
 
     place_plan_units(model, executor, tier, attention_on_gpu=[True, False], output_head_on_gpu=True,
                      embeddings_on_gpu=False, tier_format="q4", kv_dtype=torch.float16, kv_capacity_tokens=2048)
+    # per tensor role (a plan's tensor_formats), GGUF blocks kept where the role's format is their type:
+    place_plan_units(..., tier_format=settings.tier_format_of, raw=ckpt.raw)
 """
 from __future__ import annotations
 
@@ -22,7 +24,22 @@ from ..model.decoder import Attention
 from ..model.rope import apply_rope
 from .tier_format import TierMatrix
 
+_ATTENTION_ROLES = (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_o"))
+
 KV_DTYPES = {4.0: torch.float32, 2.0: torch.float16}
+
+
+def _role_format(tier_format) -> object:
+    """A role -> format function from a format (every role) or such a function (``ExecutionSettings.tier_format_of``)."""
+    return tier_format if callable(tier_format) else (lambda role: tier_format)
+
+
+def tier_matrix(float_weight: torch.Tensor, raw_blocks, fmt: str, tier, name: str) -> TierMatrix:
+    """A matrix in ``fmt`` on the tier: from its GGUF blocks when there are any (kept as they are where ``fmt``
+    is their type), else packed from the float weights."""
+    if raw_blocks is not None and tuple(raw_blocks.shape) == tuple(float_weight.shape):
+        return TierMatrix.from_raw(raw_blocks, fmt, tier, name)
+    return TierMatrix.pack(float_weight, fmt, tier, name)
 
 
 def kv_dtype_for(kv_bytes_per_element: float) -> torch.dtype:
@@ -34,7 +51,8 @@ class TierAttention(nn.Module):
     """One layer's attention on the tier: packed q/k/v/o, its own KV cache there (``kv_capacity_tokens``)."""
     on_tier = True
 
-    def __init__(self, attn, layer: int, tier, fmt: str, kv_dtype: torch.dtype, kv_capacity_tokens: int) -> None:
+    def __init__(self, attn, layer: int, tier, fmt, kv_dtype: torch.dtype, kv_capacity_tokens: int,
+                 raw: dict | None = None) -> None:
         super().__init__()
         self.tier, self.layer = tier, layer
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
@@ -42,10 +60,12 @@ class TierAttention(nn.Module):
         self.local_rope, self.scale = attn.local_rope, attn.scale  # Gemma 3: per-layer rope table, own scale
         if hasattr(attn, "q_norm"):  # Qwen3 / Gemma 3 per-head norms (a few hundred bytes, not planned)
             self.q_norm, self.k_norm = attn.q_norm.to(tier.device), attn.k_norm.to(tier.device)
-        prefix = f"layers.{layer}.attention"
-        qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])  # [q + 2 kv, d]
-        self.qkv = TierMatrix.pack(qkv_w, fmt, tier, f"{prefix}.qkv")
-        self.o = TierMatrix.pack(attn.o_proj.weight, fmt, tier, f"{prefix}.o")
+        prefix, role_format, raw = f"layers.{layer}.attention", _role_format(fmt), raw or {}
+        mats = {name: tier_matrix(getattr(attn, name).weight, raw.get(f"model.layers.{layer}.self_attn.{name}.weight"),
+                                  role_format(role), tier, f"{prefix}.{name[0]}")
+                for name, role in _ATTENTION_ROLES}  # each in its role's format
+        self.qkv_parts = [mats["q_proj"], mats["k_proj"], mats["v_proj"]]  # [q, d], [kv, d], [kv, d]
+        self.o = mats["o_proj"]
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
         self.qkv_bias = None if biases[0] is None else tier.allocate(f"{prefix}.qkv_bias", torch.cat(biases).float())
         ob = attn.o_proj.bias
@@ -62,7 +82,7 @@ class TierAttention(nn.Module):
     def nbytes(self) -> int:
         """Weight bytes read per token (the KV cache is not counted)."""
         bias = sum(b.numel() * 4 for b in (self.qkv_bias, self.o_bias) if b is not None)
-        return self.qkv.nbytes + self.o.nbytes + bias
+        return sum(m.nbytes for m in self.qkv_parts) + self.o.nbytes + bias
 
     def forward(self, x: torch.Tensor, layer: int, start_pos: int, cache, cos, sin) -> torch.Tensor:
         n_tokens, end = x.shape[0], start_pos + x.shape[0]
@@ -70,7 +90,10 @@ class TierAttention(nn.Module):
             raise TandemError(f"context of {end} tokens exceeds the {self.capacity_tokens}-token KV cache the plan "
                               f"put on the GPU tier (plan again with a larger --context)")
         dev = self.tier.device
-        qkv = self.qkv.linear(self.tier.send(x), self.qkv_bias)  # [T, q + 2 kv]
+        x_tier = self.tier.send(x)
+        qkv = torch.cat([m.linear(x_tier) for m in self.qkv_parts], dim=-1)  # [T, q + 2 kv]
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q = qkv[:, :q_dim].reshape(n_tokens, self.n_heads, self.head_dim)  # [T, H, hd]
         k = qkv[:, q_dim:q_dim + kv_dim].reshape(n_tokens, self.n_kv_heads, self.head_dim)  # [T, KV, hd]
@@ -107,19 +130,24 @@ class TierEmbedding(nn.Module):
 
 
 def place_plan_units(model, executor, tier, *, attention_on_gpu: list[bool], output_head_on_gpu: bool,
-                     embeddings_on_gpu: bool, tier_format: str, kv_dtype: torch.dtype, kv_capacity_tokens: int) -> None:
-    """Swap the plan's GPU units into ``model`` / ``executor`` (call before packing the CPU attention)."""
-    cfg = model.cfg
+                     embeddings_on_gpu: bool, tier_format, kv_dtype: torch.dtype, kv_capacity_tokens: int,
+                     raw: dict | None = None) -> None:
+    """Swap the plan's GPU units into ``model`` / ``executor`` (call before packing the CPU attention).
+    ``tier_format``: one format, or role -> format (``ExecutionSettings.tier_format_of``); ``raw``: GGUF blocks."""
+    cfg, fmt, raw = model.cfg, _role_format(tier_format), raw or {}
+    embed_raw = raw.get("model.embed_tokens.weight")
     for i, on_gpu in enumerate(attention_on_gpu):
         if on_gpu:
             block = model.layers[i]
-            block.self_attn = TierAttention(block.self_attn, i, tier, tier_format, kv_dtype, kv_capacity_tokens)
+            block.self_attn = TierAttention(block.self_attn, i, tier, fmt, kv_dtype, kv_capacity_tokens, raw)
     head = None
     if output_head_on_gpu:
-        head = TierMatrix.pack(model.lm_head.weight, tier_format, tier, "output_head")
+        head_raw = embed_raw if cfg.tie_word_embeddings else raw.get("lm_head.weight")
+        head = tier_matrix(model.lm_head.weight, head_raw, fmt("output"), tier, "output_head")
         executor.tier_head = head
         executor.head = None  # the packed CPU copy is not needed
     if cfg.tie_word_embeddings and head is not None:
         model.embed_tokens = TierEmbedding(head, tier)  # one shared table (the plan counts it once)
     elif embeddings_on_gpu and not cfg.tie_word_embeddings:
-        model.embed_tokens = TierEmbedding(TierMatrix.pack(model.embed_tokens.weight, tier_format, tier, "embeddings"), tier)
+        table = tier_matrix(model.embed_tokens.weight, embed_raw, fmt("embeddings"), tier, "embeddings")
+        model.embed_tokens = TierEmbedding(table, tier)
