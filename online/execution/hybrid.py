@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.errors import TandemError
+
 from ..config import ModelConfig
 from ..kernels.ffn import QuantizedFFN, QuantizedLinear
 from .activations import activate, gated_hidden
@@ -125,6 +127,7 @@ class HybridExecutor(DenseExecutor):
         self.counters = ExecutionCounters()
         self.experts = None  # online.experts.ExpertRuntime for MoE layers (attach_experts)
         self.tier_head = None  # TierMatrix: the output layer on the GPU tier (tier_units.place_plan_units)
+        self.pending_hot: dict[int, torch.Tensor] = {}  # layer -> hot FFN output fetched with its tier attention
 
     def attach_experts(self, runtime) -> None:
         """Run MoE layers through ``runtime``; it holds the (packed) experts, so the float ones go."""
@@ -172,12 +175,16 @@ class HybridExecutor(DenseExecutor):
         start = time.perf_counter()
         n_tokens = x.shape[0]
         y = handle = None
-        if split.gpu is not None:  # launched first; on CUDA it runs while the CPU computes the cold part
+        y_gpu = self.pending_hot.pop(layer, None)  # computed in the layer's tier-attention exchange
+        if y_gpu is not None and y_gpu.shape != x.shape:
+            raise TandemError(f"internal error: layer {layer}'s hot FFN output does not match its input")
+        if split.gpu is not None and y_gpu is None:  # launched first; on CUDA it runs while the CPU computes the cold part
             handle = self.tier.fetch_async(self._gpu_forward(split.gpu, x))
         if split.cpu is not None:
             y = self._cpu_forward(split, x)
         if handle is not None:
             y_gpu = self.tier.wait(handle)  # the layer's one exchange back
+        if y_gpu is not None:
             y = y_gpu if y is None else y + y_gpu
         if split.down_bias is not None:
             y = y + split.down_bias
@@ -189,8 +196,11 @@ class HybridExecutor(DenseExecutor):
         return split.cpu_neurons.numel() + (split.gpu.neurons.numel() if split.gpu is not None else 0)
 
     def _gpu_forward(self, part: GpuPart, x: torch.Tensor) -> torch.Tensor:
-        x_tier = self.tier.send(x)
-        cfg = self.cfg
+        return self.hot_on_tier(part, self.tier.send(x))
+
+    def hot_on_tier(self, part: GpuPart, x_tier: torch.Tensor) -> torch.Tensor:
+        """The hot rows on input already on the tier: ``[T, d]`` there (no exchange)."""
+        cfg, x = self.cfg, x_tier
         if part.kernel_ffn is not None and x_tier.dtype == torch.float32:  # CPU tier: the CPU kernels, same codes
             self.counters.ffn_neurons_active += x.shape[0] * part.neurons.numel()
             return part.kernel_ffn.forward_dense(x_tier.contiguous())

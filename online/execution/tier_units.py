@@ -3,7 +3,10 @@ the embeddings. Each is a module swapped into the model, stored in the tier form
 tier under the plan's kinds (``attention_and_kv``, ``output_head``, ``embeddings``).
 
 The model keeps calling its modules; these move their input to the tier, compute there and hand the
-result back to the host (one exchange each way per unit).
+result back to the host (one exchange each way per unit). A layer whose attention and hot FFN rows are
+both on the tier makes ONE exchange: the attention sends the residual stream (tapped at the block's
+input norm), and the tier runs norm, attention, residual, FFN norm and the hot rows in one go, fetching
+the attention output and the hot FFN output together; the executor adds the CPU's cold part to it.
 
 Example::
 
@@ -13,6 +16,8 @@ Example::
     place_plan_units(..., tier_format=settings.tier_format_of, raw=ckpt.raw)
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +80,18 @@ class TierAttention(nn.Module):
         self.values = tier.allocate(f"layers.{layer}.kv_values", torch.zeros(shape, dtype=kv_dtype))
         self.capacity_tokens = kv_capacity_tokens
 
+    def fuse_ffn(self, block, executor, part) -> None:
+        """Run the layer's hot FFN rows ``part`` (a ``hybrid.GpuPart``) in this unit's exchange: the residual
+        stream is tapped where the block's input norm reads it; the norms run on the tier (copies on CUDA)."""
+        on_tier = (lambda m: m) if not self.tier.is_cuda else (lambda m: copy.deepcopy(m).to(self.tier.device))
+        self._norms = (on_tier(block.input_layernorm), on_tier(block.post_attention_layernorm),
+                       on_tier(block.attn_output_norm) if hasattr(block, "attn_output_norm") else None)
+        self._executor, self._hot, self._residual = executor, part, None
+        block.input_layernorm.register_forward_pre_hook(self._tap)
+
+    def _tap(self, module, args) -> None:
+        self._residual = args[0]  # x [T, d], the residual stream this layer's attention input is norm(x) of
+
     def _mask(self, n_tokens: int, start_pos: int, n_keys: int):
         return Attention._mask(self, n_tokens, start_pos, n_keys)  # reads only self.sliding_window
 
@@ -90,7 +107,13 @@ class TierAttention(nn.Module):
             raise TandemError(f"context of {end} tokens exceeds the {self.capacity_tokens}-token KV cache the plan "
                               f"put on the GPU tier (plan again with a larger --context)")
         dev = self.tier.device
-        x_tier = self.tier.send(x)
+        residual, self._residual = getattr(self, "_residual", None), None
+        fused = residual is not None and residual.shape == x.shape
+        if fused:  # send the residual stream; the tier takes its norm itself
+            residual_tier = self.tier.send(residual)
+            x_tier = self._norms[0](residual_tier)
+        else:
+            x_tier = self.tier.send(x)
         qkv = torch.cat([m.linear(x_tier) for m in self.qkv_parts], dim=-1)  # [T, q + 2 kv]
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
@@ -113,7 +136,13 @@ class TierAttention(nn.Module):
                                              attn_mask=mask, is_causal=causal, enable_gqa=True,
                                              scale=self.scale)  # [1, H, T, hd]
         y = self.o.linear(out[0].transpose(0, 1).reshape(n_tokens, -1), self.o_bias)  # [T, d]
-        return self.tier.fetch(y)
+        if not fused:
+            return self.tier.fetch(y)
+        h = residual_tier + (self._norms[2](y) if self._norms[2] is not None else y)  # as the decoder adds it
+        y_hot = self._executor.hot_on_tier(self._hot, self._norms[1](h))  # [T, d] on the tier
+        both = self.tier.fetch(torch.cat([y, y_hot], dim=-1))  # [T, 2d]: the layer's one exchange
+        self._executor.pending_hot[self.layer] = both[:, y.shape[1]:]
+        return both[:, :y.shape[1]]
 
 
 class TierEmbedding(nn.Module):
@@ -136,10 +165,13 @@ def place_plan_units(model, executor, tier, *, attention_on_gpu: list[bool], out
     ``tier_format``: one format, or role -> format (``ExecutionSettings.tier_format_of``); ``raw``: GGUF blocks."""
     cfg, fmt, raw = model.cfg, _role_format(tier_format), raw or {}
     embed_raw = raw.get("model.embed_tokens.weight")
+    splits = getattr(executor, "splits", [])
     for i, on_gpu in enumerate(attention_on_gpu):
         if on_gpu:
             block = model.layers[i]
             block.self_attn = TierAttention(block.self_attn, i, tier, fmt, kv_dtype, kv_capacity_tokens, raw)
+            if i < len(splits) and splits[i] is not None and splits[i].gpu is not None:
+                block.self_attn.fuse_ffn(block, executor, splits[i].gpu)  # one exchange for the layer
     head = None
     if output_head_on_gpu:
         head_raw = embed_raw if cfg.tie_word_embeddings else raw.get("lm_head.weight")
