@@ -56,9 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="profiles/SmolLM2-135M-Instruct.Q4_1/profile")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="kernel threads (1 on a contended machine: "
+                    "spinning OpenMP barriers collapse when the cores are oversubscribed)")
     args = ap.parse_args(argv)
     from online import Engine
-    engine = Engine.load(args.model, plan=args.plan, gpu_device="cpu", profile=args.profile)
+    engine = Engine.load(args.model, plan=args.plan, gpu_device="cpu", profile=args.profile, threads=args.threads)
     saved: dict = {}
     rates: dict[str, list[float]] = {"kernels": [], "dequantize": []}
     engine.generate(PROMPT, max_new_tokens=2, ignore_eos=True)  # JIT / first-call costs out of the rounds

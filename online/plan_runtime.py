@@ -87,6 +87,9 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
     gpu_neurons = [plan.gpu_neurons(i) if not cfg.is_moe_layer(i) else None for i in range(cfg.num_layers)]
     executor = HybridExecutor.build(cfg, ffn_layers, tier, settings, gpu_neurons=gpu_neurons, thresholds=thresholds,
                                     predictors=predictors, head_weight=head_weight, raw=raw)
+    if predictors is not None:  # before the plan units: a tier attention fetches its layer's predictor mask
+        from .execution.tier_units import place_predictors
+        place_predictors(executor, tier, predictors, [bool(layer.get("predictor_on_gpu")) for layer in plan.layers])
     if model is not None:
         from .execution.tier_units import kv_dtype_for, place_plan_units
         place_plan_units(model, executor, tier, attention_on_gpu=plan.attention_on_gpu,

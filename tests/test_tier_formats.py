@@ -137,3 +137,94 @@ def test_hot_rows_on_the_cpu_tier_equal_the_torch_path(fmt):
     y_kernel = ex._gpu_forward(part, x)
     part.kernel_ffn = None  # the torch path over the same codes
     torch.testing.assert_close(y_kernel, ex._gpu_forward(part, x), rtol=1e-4, atol=1e-4)
+
+
+def test_plan_bytes_for_predictors_on_the_tier(tiny_model_dir, tmp_path):
+    """A plan that puts predictors on the GPU: the tier holds their bytes, as planned, under ``predictors``."""
+    from offline.profile_artifact import load_profile
+    from online import Engine
+    from online.loading import load_checkpoint
+    from placement.hardware import load_hardware
+    from placement.plan import save_plan
+    from placement.planner import make_plan
+    from placement.predictor_info import load_predictor_info
+    from predictors.artifact import save_predictors
+    from predictors.model import PredictorSet
+    from helpers_plans import RESERVE_BYTES, full_model_bytes, plan_settings, tiny_profile
+    folder, _ = tiny_model_dir("llama")
+    ckpt = load_checkpoint(str(folder))
+    cfg = ckpt.config
+    profile_dir = tiny_profile(folder, tmp_path)
+    profile = load_profile(profile_dir)
+    pred_dir = tmp_path / "predictors"
+    save_predictors(PredictorSet(_entries(cfg), meta={"model_fingerprint": ckpt.fingerprint, "profile_fingerprint":
+                                                      profile.fingerprint, "model_id": ckpt.model_id,
+                                                      "model_param_count": 10_000}), pred_dir)
+    info = load_predictor_info(pred_dir, cfg.num_layers, ckpt.fingerprint, profile.fingerprint)
+    budget = RESERVE_BYTES + int(0.6 * full_model_bytes(folder, profile_dir))
+    plan = make_plan(cfg, model_fingerprint=ckpt.fingerprint, model_id=ckpt.model_id, profile=profile,
+                     hardware=load_hardware("rtx4090"), gpu_budget_bytes=budget, predictors=info, settings=plan_settings())
+    plan_dir = save_plan(plan, tmp_path / "plan")
+    assert any(layer["predictor_on_gpu"] for layer in plan.layers) and plan.gpu_bytes_by_kind["predictors"] > 0
+    engine = Engine.load(str(folder), plan=plan_dir, gpu_device="cpu", predictors=pred_dir, fused_decode=False)
+    placed = engine.executor.tier.bytes_by_kind()
+    for kind in ("predictors", "ffn_neurons", "attention_and_kv", "output_head", "embeddings"):
+        assert placed.get(kind, 0) == plan.gpu_bytes_by_kind[kind], (kind, placed, plan.gpu_bytes_by_kind)
+    assert len(engine.generate([5, 17, 42], max_new_tokens=3).token_ids) == 3
+
+
+def _entries(cfg) -> list:
+    from predictors.model import LayerEntry, LayerPredictor
+    torch.manual_seed(5)
+    stats = {"recall": 0.97, "predicted_sparsity": 0.5}
+    return [LayerEntry("predictor", LayerPredictor(cfg.hidden_size, 8, cfg.intermediate_size).eval().requires_grad_(False),
+                       threshold=0.0, stats=stats) for _ in range(cfg.num_layers)]
+
+
+def test_tier_predictors_give_the_host_predictors_rows_in_one_exchange_per_layer(tiny_model_dir):
+    """Predictors on the tier select the same rows as on the host (same logits), and ride in the layer's
+    one exchange: with its tier attention (layer 0) or with its hot rows (layer 1)."""
+    from online.execution.hybrid import ExecutionSettings, HybridExecutor
+    from online.execution.tier_units import TierPredictor, place_plan_units, place_predictors
+    from online.generate import prefill
+    from online.kv_cache import KVCache
+    from online.loading.hf_loader import load_hf_folder
+    from online.model.build import build_model
+    from predictors.model import PredictorSet
+    from predictors.runtime import LayerGate
+    folder, _ = tiny_model_dir("llama")
+    ids = [5, 17, 42, 9, 77, 3]
+
+    def run(on_tier: bool):
+        model, ffn = build_model(load_hf_folder(folder))
+        cfg = model.cfg
+        gates = [LayerGate(PredictorSet(_entries(cfg)), i) for i in range(cfg.num_layers)]
+        tier = GpuTier.create(1 << 24, "cpu", threads=1)
+        hot = [torch.arange(0, cfg.intermediate_size, 3)] * cfg.num_layers
+        ex = HybridExecutor.build(cfg, ffn, tier, ExecutionSettings(weight_format="fp32", threads=1),
+                                  gpu_neurons=hot, predictors=gates, head_weight=model.lm_head.weight)
+        if on_tier:
+            place_predictors(ex, tier, gates, [True] * cfg.num_layers)
+            assert all(isinstance(s.predictor, TierPredictor) for s in ex.splits)
+        place_plan_units(model, ex, tier, attention_on_gpu=[True] + [False] * (cfg.num_layers - 1),
+                         output_head_on_gpu=False, embeddings_on_gpu=False, tier_format="fp32",
+                         kv_dtype=torch.float32, kv_capacity_tokens=16)
+        cache = KVCache(cfg, 64)
+        out = [prefill(model, ex, cache, ids[:3], all_logits=True)]
+        syncs = []
+        for pos in range(3, len(ids)):
+            before = tier.exchanges
+            out.append(model(torch.tensor([ids[pos]]), pos, cache, ex))
+            syncs.append(tier.exchanges - before)
+        return torch.cat(out), syncs, tier
+    ref, ref_syncs, _ = run(False)
+    got, syncs, tier = run(True)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert syncs == ref_syncs == [2] * 3  # layer 0: attention + hot rows (+ mask); layer 1: hot rows (+ mask)
+    assert tier.bytes_by_kind()["predictors"] == 4 * sum(p.numel() for e in _entries(model_cfg(folder))
+                                                         for p in e.predictor.parameters())
+
+
+def model_cfg(folder):
+    from online.loading.hf_loader import load_hf_folder
+    return load_hf_folder(folder).config

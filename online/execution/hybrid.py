@@ -127,7 +127,8 @@ class HybridExecutor(DenseExecutor):
         self.counters = ExecutionCounters()
         self.experts = None  # online.experts.ExpertRuntime for MoE layers (attach_experts)
         self.tier_head = None  # TierMatrix: the output layer on the GPU tier (tier_units.place_plan_units)
-        self.pending_hot: dict[int, torch.Tensor] = {}  # layer -> hot FFN output fetched with its tier attention
+        # layer -> (hot FFN output, tier predictor's mask), fetched in the layer's tier-attention exchange
+        self.pending_hot: dict[int, tuple] = {}
 
     def attach_experts(self, runtime) -> None:
         """Run MoE layers through ``runtime``; it holds the (packed) experts, so the float ones go."""
@@ -175,15 +176,18 @@ class HybridExecutor(DenseExecutor):
         start = time.perf_counter()
         n_tokens = x.shape[0]
         y = handle = None
-        y_gpu = self.pending_hot.pop(layer, None)  # computed in the layer's tier-attention exchange
-        if y_gpu is not None and y_gpu.shape != x.shape:
+        pending = self.pending_hot.pop(layer, None)  # computed in the layer's tier-attention exchange
+        if pending is not None and pending[0] is not None and pending[0].shape != x.shape:
             raise TandemError(f"internal error: layer {layer}'s hot FFN output does not match its input")
-        if split.gpu is not None and y_gpu is None:  # launched first; on CUDA it runs while the CPU computes the cold part
-            handle = self.tier.fetch_async(self._gpu_forward(split.gpu, x))
+        if pending is None and self.has_tier_ffn(layer, n_tokens):  # launched first: on CUDA it runs while the CPU computes
+            handle = self.tier.fetch_async(self.tier_outputs(layer, self.tier.send(x)))
+            if self._tier_mask_wanted(split, n_tokens):  # the CPU part needs the predicted rows first
+                pending, handle = self.unpack_tier_outputs(layer, self.tier.wait(handle), n_tokens), None
+        y_gpu, mask = pending if pending is not None else (None, None)
         if split.cpu is not None:
-            y = self._cpu_forward(split, x)
+            y = self._cpu_forward(split, x, mask)
         if handle is not None:
-            y_gpu = self.tier.wait(handle)  # the layer's one exchange back
+            y_gpu, _ = self.unpack_tier_outputs(layer, self.tier.wait(handle), n_tokens)  # the layer's one exchange
         if y_gpu is not None:
             y = y_gpu if y is None else y + y_gpu
         if split.down_bias is not None:
@@ -197,6 +201,33 @@ class HybridExecutor(DenseExecutor):
 
     def _gpu_forward(self, part: GpuPart, x: torch.Tensor) -> torch.Tensor:
         return self.hot_on_tier(part, self.tier.send(x))
+
+    # --- what a layer's FFN computes on the tier, fetched as one buffer ------------------------
+    def has_tier_ffn(self, layer: int, n_tokens: int) -> bool:
+        """Whether the layer's FFN computes anything on the tier for ``n_tokens`` tokens."""
+        split = self.splits[layer] if layer < len(self.splits) else None
+        return split is not None and (split.gpu is not None or self._tier_mask_wanted(split, n_tokens))
+
+    @staticmethod
+    def _tier_mask_wanted(split: LayerSplit, n_tokens: int) -> bool:
+        return _tier_predictor(split) is not None and split.cpu is not None and n_tokens <= PREDICTOR_MAX_TOKENS
+
+    def tier_outputs(self, layer: int, x_tier: torch.Tensor) -> torch.Tensor:
+        """From the FFN input on the tier: the hot rows' output ``[T * d]`` then the tier predictor's mask
+        ``[n_ff]`` (as 0/1 floats; decode only), concatenated: one buffer to fetch."""
+        split, parts = self.splits[layer], []
+        if split.gpu is not None:
+            parts.append(self.hot_on_tier(split.gpu, x_tier).reshape(-1))
+        if self._tier_mask_wanted(split, x_tier.shape[0]):
+            parts.append(split.predictor.mask_on_tier(x_tier).to(x_tier.dtype))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def unpack_tier_outputs(self, layer: int, flat: torch.Tensor, n_tokens: int) -> tuple:
+        """(hot output ``[T, d]`` or None, predicted-active mask ``[n_ff]`` bool or None) from ``tier_outputs``."""
+        split, d = self.splits[layer], self.cfg.hidden_size
+        y = flat[:n_tokens * d].reshape(n_tokens, d) if split.gpu is not None else None
+        rest = flat[n_tokens * d:] if split.gpu is not None else flat
+        return y, (rest > 0.5 if rest.numel() else None)
 
     def hot_on_tier(self, part: GpuPart, x_tier: torch.Tensor) -> torch.Tensor:
         """The hot rows on input already on the tier: ``[T, d]`` there (no exchange)."""
@@ -215,10 +246,11 @@ class HybridExecutor(DenseExecutor):
             self.counters.bytes_moved += x.numel() * x.element_size() + y.numel() * y.element_size()
         return y  # [T, d] on the tier
 
-    def _cpu_forward(self, split: LayerSplit, x: torch.Tensor) -> torch.Tensor:
+    def _cpu_forward(self, split: LayerSplit, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if split.predictor is not None and x.shape[0] <= PREDICTOR_MAX_TOKENS:
             t0 = time.perf_counter()
-            active_global = split.predictor(x)  # [n] int64 neuron ids predicted active
+            # [n] int64 neuron ids predicted active (a tier predictor's came with the layer's exchange)
+            active_global = mask.nonzero().flatten() if mask is not None else split.predictor(x)
             local = split.cold_local[active_global]
             local = local[local >= 0].numpy()  # [n_cold_active] indices into the CPU part
             self.counters.predictor_s += time.perf_counter() - t0
@@ -309,6 +341,11 @@ def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor,
     cold_local[cold] = torch.arange(cold.numel())
     return LayerSplit(gpu=gpu, cpu=cpu, cpu_neurons=cold, threshold=threshold,
                       down_bias=w.down_bias, predictor=predictor if cpu is not None else None, cold_local=cold_local)
+
+
+def _tier_predictor(split: LayerSplit):
+    """The split's predictor when it runs on the tier (``tier_units.TierPredictor``), else None."""
+    return split.predictor if getattr(split.predictor, "on_tier", False) else None
 
 
 def tier_ffn_kernel(cfg: ModelConfig, part: GpuPart, tier: GpuTier) -> QuantizedFFN | None:

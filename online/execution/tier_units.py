@@ -80,13 +80,14 @@ class TierAttention(nn.Module):
         self.values = tier.allocate(f"layers.{layer}.kv_values", torch.zeros(shape, dtype=kv_dtype))
         self.capacity_tokens = kv_capacity_tokens
 
-    def fuse_ffn(self, block, executor, part) -> None:
-        """Run the layer's hot FFN rows ``part`` (a ``hybrid.GpuPart``) in this unit's exchange: the residual
-        stream is tapped where the block's input norm reads it; the norms run on the tier (copies on CUDA)."""
+    def fuse_ffn(self, block, executor) -> None:
+        """Run what the layer's FFN computes on the tier (hot rows, a tier predictor: ``executor.tier_outputs``)
+        in this unit's exchange: the residual stream is tapped where the block's input norm reads it; the
+        norms run on the tier (copies on CUDA)."""
         on_tier = (lambda m: m) if not self.tier.is_cuda else (lambda m: copy.deepcopy(m).to(self.tier.device))
         self._norms = (on_tier(block.input_layernorm), on_tier(block.post_attention_layernorm),
                        on_tier(block.attn_output_norm) if hasattr(block, "attn_output_norm") else None)
-        self._executor, self._hot, self._residual = executor, part, None
+        self._executor, self._residual = executor, None
         block.input_layernorm.register_forward_pre_hook(self._tap)
 
     def _tap(self, module, args) -> None:
@@ -108,7 +109,7 @@ class TierAttention(nn.Module):
                               f"put on the GPU tier (plan again with a larger --context)")
         dev = self.tier.device
         residual, self._residual = getattr(self, "_residual", None), None
-        fused = residual is not None and residual.shape == x.shape
+        fused = residual is not None and residual.shape == x.shape and self._executor.has_tier_ffn(self.layer, n_tokens)
         if fused:  # send the residual stream; the tier takes its norm itself
             residual_tier = self.tier.send(residual)
             x_tier = self._norms[0](residual_tier)
@@ -139,10 +140,11 @@ class TierAttention(nn.Module):
         if not fused:
             return self.tier.fetch(y)
         h = residual_tier + (self._norms[2](y) if self._norms[2] is not None else y)  # as the decoder adds it
-        y_hot = self._executor.hot_on_tier(self._hot, self._norms[1](h))  # [T, d] on the tier
-        both = self.tier.fetch(torch.cat([y, y_hot], dim=-1))  # [T, 2d]: the layer's one exchange
-        self._executor.pending_hot[self.layer] = both[:, y.shape[1]:]
-        return both[:, :y.shape[1]]
+        ffn = self._executor.tier_outputs(self.layer, self._norms[1](h))  # hot output [T * d], predictor mask
+        both = self.tier.fetch(torch.cat([y.reshape(-1), ffn]))  # the layer's one exchange
+        n = y.numel()
+        self._executor.pending_hot[self.layer] = self._executor.unpack_tier_outputs(self.layer, both[n:], n_tokens)
+        return both[:n].reshape(y.shape)
 
 
 class TierEmbedding(nn.Module):
@@ -170,8 +172,8 @@ def place_plan_units(model, executor, tier, *, attention_on_gpu: list[bool], out
         if on_gpu:
             block = model.layers[i]
             block.self_attn = TierAttention(block.self_attn, i, tier, fmt, kv_dtype, kv_capacity_tokens, raw)
-            if i < len(splits) and splits[i] is not None and splits[i].gpu is not None:
-                block.self_attn.fuse_ffn(block, executor, splits[i].gpu)  # one exchange for the layer
+            if i < len(splits) and splits[i] is not None:
+                block.self_attn.fuse_ffn(block, executor)  # one exchange for the layer (when its FFN uses the tier)
     head = None
     if output_head_on_gpu:
         head_raw = embed_raw if cfg.tie_word_embeddings else raw.get("lm_head.weight")
@@ -183,3 +185,43 @@ def place_plan_units(model, executor, tier, *, attention_on_gpu: list[bool], out
     elif embeddings_on_gpu and not cfg.tie_word_embeddings:
         table = tier_matrix(model.embed_tokens.weight, embed_raw, fmt("embeddings"), tier, "embeddings")
         model.embed_tokens = TierEmbedding(table, tier)
+
+
+class TierPredictor:
+    """A layer's activation predictor (``predictors.runtime.LayerGate``) on the tier: its parameters are
+    charged as ``layers.{i}.predictor.*`` (kind ``predictors``) and its scores computed there. The
+    executor fetches the predicted-active mask in the layer's exchange; called alone it is one exchange."""
+    on_tier = True
+
+    def __init__(self, gate, layer: int, tier) -> None:
+        module = copy.deepcopy(gate.module)
+        for name, param in module.named_parameters():
+            param.data = tier.allocate(f"layers.{layer}.predictor.{name}", param.detach())
+        self.tier, self.layer, self._module, self.threshold = tier, layer, module, float(gate.threshold)
+
+    @property
+    def module(self):
+        """The scorer, for the fused C step, when the tier is the CPU (None on CUDA: no fused step)."""
+        return None if self.tier.is_cuda else self._module
+
+    @torch.inference_mode()
+    def mask_on_tier(self, x_tier: torch.Tensor) -> torch.Tensor:
+        """bool ``[n_ff]``: neurons predicted active for any token of ``x_tier`` ``[T, d]`` (on the tier)."""
+        scores = self._module(x_tier.to(self._module.down.weight.dtype))  # [T, n_ff]
+        return (scores >= self.threshold).any(dim=0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """int64 neuron ids predicted active (host), as ``LayerGate``."""
+        return self.tier.fetch(self.mask_on_tier(self.tier.send(x))).nonzero().flatten()
+
+
+def place_predictors(executor, tier, predictors: list, predictor_on_gpu: list) -> None:
+    """The plan's ``predictor_on_gpu`` layers: their predictors on the tier (bytes charged as planned even
+    where the layer's CPU part is empty and nothing reads them)."""
+    for i, on_gpu in enumerate(predictor_on_gpu):
+        if not on_gpu or predictors is None or predictors[i] is None:
+            continue
+        placed = TierPredictor(predictors[i], i, tier)
+        split = executor.splits[i] if i < len(executor.splits) else None
+        if split is not None and split.predictor is not None:
+            split.predictor = placed
