@@ -98,12 +98,16 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
                          kv_capacity_tokens=plan.settings.context_tokens, raw=raw)
     if cfg.is_moe:
         from .experts.runtime import ExpertRuntime, default_cost_model
+        from .execution.tier_units import place_shared_experts
+        shared = place_shared_experts(cfg, executor.layers, tier, [bool(layer.get("shared_expert_on_gpu"))
+                                                                   for layer in plan.layers], settings.tier_format_of, raw)
         slots = plan.expert_cache_slots if expert_slots is None else expert_slots
         executor.attach_experts(ExpertRuntime(cfg, executor.layers, tier,
                                               weight_format=expert_format_for(plan.settings.bytes_per_weight),
                                               slots=slots, pinned=plan.expert_pinned, prefetch=prefetch,
                                               cost_model=default_cost_model(tier, plan.hardware),
                                               threads=settings.threads, fit_to_budget=expert_slots is None))
+        executor.experts.tier_shared = shared
     info = PlanInfo(plan_dir=plan_dir, profile_dir=profile_path, predictors_dir=predictors_path if predictors else None,
                     hardware=plan.hardware.name, gpu_budget_bytes=plan.gpu_budget_bytes, gpu_bytes_planned=plan.gpu_bytes,
                     modeled_tokens_per_s=plan.modeled.get("tokens_per_s"),

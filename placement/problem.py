@@ -230,8 +230,11 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
             repeat = float(stats.expert_repeat[i]) if stats.expert_repeat is not None else 0.0
             options, order = _expert_options(config, hw, bpw, stats.expert_freq[i], repeat, gpu_enabled)
             shared = None
-            if config.shared_expert_intermediate_size:
-                shared_bytes = math.ceil(rows_total * d * config.shared_expert_intermediate_size * bpw)
+            if config.shared_expert_intermediate_size:  # as the tier stores it: rows, down as it is, fp32 gate vector
+                width_s = config.shared_expert_intermediate_size
+                shared_bytes = (tier_matrix_bytes(width_s, d, fmt("ffn_up")) + tier_matrix_bytes(d, width_s, fmt("ffn_down"))
+                                + (tier_matrix_bytes(width_s, d, fmt("ffn_gate")) if config.mlp_gated else 0)
+                                + BIAS_BYTES * d)
                 shared = _unit(shared_bytes, shared_bytes, hw, bpw)
             layers.append(LayerUnits(index=i, is_moe=True, attention=attention, predictor=None, dense_ffn=dense_ffn,
                                      expert_options=options, expert_popularity_order=order, shared_expert=shared))

@@ -12,8 +12,8 @@ from placement.plan import read_plan
 
 from helpers_plans import tiny_plan
 
-# every kind the runtime places (predictors and Qwen2-MoE shared experts are not placed on the tier yet)
-PLACED_KINDS = ("ffn_neurons", "experts", "attention_and_kv", "output_head", "embeddings")
+# every kind the runtime places (predictors: tests/test_tier_formats.py)
+PLACED_KINDS = ("ffn_neurons", "experts", "attention_and_kv", "output_head", "embeddings", "shared_experts")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -64,6 +64,8 @@ def test_runtime_tier_bytes_equal_the_plan(tiny_model_dir, tmp_path_factory, kin
             assert runtime.get(key, 0) == plan.gpu_bytes_by_kind[key], (fraction, key, runtime, plan.gpu_bytes_by_kind)
         if fraction == 1.0 and not engine.config.is_moe:
             assert plan.gpu_bytes_by_kind["ffn_neurons"] > 0
+        if fraction == 1.0 and engine.config.shared_expert_intermediate_size:
+            assert plan.gpu_bytes_by_kind["shared_experts"] > 0
 
 
 @pytest.mark.parametrize("hardware", ["rtx4090", "rtx2080ti", "t4"])

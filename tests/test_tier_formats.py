@@ -228,3 +228,33 @@ def test_tier_predictors_give_the_host_predictors_rows_in_one_exchange_per_layer
 def model_cfg(folder):
     from online.loading.hf_loader import load_hf_folder
     return load_hf_folder(folder).config
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "q8"])
+def test_shared_expert_on_the_tier_equals_the_dense_one(fmt):
+    """Qwen2-MoE's shared expert on the tier computes what ``dense.shared_expert_out`` does (fp32: to rounding;
+    q8: to its quantization), in one exchange, with the bytes the planner counts."""
+    from online.config import ModelConfig
+    from online.execution.dense import shared_expert_out
+    from online.execution.tier_units import place_shared_experts
+    from online.execution.weights import FFNWeights, MoELayerWeights
+    d, width = 64, 96
+    g = torch.Generator().manual_seed(8)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
+    cfg = ModelConfig(arch="qwen2_moe", vocab_size=32, hidden_size=d, intermediate_size=width, num_layers=2,
+                      num_heads=4, num_kv_heads=4, head_dim=16, hidden_act="silu", mlp_gated=True,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=width)
+    moe = MoELayerWeights(router=r(4, d), experts=[], shared_expert=FFNWeights(up=r(width, d), down=r(d, width), gate=r(width, d)),
+                          shared_expert_gate=r(1, d))
+    tier = GpuTier.create(1 << 22, "cpu", threads=1)
+    placed = place_shared_experts(cfg, [None, moe], tier, [False, True], fmt)
+    assert list(placed) == [1]
+    assert tier.bytes_by_kind() == {"shared_experts": 2 * tier_matrix_bytes(width, d, fmt)
+                                    + tier_matrix_bytes(d, width, fmt) + 4 * d}
+    x = r(3, d)
+    before = tier.exchanges
+    y = placed[1](x)
+    assert tier.exchanges - before == 1
+    tolerance = {"fp32": 1e-5, "q8": 2e-2}[fmt]
+    torch.testing.assert_close(y, shared_expert_out(cfg, moe, x), rtol=tolerance, atol=tolerance)

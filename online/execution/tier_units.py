@@ -225,3 +225,45 @@ def place_predictors(executor, tier, predictors: list, predictor_on_gpu: list) -
         split = executor.splits[i] if i < len(executor.splits) else None
         if split is not None and split.predictor is not None:
             split.predictor = placed
+
+
+class TierSharedExpert:
+    """A Qwen2-MoE layer's shared expert on the tier (kind ``shared_experts``): up/gate rows and the down
+    projection as stored (blocks along the expert's width: GGUF blocks kept) in the plan's formats, the
+    float32 gate vector beside them. One exchange per call."""
+    on_tier = True
+
+    def __init__(self, cfg, moe, layer: int, tier, fmt, raw: dict | None = None) -> None:
+        w, fmt, raw = moe.shared_expert, _role_format(fmt), raw or {}
+        if w.up_bias is not None or w.gate_bias is not None or w.down_bias is not None:
+            raise TandemError("shared experts with biases are not placed on the GPU tier")
+        prefix, source = f"layers.{layer}.shared_expert", f"model.layers.{layer}.mlp.shared_expert"
+
+        def matrix(name: str, role: str, weight: torch.Tensor) -> TierMatrix:
+            return tier_matrix(weight, raw.get(f"{source}.{name}_proj.weight"), fmt(role), tier, f"{prefix}.{name}")
+        self.cfg, self.tier = cfg, tier
+        self.up, self.down = matrix("up", "ffn_up", w.up), matrix("down", "ffn_down", w.down)  # [F, d], [d, F]
+        self.gate = None if w.gate is None else matrix("gate", "ffn_gate", w.gate)
+        self.gate_vector = tier.allocate(f"{prefix}.gate_vector", moe.shared_expert_gate.detach().float())  # [1, d]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[T, d]`` (host) -> the gated shared-expert output ``[T, d]`` (host), as ``dense.shared_expert_out``."""
+        from .activations import activate, gated_hidden
+        cfg, x_tier = self.cfg, self.tier.send(x)
+        up = self.up.linear(x_tier)  # [T, F]
+        h = (activate(cfg.hidden_act, up, cfg.act_threshold) if self.gate is None
+             else gated_hidden(cfg.hidden_act, self.gate.linear(x_tier), up, cfg.act_threshold))
+        y = self.down.linear(h.contiguous()) * torch.sigmoid(F.linear(x_tier, self.gate_vector))  # [T, d]
+        return self.tier.fetch(y)
+
+
+def place_shared_experts(cfg, layer_weights: list, tier, shared_on_gpu: list, fmt, raw: dict | None = None) -> dict:
+    """The plan's ``shared_expert_on_gpu`` layers: their shared experts on the tier, by layer (for
+    ``ExpertRuntime.tier_shared``; placed before the expert cache takes the tier's free bytes)."""
+    from .weights import MoELayerWeights
+    placed = {}
+    for i, on_gpu in enumerate(shared_on_gpu):
+        w = layer_weights[i] if i < len(layer_weights) else None
+        if on_gpu and isinstance(w, MoELayerWeights) and w.shared_expert is not None:
+            placed[i] = TierSharedExpert(cfg, w, i, tier, fmt, raw)
+    return placed
