@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from online.config import ModelConfig
-from online.execution.tier_format import TIER_FORMATS, tier_format_for
 from tandem.artifacts import fingerprint
 from tandem.errors import ArtifactError, TandemError
 
@@ -81,6 +80,7 @@ class PlanSettings:
             pairs = tuple(sorted((str(role), str(fmt)) for role, fmt in pairs))
         except (TypeError, ValueError):
             raise TandemError(f"tensor_formats must map tensor roles to tier formats, got {formats!r}") from None
+        from online.execution.tier_format import TIER_FORMATS  # torch: not imported by `tandem --help`
         for role, fmt in pairs:
             if role not in TENSOR_ROLES or fmt not in TIER_FORMATS:
                 raise TandemError(f"bad tensor format {role}={fmt} (roles: {', '.join(TENSOR_ROLES)}; "
@@ -99,10 +99,12 @@ class PlanSettings:
 
     def format_of(self, role: str) -> str:
         """The tier format ``role`` is stored in: its own, else the densest holding ``bytes_per_weight``."""
+        from online.execution.tier_format import tier_format_for
         return dict(self.tensor_formats).get(role) or tier_format_for(self.bytes_per_weight)
 
     def bytes_of(self, role: str) -> float:
         """Bytes per weight of ``role`` on the tier (block scales included)."""
+        from online.execution.tier_format import TIER_FORMATS
         return TIER_FORMATS[self.format_of(role)]
 
     def to_dict(self) -> dict[str, Any]:
@@ -185,6 +187,7 @@ def checkpoint_tensor_formats(checkpoint: Any) -> dict[str, str]:
 
     Example: SmolLM2 Q4_1 (Q4_1 layers, Q8_0 tied embeddings) -> ``{"ffn_up": "q4_1", ..., "output": "q8"}``.
     """
+    from online.execution.tier_format import TIER_FORMATS
     types = checkpoint.quant_types or {}
     config = checkpoint.config
     out: dict[str, str] = {}

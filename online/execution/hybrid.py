@@ -31,6 +31,7 @@ from .activations import activate, gated_hidden
 from .dense import DenseExecutor
 from .gpu_tier import GpuTier
 from .tier_format import TIER_FORMATS, TierMatrix
+from .tier_units import tier_ffn_kernel
 from .quantized_linear import EXACT_GGUF_TYPES
 from .weights import FFNWeights, MoELayerWeights
 
@@ -346,20 +347,6 @@ def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor,
 def _tier_predictor(split: LayerSplit):
     """The split's predictor when it runs on the tier (``tier_units.TierPredictor``), else None."""
     return split.predictor if getattr(split.predictor, "on_tier", False) else None
-
-
-def tier_ffn_kernel(cfg: ModelConfig, part: GpuPart, tier: GpuTier) -> QuantizedFFN | None:
-    """On a CPU tier: the hot rows as a QuantizedFFN over the tier's own codes (no copy of the weights, no
-    dequantization per call), or None (CUDA tier, or a layout the kernels do not read)."""
-    if tier.is_cuda:
-        return None
-    mats = [part.up.kernel_weight(), part.down_t.kernel_weight()]
-    gate = part.gate.kernel_weight() if part.gate is not None else None
-    if any(m is None for m in mats) or (part.gate is not None and gate is None):
-        return None
-    vec = lambda t: None if t is None else t.numpy()  # noqa: E731
-    return QuantizedFFN(mats[0], mats[1], gate, act=cfg.hidden_act, act_threshold=cfg.act_threshold,
-                        up_bias=vec(part.up_bias), gate_bias=vec(part.gate_bias), threads=tier.threads)
 
 
 def _pack_head(weight: torch.Tensor, settings: ExecutionSettings, raw_blocks) -> QuantizedLinear:

@@ -34,6 +34,21 @@ _ATTENTION_ROLES = (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn
 KV_DTYPES = {4.0: torch.float32, 2.0: torch.float16}
 
 
+def tier_ffn_kernel(cfg, part, tier):
+    """On a CPU tier: the hot rows as a QuantizedFFN over the tier's own codes (no copy of the weights, no
+    dequantization per call), or None (CUDA tier, or a layout the kernels do not read)."""
+    if tier.is_cuda:
+        return None
+    mats = [part.up.kernel_weight(), part.down_t.kernel_weight()]
+    gate = part.gate.kernel_weight() if part.gate is not None else None
+    if any(m is None for m in mats) or (part.gate is not None and gate is None):
+        return None
+    from ..kernels.ffn import QuantizedFFN
+    vec = lambda t: None if t is None else t.numpy()  # noqa: E731
+    return QuantizedFFN(mats[0], mats[1], gate, act=cfg.hidden_act, act_threshold=cfg.act_threshold,
+                        up_bias=vec(part.up_bias), gate_bias=vec(part.gate_bias), threads=tier.threads)
+
+
 def _role_format(tier_format) -> object:
     """A role -> format function from a format (every role) or such a function (``ExecutionSettings.tier_format_of``)."""
     return tier_format if callable(tier_format) else (lambda role: tier_format)
