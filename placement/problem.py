@@ -199,9 +199,7 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
     chunk_size = effective_chunk_size(config, settings.neurons_per_chunk, max_total_chunks)
     q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     attention_weights = d * q_dim * 2 + d * kv_dim * 2
-    fmt = settings.format_of  # each tensor role in the plan's format for it (GGUF blocks as they are)
-    attention_matrices_bytes = (tier_matrix_bytes(q_dim, d, fmt("attn_q")) + tier_matrix_bytes(kv_dim, d, fmt("attn_k"))
-                                + tier_matrix_bytes(kv_dim, d, fmt("attn_v")) + tier_matrix_bytes(d, q_dim, fmt("attn_o")))
+    fmt = settings.format_of  # each tensor (role, layer) in the plan's format for it (GGUF blocks as they are)
     kv_cache_bytes = math.ceil(2 * kv_dim * settings.context_tokens * settings.kv_bytes_per_element)
     attention_bias_bytes = BIAS_BYTES * ((q_dim + 2 * kv_dim if config.attention_bias else 0)
                                          + (d if config.attention_out_bias else 0))
@@ -209,11 +207,13 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
     rows_total = 3 if config.mlp_gated else 2
     bias_rows = (rows_total - 1) if config.mlp_bias else 0  # up (+ gate) biases; the down bias is per layer
     neuron_roles = ("ffn_up", "ffn_down") + (("ffn_gate",) if config.mlp_gated else ())
-    neuron_weight_bytes = sum(tier_matrix_bytes(1, d, fmt(role)) for role in neuron_roles)  # one row of each
-    neuron_bytes = neuron_weight_bytes + INDEX_BYTES_PER_GPU_NEURON + BIAS_BYTES * bias_rows
     layers = []
     for i in range(config.num_layers):
         is_moe = config.is_moe_layer(i)
+        attention_matrices_bytes = (tier_matrix_bytes(q_dim, d, fmt("attn_q", i)) + tier_matrix_bytes(kv_dim, d, fmt("attn_k", i))
+                                    + tier_matrix_bytes(kv_dim, d, fmt("attn_v", i)) + tier_matrix_bytes(d, q_dim, fmt("attn_o", i)))
+        neuron_weight_bytes = sum(tier_matrix_bytes(1, d, fmt(role, i)) for role in neuron_roles)  # one row of each
+        neuron_bytes = neuron_weight_bytes + INDEX_BYTES_PER_GPU_NEURON + BIAS_BYTES * bias_rows
         weight_bytes = attention_matrices_bytes + (math.ceil(config.num_experts * d * bpw) if is_moe else 0)
         # on the tier: q/k/v/o in the plan's formats, fp32 biases, the KV cache (the router stays with the experts)
         attention_tier_bytes = attention_matrices_bytes + attention_bias_bytes
@@ -232,8 +232,8 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
             shared = None
             if config.shared_expert_intermediate_size:  # as the tier stores it: rows, down as it is, fp32 gate vector
                 width_s = config.shared_expert_intermediate_size
-                shared_bytes = (tier_matrix_bytes(width_s, d, fmt("ffn_up")) + tier_matrix_bytes(d, width_s, fmt("ffn_down"))
-                                + (tier_matrix_bytes(width_s, d, fmt("ffn_gate")) if config.mlp_gated else 0)
+                shared_bytes = (tier_matrix_bytes(width_s, d, fmt("ffn_up", i)) + tier_matrix_bytes(d, width_s, fmt("ffn_down", i))
+                                + (tier_matrix_bytes(width_s, d, fmt("ffn_gate", i)) if config.mlp_gated else 0)
                                 + BIAS_BYTES * d)
                 shared = _unit(shared_bytes, shared_bytes, hw, bpw)
             layers.append(LayerUnits(index=i, is_moe=True, attention=attention, predictor=None, dense_ffn=dense_ffn,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ GGUF_BYTES_PER_WEIGHT = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 34 / 32, "
                          "Q3_K": 110 / 256, "Q4_K": 144 / 256, "Q5_K": 176 / 256, "Q6_K": 210 / 256}
 # tensor roles a plan may give their own tier format (``PlanSettings.tensor_formats``)
 TENSOR_ROLES = ("attn_q", "attn_k", "attn_v", "attn_o", "ffn_up", "ffn_gate", "ffn_down", "output", "embeddings")
+_LAYER_KEY = re.compile(r"^layers\.\d+\.")
 # role -> the checkpoint tensor (``{i}``: every layer) it takes its format from
 _ROLE_TENSORS = {"attn_q": "model.layers.{i}.self_attn.q_proj.weight", "attn_k": "model.layers.{i}.self_attn.k_proj.weight",
                  "attn_v": "model.layers.{i}.self_attn.v_proj.weight", "attn_o": "model.layers.{i}.self_attn.o_proj.weight",
@@ -69,7 +71,8 @@ class PlanSettings:
     neurons_per_chunk: int = 64
     min_gpu_neurons_per_layer: int = 128  # a layer puts at least this many (or all) neurons on the GPU, or none
     gpu_reserve_bytes: int | None = None  # GPU buffers; None -> estimated from the shapes
-    # role -> tier format (TENSOR_ROLES, TIER_FORMATS), sorted pairs; roles left out use bytes_per_weight
+    # (role or "layers.N.role", tier format) sorted pairs (TENSOR_ROLES, TIER_FORMATS); a layer's own entry wins
+    # over its role's; tensors with neither use bytes_per_weight
     tensor_formats: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -81,10 +84,11 @@ class PlanSettings:
         except (TypeError, ValueError):
             raise TandemError(f"tensor_formats must map tensor roles to tier formats, got {formats!r}") from None
         from online.execution.tier_format import TIER_FORMATS  # torch: not imported by `tandem --help`
-        for role, fmt in pairs:
-            if role not in TENSOR_ROLES or fmt not in TIER_FORMATS:
-                raise TandemError(f"bad tensor format {role}={fmt} (roles: {', '.join(TENSOR_ROLES)}; "
-                                  f"formats: {', '.join(TIER_FORMATS)})")
+        for key, fmt in pairs:
+            role = _LAYER_KEY.sub("", key)  # "layers.3.ffn_up": that layer's tensor only
+            if role not in TENSOR_ROLES or fmt not in TIER_FORMATS or (key != role and role in ("output", "embeddings")):
+                raise TandemError(f"bad tensor format {key}={fmt} (keys: a role or layers.N.role; roles: "
+                                  f"{', '.join(TENSOR_ROLES)}; formats: {', '.join(TIER_FORMATS)})")
         object.__setattr__(self, "tensor_formats", pairs)
         kv_bytes = self.kv_bytes_per_element
         if isinstance(kv_bytes, bool) or not isinstance(kv_bytes, (int, float)) or not 0.0 < kv_bytes <= 8.0:
@@ -97,15 +101,15 @@ class PlanSettings:
         if self.gpu_reserve_bytes is not None and (not isinstance(self.gpu_reserve_bytes, int) or self.gpu_reserve_bytes < 0):
             raise TandemError(f"gpu_reserve_bytes must be an integer >= 0, got {self.gpu_reserve_bytes!r}")
 
-    def format_of(self, role: str) -> str:
-        """The tier format ``role`` is stored in: its own, else the densest holding ``bytes_per_weight``."""
-        from online.execution.tier_format import tier_format_for
-        return dict(self.tensor_formats).get(role) or tier_format_for(self.bytes_per_weight)
+    def format_of(self, role: str, layer: int | None = None) -> str:
+        """The tier format of ``role`` (in ``layer``): its own, else the densest holding ``bytes_per_weight``."""
+        from online.execution.tier_format import format_lookup, tier_format_for
+        return format_lookup(self.tensor_formats, role, layer, tier_format_for(self.bytes_per_weight))
 
-    def bytes_of(self, role: str) -> float:
+    def bytes_of(self, role: str, layer: int | None = None) -> float:
         """Bytes per weight of ``role`` on the tier (block scales included)."""
         from online.execution.tier_format import TIER_FORMATS
-        return TIER_FORMATS[self.format_of(role)]
+        return TIER_FORMATS[self.format_of(role, layer)]
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -182,8 +186,9 @@ def checkpoint_bytes_per_weight(checkpoint: Any) -> float:
 
 
 def checkpoint_tensor_formats(checkpoint: Any) -> dict[str, str]:
-    """Role -> tier format that keeps the checkpoint's GGUF blocks (``GGUF_TIER_FORMAT``); where layers
-    differ, the role takes the most detailed of theirs. Empty for checkpoints without on-disk types.
+    """Tier formats that keep the checkpoint's GGUF blocks (``GGUF_TIER_FORMAT``): per role the format most of
+    its layers' tensors have, plus ``layers.N.role`` for the layers that differ (Q4_K_M-style mixes).
+    Empty for checkpoints without on-disk types.
 
     Example: SmolLM2 Q4_1 (Q4_1 layers, Q8_0 tied embeddings) -> ``{"ffn_up": "q4_1", ..., "output": "q8"}``.
     """
@@ -194,9 +199,15 @@ def checkpoint_tensor_formats(checkpoint: Any) -> dict[str, str]:
     for role, pattern in _ROLE_TENSORS.items():
         if role == "output" and config.tie_word_embeddings:
             pattern = _ROLE_TENSORS["embeddings"]
-        names = [pattern.format(i=i) for i in range(config.num_layers)] if "{i}" in pattern else [pattern]
-        found = [GGUF_TIER_FORMAT.get(types[n].upper(), "fp32") for n in names if n in types]
-        if found:
-            best = max(found, key=lambda f: TIER_FORMATS[f])
-            out[role] = _REENCODED[best] if role == "ffn_down" else best
+        layers = range(config.num_layers) if "{i}" in pattern else [None]
+        found = {i: GGUF_TIER_FORMAT.get(types[pattern.format(i=i)].upper(), "fp32") for i in layers
+                 if pattern.format(i=i) in types}
+        if role == "ffn_down":  # re-encoded along the other axis: one step more detailed
+            found = {i: _REENCODED[f] for i, f in found.items()}
+        if not found:
+            continue
+        counts = {f: list(found.values()).count(f) for f in found.values()}
+        common = max(counts, key=lambda f: (counts[f], TIER_FORMATS[f]))
+        out[role] = common
+        out.update({f"layers.{i}.{role}": f for i, f in found.items() if f != common and i is not None})
     return out

@@ -8,7 +8,7 @@ import torch
 from online.execution.gpu_tier import GpuTier
 from online.execution.tier_format import TIER_FORMATS, TierMatrix, tier_matrix_bytes
 
-from helpers_plans import tiny_plan
+from helpers_plans import plan_settings, tiny_plan
 from test_gguf_loading import write_tiny_gguf
 
 GGUF_AS_TIER = {"Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4_1", "F32": "fp32", "F16": "fp16"}
@@ -40,12 +40,20 @@ def test_plan_formats_follow_the_checkpoint_and_the_tier_keeps_its_blocks(mixed_
     ckpt = load_checkpoint(str(mixed_gguf))
     formats = checkpoint_tensor_formats(ckpt)
     types = ckpt.quant_types
-    # independent reading of the rule: the most detailed type of the role's tensors, as the tier holds it
-    rank = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F16": 3, "BF16": 3, "F32": 4}
-    best = max((types[f"model.layers.{i}.mlp.up_proj.weight"] for i in range(2)), key=rank.get)
-    assert formats["ffn_up"] == {"BF16": "fp16"}.get(best, GGUF_AS_TIER.get(best))
-    assert formats["output"] == {"BF16": "fp16"}.get(types["lm_head.weight"], GGUF_AS_TIER.get(types["lm_head.weight"]))
-    assert len(set(formats.values())) >= 3  # the roles really differ in this file
+    # independent reading of the rule: every layer's tensor in the format that holds its GGUF type as it is
+    # (BF16 in fp16); down rows, re-encoded along the other axis, one step more detailed
+    as_tier = {**GGUF_AS_TIER, "BF16": "fp16"}
+    finer = {"q4": "q8", "q4_1": "q8", "q8": "fp16", "fp16": "fp16", "fp32": "fp32"}
+    settings = plan_settings("int4", formats)
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_o": "self_attn.o_proj", "ffn_up": "mlp.up_proj", "ffn_gate": "mlp.gate_proj", "ffn_down": "mlp.down_proj"}
+    for role, name in names.items():
+        for i in range(2):
+            want = as_tier[types[f"model.layers.{i}.{name}.weight"]]
+            assert settings.format_of(role, i) == (finer[want] if role == "ffn_down" else want), (role, i)
+    assert settings.format_of("output") == as_tier[types["lm_head.weight"]]
+    assert settings.format_of("embeddings") == as_tier[types["model.embed_tokens.weight"]]
+    assert any(key.startswith("layers.") for key in formats)  # this file's layers differ
 
     plan_dir = tiny_plan(mixed_gguf, tmp_path, "rtx4090", 1.0, weight_format="int4", tensor_formats=formats)
     plan = read_plan(plan_dir)
@@ -64,15 +72,17 @@ def test_plan_formats_follow_the_checkpoint_and_the_tier_keeps_its_blocks(mixed_
         np.testing.assert_array_equal(m.dequantize().numpy(), ref)
         return True
 
-    roles = ("attn_q", "attn_k", "attn_v", "attn_o")
+    roles, kept = ("attn_q", "attn_k", "attn_v", "attn_o"), 0
     for i, block in enumerate(engine.model.layers):
         attn = block.self_attn
         assert getattr(attn, "on_tier", False)
         for m, proj, role in zip(attn.qkv_parts + [attn.o], "qkvo", roles):
-            assert m.fmt == formats[role]
-            same_blocks(m, ckpt.raw[f"model.layers.{i}.self_attn.{proj}_proj.weight"])
-    split = next(s for s in engine.executor.splits if s is not None and s.gpu is not None)
-    assert split.gpu.up.fmt == formats["ffn_up"] and split.gpu.down_t.fmt == formats["ffn_down"]
+            assert m.fmt == settings.format_of(role, i)
+            kept += same_blocks(m, ckpt.raw[f"model.layers.{i}.self_attn.{proj}_proj.weight"])
+    assert kept >= 3  # this file's Q4_0 / Q4_1 / Q8_0 attention tensors, kept as they are
+    for i, split in enumerate(engine.executor.splits):
+        if split is not None and split.gpu is not None:
+            assert (split.gpu.up.fmt, split.gpu.down_t.fmt) == (settings.format_of("ffn_up", i), settings.format_of("ffn_down", i))
     assert engine.executor.tier_head.fmt == formats["output"]
     assert same_blocks(engine.executor.tier_head, ckpt.raw["lm_head.weight"])  # Q8_0 kept as it is
     assert same_blocks(engine.model.embed_tokens.table, ckpt.raw["model.embed_tokens.weight"])  # Q4_0 kept
@@ -86,10 +96,13 @@ def test_old_plans_keep_their_fingerprint():
     mixed = PlanSettings(bytes_per_weight=0.625, tensor_formats={"output": "q8"})
     assert mixed.fingerprint != plain.fingerprint and PlanSettings.from_dict(mixed.to_dict()) == mixed
     assert (mixed.format_of("output"), mixed.format_of("ffn_up")) == ("q8", "q4_1")
+    layered = PlanSettings(bytes_per_weight=0.625, tensor_formats={"ffn_up": "q4_1", "layers.1.ffn_up": "q8"})
+    assert [layered.format_of("ffn_up", i) for i in range(3)] == ["q4_1", "q8", "q4_1"]
     assert mixed.bytes_of("output") == TIER_FORMATS["q8"]
 
 
-@pytest.mark.parametrize("bad", [{"output": "q3"}, {"lm_head": "q8"}, "q8"])
+@pytest.mark.parametrize("bad", [{"output": "q3"}, {"lm_head": "q8"}, "q8", {"layers.1.output": "q8"},
+                                 {"layers.x.ffn_up": "q8"}])
 def test_bad_tensor_formats_are_refused(bad):
     from placement.settings import PlanSettings
     from tandem.errors import TandemError

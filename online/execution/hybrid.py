@@ -66,12 +66,14 @@ class ExecutionSettings:
             raise TandemError(f"threads must be >= 1, got {self.threads}")
         if self.tier_format not in TIER_FORMATS:
             raise TandemError(f"unknown GPU-tier format {self.tier_format!r} (choose from {', '.join(TIER_FORMATS)})")
-        if any(fmt not in TIER_FORMATS for _, fmt in self.tier_formats):
+        if any(fmt not in TIER_FORMATS for _, fmt in self.tier_formats):  # keys: placement.settings checks them
             raise TandemError(f"unknown GPU-tier format in {dict(self.tier_formats)} (choose from {', '.join(TIER_FORMATS)})")
 
-    def tier_format_of(self, role: str) -> str:
-        """The tier format of a tensor role (``ffn_up``, ``attn_q``, ``output``, ...; see placement.settings)."""
-        return dict(self.tier_formats).get(role, self.tier_format)
+    def tier_format_of(self, role: str, layer: int | None = None) -> str:
+        """The tier format of a tensor role (``ffn_up``, ``attn_q``, ``output``, ...; see placement.settings),
+        in ``layer`` (a plan may give single layers their own)."""
+        from .tier_format import format_lookup
+        return format_lookup(self.tier_formats, role, layer, self.tier_format)
 
 
 @dataclass
@@ -304,7 +306,10 @@ def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor,
     cold = torch.nonzero(cold_mask).flatten()
     gpu = None
     if hot.numel():
-        fmt, prefix = settings.tier_format_of, f"layers.{layer}"
+        prefix = f"layers.{layer}"
+
+        def fmt(role: str) -> str:
+            return settings.tier_format_of(role, layer)
 
         def put(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else tier.allocate(f"{prefix}.{name}", t.float().contiguous())

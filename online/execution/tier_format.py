@@ -40,6 +40,19 @@ BLOCK = 32
 _RAW_AS_IS = {"Q8_0": ("q8", 2), "Q4_0": ("q4", 2), "Q4_1": ("q4_1", 4), "F32": ("fp32", 0), "F16": ("fp16", 0)}
 
 
+def format_lookup(pairs, role: str, layer: int | None, default: str) -> str:
+    """A tensor's tier format from ``(key, format)`` pairs: ``layers.{layer}.{role}``, else ``role``, else ``default``.
+
+    >>> format_lookup((("ffn_up", "q4_1"), ("layers.2.ffn_up", "q8")), "ffn_up", 2, "q4"), \
+    ...     format_lookup((("ffn_up", "q4_1"),), "ffn_up", 0, "q4"), format_lookup((), "output", None, "q4")
+    ('q8', 'q4_1', 'q4')
+    """
+    table = dict(pairs)
+    if layer is not None and f"layers.{layer}.{role}" in table:
+        return table[f"layers.{layer}.{role}"]
+    return table.get(role, default)
+
+
 def tier_matrix_bytes(rows: int, cols: int, fmt: str) -> int:
     """Bytes a ``[rows, cols]`` TierMatrix takes in ``fmt`` (the planner counts these).
 

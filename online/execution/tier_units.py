@@ -50,8 +50,9 @@ def tier_ffn_kernel(cfg, part, tier):
 
 
 def _role_format(tier_format) -> object:
-    """A role -> format function from a format (every role) or such a function (``ExecutionSettings.tier_format_of``)."""
-    return tier_format if callable(tier_format) else (lambda role: tier_format)
+    """A (role, layer) -> format function from a format (every tensor) or such a function
+    (``ExecutionSettings.tier_format_of``)."""
+    return tier_format if callable(tier_format) else (lambda role, layer=None: tier_format)
 
 
 def tier_matrix(float_weight: torch.Tensor, raw_blocks, fmt: str, tier, name: str) -> TierMatrix:
@@ -82,7 +83,7 @@ class TierAttention(nn.Module):
             self.q_norm, self.k_norm = attn.q_norm.to(tier.device), attn.k_norm.to(tier.device)
         prefix, role_format, raw = f"layers.{layer}.attention", _role_format(fmt), raw or {}
         mats = {name: tier_matrix(getattr(attn, name).weight, raw.get(f"model.layers.{layer}.self_attn.{name}.weight"),
-                                  role_format(role), tier, f"{prefix}.{name[0]}")
+                                  role_format(role, layer), tier, f"{prefix}.{name[0]}")
                 for name, role in _ATTENTION_ROLES}  # each in its role's format
         self.qkv_parts = [mats["q_proj"], mats["k_proj"], mats["v_proj"]]  # [q, d], [kv, d], [kv, d]
         self.o = mats["o_proj"]
@@ -255,7 +256,7 @@ class TierSharedExpert:
         prefix, source = f"layers.{layer}.shared_expert", f"model.layers.{layer}.mlp.shared_expert"
 
         def matrix(name: str, role: str, weight: torch.Tensor) -> TierMatrix:
-            return tier_matrix(weight, raw.get(f"{source}.{name}_proj.weight"), fmt(role), tier, f"{prefix}.{name}")
+            return tier_matrix(weight, raw.get(f"{source}.{name}_proj.weight"), fmt(role, layer), tier, f"{prefix}.{name}")
         self.cfg, self.tier = cfg, tier
         self.up, self.down = matrix("up", "ffn_up", w.up), matrix("down", "ffn_down", w.down)  # [F, d], [d, F]
         self.gate = None if w.gate is None else matrix("gate", "ffn_gate", w.gate)
