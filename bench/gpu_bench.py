@@ -27,7 +27,7 @@ def model_bytes(model: str, profile_dir: Path, hardware: str, weight_format: str
     """(bytes of every placeable unit as the planner counts them, the GPU buffers it reserves)."""
     from offline.profile_artifact import load_profile
     from online.loading import load_checkpoint
-    from placement.settings import checkpoint_bytes_per_weight
+    from placement.settings import checkpoint_bytes_per_weight, checkpoint_tensor_formats
     from placement.hardware import load_hardware
     from placement.predictor_info import no_predictors
     from placement.problem import build_problem
@@ -35,7 +35,9 @@ def model_bytes(model: str, profile_dir: Path, hardware: str, weight_format: str
     ckpt = load_checkpoint(model)
     cfg = ckpt.config
     bpw = checkpoint_bytes_per_weight(ckpt) if weight_format == "auto" else resolve_bytes_per_weight(weight_format)
-    settings = PlanSettings(bytes_per_weight=bpw, context_tokens=min(cfg.max_context, CONTEXT_TOKENS))
+    formats = checkpoint_tensor_formats(ckpt) if weight_format == "auto" else {}  # as `tandem plan` sets them
+    settings = PlanSettings(bytes_per_weight=bpw, context_tokens=min(cfg.max_context, CONTEXT_TOKENS),
+                            tensor_formats=formats)
     problem = build_problem(cfg, ActivationStats.from_profile(load_profile(profile_dir), cfg), no_predictors(cfg.num_layers),
                             load_hardware(hardware), 1 << 50, settings)
     total = problem.output_head.gpu_bytes + (problem.embeddings.gpu_bytes if problem.embeddings else 0)

@@ -80,26 +80,34 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
     if warning is not None:  # one line on stderr, as the CLI's errors
         import sys
         print(f"warning: {plan_dir}: {warning}", file=sys.stderr)
-    tier = GpuTier.create(plan.gpu_budget_bytes, settings.gpu_device)
-    settings = replace(settings, tier_format=tier_format_for(plan.settings.bytes_per_weight))  # the plan's bytes
+    tier = GpuTier.create(plan.gpu_budget_bytes, settings.gpu_device, threads=settings.threads)
+    settings = replace(settings, tier_format=tier_format_for(plan.settings.bytes_per_weight),  # the plan's bytes,
+                       tier_formats=plan.settings.tensor_formats)  # and its format per tensor role
     thresholds = [float(t) for t in profile.thresholds.tolist()]
     gpu_neurons = [plan.gpu_neurons(i) if not cfg.is_moe_layer(i) else None for i in range(cfg.num_layers)]
     executor = HybridExecutor.build(cfg, ffn_layers, tier, settings, gpu_neurons=gpu_neurons, thresholds=thresholds,
                                     predictors=predictors, head_weight=head_weight, raw=raw)
+    if predictors is not None:  # before the plan units: a tier attention fetches its layer's predictor mask
+        from .execution.tier_units import place_predictors
+        place_predictors(executor, tier, predictors, [bool(layer.get("predictor_on_gpu")) for layer in plan.layers])
     if model is not None:
         from .execution.tier_units import kv_dtype_for, place_plan_units
         place_plan_units(model, executor, tier, attention_on_gpu=plan.attention_on_gpu,
                          output_head_on_gpu=plan.output_head_on_gpu, embeddings_on_gpu=plan.embeddings_on_gpu,
-                         tier_format=settings.tier_format, kv_dtype=kv_dtype_for(plan.settings.kv_bytes_per_element),
-                         kv_capacity_tokens=plan.settings.context_tokens)
+                         tier_format=settings.tier_format_of, kv_dtype=kv_dtype_for(plan.settings.kv_bytes_per_element),
+                         kv_capacity_tokens=plan.settings.context_tokens, raw=raw)
     if cfg.is_moe:
         from .experts.runtime import ExpertRuntime, default_cost_model
+        from .execution.tier_units import place_shared_experts
+        shared = place_shared_experts(cfg, executor.layers, tier, [bool(layer.get("shared_expert_on_gpu"))
+                                                                   for layer in plan.layers], settings.tier_format_of, raw)
         slots = plan.expert_cache_slots if expert_slots is None else expert_slots
         executor.attach_experts(ExpertRuntime(cfg, executor.layers, tier,
                                               weight_format=expert_format_for(plan.settings.bytes_per_weight),
                                               slots=slots, pinned=plan.expert_pinned, prefetch=prefetch,
                                               cost_model=default_cost_model(tier, plan.hardware),
                                               threads=settings.threads, fit_to_budget=expert_slots is None))
+        executor.experts.tier_shared = shared
     info = PlanInfo(plan_dir=plan_dir, profile_dir=profile_path, predictors_dir=predictors_path if predictors else None,
                     hardware=plan.hardware.name, gpu_budget_bytes=plan.gpu_budget_bytes, gpu_bytes_planned=plan.gpu_bytes,
                     modeled_tokens_per_s=plan.modeled.get("tokens_per_s"),

@@ -120,6 +120,8 @@ def format_plan_summary(plan: Plan) -> str:
              + f", solved in {plan.solver['solve_time_s']:.1f}s",
              _headline(plan),
              _quality_line(plan.quality) if plan.quality else "quality: not measured (planned with --no-quality)",
+             "tier formats: " + (", ".join(f"{role} {fmt}" for role, fmt in plan.settings.tensor_formats)
+                                 if plan.settings.tensor_formats else f"every tensor {plan.settings.format_of('ffn_up')}"),
              "", "GPU bytes by kind:"]
     for kind, num_bytes in plan.gpu_bytes_by_kind.items():
         if num_bytes:

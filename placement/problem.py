@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from online.config import ModelConfig
-from online.execution.tier_format import expert_format_for, expert_layout_bytes
+from online.execution.tier_format import expert_format_for, expert_layout_bytes, tier_matrix_bytes
 from tandem.errors import TandemError
 
 from . import cost_model
@@ -199,20 +199,24 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
     chunk_size = effective_chunk_size(config, settings.neurons_per_chunk, max_total_chunks)
     q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     attention_weights = d * q_dim * 2 + d * kv_dim * 2
+    fmt = settings.format_of  # each tensor (role, layer) in the plan's format for it (GGUF blocks as they are)
     kv_cache_bytes = math.ceil(2 * kv_dim * settings.context_tokens * settings.kv_bytes_per_element)
     attention_bias_bytes = BIAS_BYTES * ((q_dim + 2 * kv_dim if config.attention_bias else 0)
                                          + (d if config.attention_out_bias else 0))
     attended_tokens = settings.context_tokens / 2
     rows_total = 3 if config.mlp_gated else 2
     bias_rows = (rows_total - 1) if config.mlp_bias else 0  # up (+ gate) biases; the down bias is per layer
-    neuron_bytes = math.ceil(rows_total * d * bpw) + INDEX_BYTES_PER_GPU_NEURON + BIAS_BYTES * bias_rows
+    neuron_roles = ("ffn_up", "ffn_down") + (("ffn_gate",) if config.mlp_gated else ())
     layers = []
     for i in range(config.num_layers):
         is_moe = config.is_moe_layer(i)
-        weights = attention_weights + (config.num_experts * d if is_moe else 0)
-        weight_bytes = math.ceil(weights * bpw)
-        # on the tier: q/k/v/o in the plan's format, fp32 biases, the KV cache (the router stays with the experts)
-        attention_tier_bytes = math.ceil(attention_weights * bpw) + attention_bias_bytes
+        attention_matrices_bytes = (tier_matrix_bytes(q_dim, d, fmt("attn_q", i)) + tier_matrix_bytes(kv_dim, d, fmt("attn_k", i))
+                                    + tier_matrix_bytes(kv_dim, d, fmt("attn_v", i)) + tier_matrix_bytes(d, q_dim, fmt("attn_o", i)))
+        neuron_weight_bytes = sum(tier_matrix_bytes(1, d, fmt(role, i)) for role in neuron_roles)  # one row of each
+        neuron_bytes = neuron_weight_bytes + INDEX_BYTES_PER_GPU_NEURON + BIAS_BYTES * bias_rows
+        weight_bytes = attention_matrices_bytes + (math.ceil(config.num_experts * d * bpw) if is_moe else 0)
+        # on the tier: q/k/v/o in the plan's formats, fp32 biases, the KV cache (the router stays with the experts)
+        attention_tier_bytes = attention_matrices_bytes + attention_bias_bytes
         attention = DenseUnit(
             gpu_bytes=attention_tier_bytes + kv_cache_bytes,
             gpu_s=cost_model.gpu_weight_seconds(weight_bytes, bpw, hw) + cost_model.attention_kv_seconds(config, attended_tokens, settings.kv_bytes_per_element, hw.gpu_bandwidth_bytes_per_s, hw.gpu_matmul_flops),
@@ -226,21 +230,24 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
             repeat = float(stats.expert_repeat[i]) if stats.expert_repeat is not None else 0.0
             options, order = _expert_options(config, hw, bpw, stats.expert_freq[i], repeat, gpu_enabled)
             shared = None
-            if config.shared_expert_intermediate_size:
-                shared_bytes = math.ceil(rows_total * d * config.shared_expert_intermediate_size * bpw)
+            if config.shared_expert_intermediate_size:  # as the tier stores it: rows, down as it is, fp32 gate vector
+                width_s = config.shared_expert_intermediate_size
+                shared_bytes = (tier_matrix_bytes(width_s, d, fmt("ffn_up", i)) + tier_matrix_bytes(d, width_s, fmt("ffn_down", i))
+                                + (tier_matrix_bytes(width_s, d, fmt("ffn_gate", i)) if config.mlp_gated else 0)
+                                + BIAS_BYTES * d)
                 shared = _unit(shared_bytes, shared_bytes, hw, bpw)
             layers.append(LayerUnits(index=i, is_moe=True, attention=attention, predictor=None, dense_ffn=dense_ffn,
                                      expert_options=options, expert_popularity_order=order, shared_expert=shared))
             continue
         width = config.intermediate_size
-        dense_bytes = math.ceil(rows_total * d * width * bpw)
+        dense_bytes = width * neuron_weight_bytes
         dense_ffn = _unit(dense_bytes, dense_bytes, hw, bpw)
         freq = stats.neuron_freq[i]
         read_rows = _neuron_read_rows(config, stats.activity, freq, info)  # [F]
         order = stats.hot_order[i]
         chunks = [order[start:start + chunk_size] for start in range(0, width, chunk_size)]
         chunk_rows = np.array([read_rows[c].sum() for c in chunks])
-        chunk_read_bytes = chunk_rows * d * bpw
+        chunk_read_bytes = chunk_rows * neuron_weight_bytes / len(neuron_roles)
         layers.append(LayerUnits(
             index=i, is_moe=False, attention=attention, predictor=predictor, dense_ffn=dense_ffn,
             chunk_neurons=chunks,
@@ -249,14 +256,14 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
             chunk_cpu_s=cost_model.cpu_weight_seconds(chunk_read_bytes, bpw, hw),
             chunk_activation_mass=np.array([freq[c].sum() for c in chunks]),
             min_gpu_neurons=min(settings.min_gpu_neurons_per_layer, width)))
-    head_bytes = math.ceil(config.vocab_size * d * bpw)
-    lookup_bytes = d * bpw
+    head_bytes = tier_matrix_bytes(config.vocab_size, d, fmt("output"))
     if config.tie_word_embeddings:
-        output_head = _unit(head_bytes, head_bytes + lookup_bytes, hw, bpw)
+        output_head = _unit(head_bytes, head_bytes + head_bytes / config.vocab_size, hw, bpw)
         embeddings = None
     else:
+        table_bytes = tier_matrix_bytes(config.vocab_size, d, fmt("embeddings"))
         output_head = _unit(head_bytes, head_bytes, hw, bpw)
-        embeddings = _unit(head_bytes, lookup_bytes, hw, bpw)
+        embeddings = _unit(table_bytes, table_bytes / config.vocab_size, hw, bpw)
     return PlacementProblem(config=config, hardware=hardware, settings=settings, gpu_budget_bytes=int(gpu_budget_bytes),
                             buffer_bytes=estimate_buffer_bytes(config, settings) if gpu_enabled else 0,
                             neurons_per_chunk=chunk_size, layers=layers, output_head=output_head, embeddings=embeddings,

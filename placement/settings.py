@@ -3,12 +3,15 @@
 Example::
 
     settings = PlanSettings(bytes_per_weight=resolve_bytes_per_weight("int4"), context_tokens=4096)
+    settings = PlanSettings(bytes_per_weight=0.625, tensor_formats={"output": "q8"})  # one role in its own format
+    settings.format_of("output"), settings.format_of("ffn_up")                      # ('q8', 'q4_1')
     stats = ActivationStats.from_profile(profile, cfg)   # numpy views of the profile, checked against cfg
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +26,24 @@ WEIGHT_FORMATS = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0625, "int4":
 GGUF_BYTES_PER_WEIGHT = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32,
                          "Q4_1": 20 / 32, "Q5_0": 22 / 32, "Q5_1": 24 / 32, "Q2_K": 84 / 256,
                          "Q3_K": 110 / 256, "Q4_K": 144 / 256, "Q5_K": 176 / 256, "Q6_K": 210 / 256}
+# tensor roles a plan may give their own tier format (``PlanSettings.tensor_formats``)
+TENSOR_ROLES = ("attn_q", "attn_k", "attn_v", "attn_o", "ffn_up", "ffn_gate", "ffn_down", "output", "embeddings")
+_LAYER_KEY = re.compile(r"^layers\.\d+\.")
+# role -> the checkpoint tensor (``{i}``: every layer) it takes its format from
+_ROLE_TENSORS = {"attn_q": "model.layers.{i}.self_attn.q_proj.weight", "attn_k": "model.layers.{i}.self_attn.k_proj.weight",
+                 "attn_v": "model.layers.{i}.self_attn.v_proj.weight", "attn_o": "model.layers.{i}.self_attn.o_proj.weight",
+                 "ffn_up": "model.layers.{i}.mlp.up_proj.weight", "ffn_gate": "model.layers.{i}.mlp.gate_proj.weight",
+                 "ffn_down": "model.layers.{i}.mlp.down_proj.weight", "embeddings": "model.embed_tokens.weight",
+                 "output": "lm_head.weight"}
+# GGUF block type -> the tier format that holds it: as it is (F32, F16, Q8_0, Q4_0, Q4_1) or re-encoded at
+# no fewer bits (5/6-bit types in q8; 2/3/4-bit k-quants, whose blocks carry a minimum, in q4_1)
+GGUF_TIER_FORMAT = {"F32": "fp32", "F16": "fp16", "BF16": "fp16", "Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4_1",
+                    "Q5_0": "q8", "Q5_1": "q8", "Q5_K": "q8", "Q6_K": "q8", "IQ4_NL": "q8",
+                    "Q2_K": "q4_1", "Q3_K": "q4_1", "Q4_K": "q4_1"}
+# the down projection is kept transposed (rows = neurons): its blocks run along the other axis and are
+# re-encoded, so it goes one step more detailed than its type (re-encoding 4-bit values at 4 bits again
+# doubles their error; SmolLM2 64 MiB plan: +4.1% perplexity with q4_1 down rows)
+_REENCODED = {"q4": "q8", "q4_1": "q8", "q8": "fp16", "fp16": "fp16", "fp32": "fp32"}
 
 
 def resolve_bytes_per_weight(weight_format: str | float) -> float:
@@ -50,9 +71,25 @@ class PlanSettings:
     neurons_per_chunk: int = 64
     min_gpu_neurons_per_layer: int = 128  # a layer puts at least this many (or all) neurons on the GPU, or none
     gpu_reserve_bytes: int | None = None  # GPU buffers; None -> estimated from the shapes
+    # (role or "layers.N.role", tier format) sorted pairs (TENSOR_ROLES, TIER_FORMATS); a layer's own entry wins
+    # over its role's; tensors with neither use bytes_per_weight
+    tensor_formats: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bytes_per_weight", resolve_bytes_per_weight(self.bytes_per_weight))
+        formats = self.tensor_formats
+        pairs = formats.items() if isinstance(formats, dict) else formats
+        try:
+            pairs = tuple(sorted((str(role), str(fmt)) for role, fmt in pairs))
+        except (TypeError, ValueError):
+            raise TandemError(f"tensor_formats must map tensor roles to tier formats, got {formats!r}") from None
+        from online.execution.tier_format import TIER_FORMATS  # torch: not imported by `tandem --help`
+        for key, fmt in pairs:
+            role = _LAYER_KEY.sub("", key)  # "layers.3.ffn_up": that layer's tensor only
+            if role not in TENSOR_ROLES or fmt not in TIER_FORMATS or (key != role and role in ("output", "embeddings")):
+                raise TandemError(f"bad tensor format {key}={fmt} (keys: a role or layers.N.role; roles: "
+                                  f"{', '.join(TENSOR_ROLES)}; formats: {', '.join(TIER_FORMATS)})")
+        object.__setattr__(self, "tensor_formats", pairs)
         kv_bytes = self.kv_bytes_per_element
         if isinstance(kv_bytes, bool) or not isinstance(kv_bytes, (int, float)) or not 0.0 < kv_bytes <= 8.0:
             raise TandemError(f"kv_bytes_per_element must be in (0, 8], got {self.kv_bytes_per_element}")
@@ -64,8 +101,22 @@ class PlanSettings:
         if self.gpu_reserve_bytes is not None and (not isinstance(self.gpu_reserve_bytes, int) or self.gpu_reserve_bytes < 0):
             raise TandemError(f"gpu_reserve_bytes must be an integer >= 0, got {self.gpu_reserve_bytes!r}")
 
+    def format_of(self, role: str, layer: int | None = None) -> str:
+        """The tier format of ``role`` (in ``layer``): its own, else the densest holding ``bytes_per_weight``."""
+        from online.execution.tier_format import format_lookup, tier_format_for
+        return format_lookup(self.tensor_formats, role, layer, tier_format_for(self.bytes_per_weight))
+
+    def bytes_of(self, role: str, layer: int | None = None) -> float:
+        """Bytes per weight of ``role`` on the tier (block scales included)."""
+        from online.execution.tier_format import TIER_FORMATS
+        return TIER_FORMATS[self.format_of(role, layer)]
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out.pop("tensor_formats")
+        if self.tensor_formats:  # left out when empty: plans made before per-tensor formats keep their fingerprint
+            out["tensor_formats"] = dict(self.tensor_formats)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PlanSettings":
@@ -132,3 +183,31 @@ def checkpoint_bytes_per_weight(checkpoint: Any) -> float:
         total_weights += tensor.numel()
         total_bytes += tensor.numel() * GGUF_BYTES_PER_WEIGHT[qtype.upper()]
     return total_bytes / total_weights if total_weights else WEIGHT_FORMATS["fp16"]
+
+
+def checkpoint_tensor_formats(checkpoint: Any) -> dict[str, str]:
+    """Tier formats that keep the checkpoint's GGUF blocks (``GGUF_TIER_FORMAT``): per role the format most of
+    its layers' tensors have, plus ``layers.N.role`` for the layers that differ (Q4_K_M-style mixes).
+    Empty for checkpoints without on-disk types.
+
+    Example: SmolLM2 Q4_1 (Q4_1 layers, Q8_0 tied embeddings) -> ``{"ffn_up": "q4_1", ..., "output": "q8"}``.
+    """
+    from online.execution.tier_format import TIER_FORMATS
+    types = checkpoint.quant_types or {}
+    config = checkpoint.config
+    out: dict[str, str] = {}
+    for role, pattern in _ROLE_TENSORS.items():
+        if role == "output" and config.tie_word_embeddings:
+            pattern = _ROLE_TENSORS["embeddings"]
+        layers = range(config.num_layers) if "{i}" in pattern else [None]
+        found = {i: GGUF_TIER_FORMAT.get(types[pattern.format(i=i)].upper(), "fp32") for i in layers
+                 if pattern.format(i=i) in types}
+        if role == "ffn_down":  # re-encoded along the other axis: one step more detailed
+            found = {i: _REENCODED[f] for i, f in found.items()}
+        if not found:
+            continue
+        counts = {f: list(found.values()).count(f) for f in found.values()}
+        common = max(counts, key=lambda f: (counts[f], TIER_FORMATS[f]))
+        out[role] = common
+        out.update({f"layers.{i}.{role}": f for i, f in found.items() if f != common and i is not None})
+    return out

@@ -152,7 +152,8 @@ def plan(model: str | Path, profile_dir: str | Path, hardware: str | Path, *, gp
     from placement.plan import load_plan, save_plan
     from placement.planner import check_budget, default_gpu_budget, make_plan
     from placement.predictor_info import load_predictor_info, no_predictors
-    from placement.settings import PlanSettings, checkpoint_bytes_per_weight, resolve_bytes_per_weight
+    from placement.settings import PlanSettings, checkpoint_bytes_per_weight, checkpoint_tensor_formats
+    from placement.settings import resolve_bytes_per_weight
 
     hw = load_hardware(hardware)
     budget = default_gpu_budget(hw) if gpu_budget is None else parse_bytes(str(gpu_budget))
@@ -163,7 +164,8 @@ def plan(model: str | Path, profile_dir: str | Path, hardware: str | Path, *, gp
              if predictors_dir else no_predictors(config.num_layers))
     bytes_per_weight = (checkpoint_bytes_per_weight(checkpoint) if weight_format == "auto"
                         else resolve_bytes_per_weight(_number_or_name(weight_format)))
-    settings = PlanSettings(bytes_per_weight=bytes_per_weight,
+    tensor_formats = checkpoint_tensor_formats(checkpoint) if weight_format == "auto" else {}  # GGUF blocks as they are
+    settings = PlanSettings(bytes_per_weight=bytes_per_weight, tensor_formats=tensor_formats,
                             context_tokens=context_tokens or min(config.max_context, 2048),
                             neurons_per_chunk=neurons_per_chunk, min_gpu_neurons_per_layer=min_gpu_neurons)
     check_budget(config, hw, budget, settings)
@@ -222,8 +224,10 @@ def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str |
     if predictors not in ("auto", "on", "off"):
         raise TandemError(f"predictors must be auto, on or off, got {predictors!r}")
     from online.loading import load_checkpoint
+    from placement.settings import checkpoint_tensor_formats
     checkpoint = load_checkpoint(model)
     cfg, fingerprint = checkpoint.config, checkpoint.fingerprint
+    tensor_formats = checkpoint_tensor_formats(checkpoint)  # what `plan` sets (weight format auto)
     base = Path(out) if out else Path("profiles") / checkpoint.model_id
     profile_dir, engine = base / "profile", None
     existing = _valid_profile(profile_dir, fingerprint)
@@ -261,9 +265,10 @@ def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str |
     budget = gpu_budget if gpu_budget is not None else _default_budget(hw)
     budget_bytes = parse_bytes(str(budget)) if budget is not None else None
     plan_dir = base / f"plan-{hw.name}-{format_bytes(budget_bytes) if budget_bytes is not None else 'default'}"
-    stale = (plan_dir / "plan.json").is_file() and not _plan_matches(plan_dir, fingerprint, prof.profile.fingerprint)
+    stale = (plan_dir / "plan.json").is_file() and not _plan_matches(plan_dir, fingerprint, prof.profile.fingerprint,
+                                                                     tensor_formats)
     if stale:
-        log(f"[prepare] the plan in {plan_dir} is stale (its profile or model changed): planning again")
+        log(f"[prepare] the plan in {plan_dir} is stale (its profile, model or tier formats changed): planning again")
     predictors_dir = preds.path if preds is not None else None
     result = plan(model, profile_dir, hardware_path, gpu_budget=budget, predictors_dir=predictors_dir, out=plan_dir,
                   replan=stale, checkpoint=checkpoint)
@@ -302,13 +307,15 @@ def _predictors_valid(path: Path, fingerprint: str, profile_fingerprint: str) ->
         return False
 
 
-def _plan_matches(plan_dir: Path, fingerprint: str, profile_fingerprint: str) -> bool:
+def _plan_matches(plan_dir: Path, fingerprint: str, profile_fingerprint: str,
+                  tensor_formats: dict[str, str] | None = None) -> bool:
+    """The plan was made for this model and profile (and, when given, these per-tensor tier formats)."""
     from placement.plan import load_plan
     try:
-        load_plan(plan_dir, model_fingerprint=fingerprint, profile_fingerprint=profile_fingerprint)
-        return True
+        found = load_plan(plan_dir, model_fingerprint=fingerprint, profile_fingerprint=profile_fingerprint)
     except TandemError:
         return False
+    return tensor_formats is None or dict(found.settings.tensor_formats) == tensor_formats
 
 
 def _number_or_name(text: str | float) -> str | float:

@@ -28,13 +28,14 @@ def tiny_profile(folder: Path, out: Path) -> Path:
     return target
 
 
-def plan_settings(weight_format: str = "int4"):
+def plan_settings(weight_format: str = "int4", tensor_formats: dict | None = None):
     from placement.settings import PlanSettings
     return PlanSettings(bytes_per_weight=weight_format, context_tokens=CONTEXT_TOKENS, neurons_per_chunk=16,
-                        gpu_reserve_bytes=RESERVE_BYTES)
+                        gpu_reserve_bytes=RESERVE_BYTES, tensor_formats=tensor_formats or {})
 
 
-def full_model_bytes(folder: Path, profile_dir: Path, hardware: str = "rtx4090", weight_format: str = "int4") -> int:
+def full_model_bytes(folder: Path, profile_dir: Path, hardware: str = "rtx4090", weight_format: str = "int4",
+                     tensor_formats: dict | None = None) -> int:
     """Bytes of every placeable unit (what a plan with room for everything puts on the GPU)."""
     from offline.profile_artifact import load_profile
     from online.loading import load_checkpoint
@@ -46,7 +47,7 @@ def full_model_bytes(folder: Path, profile_dir: Path, hardware: str = "rtx4090",
     cfg = ckpt.config
     profile = load_profile(profile_dir)
     problem = build_problem(cfg, ActivationStats.from_profile(profile, cfg), no_predictors(cfg.num_layers),
-                            load_hardware(hardware), 1 << 40, plan_settings(weight_format))
+                            load_hardware(hardware), 1 << 40, plan_settings(weight_format, tensor_formats))
     total = problem.output_head.gpu_bytes + (problem.embeddings.gpu_bytes if problem.embeddings else 0)
     for layer in problem.layers:
         total += layer.attention.gpu_bytes + int(layer.chunk_gpu_bytes.sum())
@@ -56,7 +57,8 @@ def full_model_bytes(folder: Path, profile_dir: Path, hardware: str = "rtx4090",
     return total
 
 
-def tiny_plan(folder: Path, out: Path, hardware: str, fraction: float, weight_format: str = "int4") -> Path:
+def tiny_plan(folder: Path, out: Path, hardware: str, fraction: float, weight_format: str = "int4",
+              tensor_formats: dict | None = None) -> Path:
     """A plan with budget = reserve + ``fraction`` of the model's bytes (0: an all-CPU plan)."""
     from offline.profile_artifact import load_profile
     from online.loading import load_checkpoint
@@ -65,8 +67,9 @@ def tiny_plan(folder: Path, out: Path, hardware: str, fraction: float, weight_fo
     from placement.planner import make_plan
     profile_dir = tiny_profile(folder, out)
     ckpt = load_checkpoint(str(folder))
-    budget = 0 if fraction == 0 else RESERVE_BYTES + int(fraction * full_model_bytes(folder, profile_dir, hardware, weight_format))
+    full = full_model_bytes(folder, profile_dir, hardware, weight_format, tensor_formats)
+    budget = 0 if fraction == 0 else RESERVE_BYTES + int(fraction * full)
     plan = make_plan(ckpt.config, model_fingerprint=ckpt.fingerprint, model_id=ckpt.model_id,
                      profile=load_profile(profile_dir), hardware=load_hardware(hardware), gpu_budget_bytes=budget,
-                     settings=plan_settings(weight_format))
+                     settings=plan_settings(weight_format, tensor_formats))
     return save_plan(plan, out / f"plan-{hardware}-{weight_format}-{fraction}")

@@ -12,8 +12,8 @@ from placement.plan import read_plan
 
 from helpers_plans import tiny_plan
 
-# every kind the runtime places (predictors and Qwen2-MoE shared experts are not placed on the tier yet)
-PLACED_KINDS = ("ffn_neurons", "experts", "attention_and_kv", "output_head", "embeddings")
+# every kind the runtime places (predictors: tests/test_tier_formats.py)
+PLACED_KINDS = ("ffn_neurons", "experts", "attention_and_kv", "output_head", "embeddings", "shared_experts")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -64,6 +64,8 @@ def test_runtime_tier_bytes_equal_the_plan(tiny_model_dir, tmp_path_factory, kin
             assert runtime.get(key, 0) == plan.gpu_bytes_by_kind[key], (fraction, key, runtime, plan.gpu_bytes_by_kind)
         if fraction == 1.0 and not engine.config.is_moe:
             assert plan.gpu_bytes_by_kind["ffn_neurons"] > 0
+        if fraction == 1.0 and engine.config.shared_expert_intermediate_size:
+            assert plan.gpu_bytes_by_kind["shared_experts"] > 0
 
 
 @pytest.mark.parametrize("hardware", ["rtx4090", "rtx2080ti", "t4"])
@@ -136,8 +138,9 @@ def test_tier_units_equal_dense(tiny_model_dir, kind, attention, head, embedding
     torch.testing.assert_close(run(model, executor), ref, rtol=1e-4, atol=1e-5)
 
 
-def test_stats_count_one_exchange_per_tier_unit(tiny_model_dir, tmp_path_factory):
-    """Per token: one send + one fetch (a sync on CUDA) per unit on the tier, and the bytes they move."""
+def test_stats_count_one_exchange_per_layer_on_the_tier(tiny_model_dir, tmp_path_factory):
+    """Per token: one send + one fetch (a sync on CUDA) per layer that uses the tier (attention, hot rows or
+    both: then one exchange for both), per output layer and embeddings on it, and the bytes they move."""
     folder, _ = tiny_model_dir("llama")
     out = tmp_path_factory.mktemp("link")
     for fraction in (0.5, 1.0):
@@ -145,15 +148,19 @@ def test_stats_count_one_exchange_per_tier_unit(tiny_model_dir, tmp_path_factory
         plan = read_plan(plan_dir)
         engine = Engine.load(str(folder), plan=plan_dir, gpu_device="cpu")
         stats = engine.generate([5, 17, 42], max_new_tokens=5, ignore_eos=True).stats
-        hot_layers = sum(1 for i in range(plan.num_layers) if plan.gpu_neurons(i).numel())
+        hot = [plan.gpu_neurons(i).numel() > 0 for i in range(plan.num_layers)]
+        both = sum(a and h for a, h in zip(plan.attention_on_gpu, hot))
+        one = sum(a != h for a, h in zip(plan.attention_on_gpu, hot))
         tied = engine.config.tie_word_embeddings
-        units = (sum(plan.attention_on_gpu) + hot_layers + plan.output_head_on_gpu
-                 + (plan.output_head_on_gpu if tied else plan.embeddings_on_gpu))
+        units = both + one + plan.output_head_on_gpu + (plan.output_head_on_gpu if tied else plan.embeddings_on_gpu)
         assert stats["tier_syncs_per_token"] == stats["tier_calls_per_token"] == units
         d, vocab = engine.config.hidden_size, engine.config.vocab_size
-        per_decode_token = 4 * ((sum(plan.attention_on_gpu) + hot_layers) * 2 * d
-                                + plan.output_head_on_gpu * (d + vocab)) + 4 * d * plan.embeddings_on_gpu + 8 * plan.embeddings_on_gpu
+        # a layer sends d floats and fetches d (one unit) or 2d (attention output and hot FFN output together)
+        per_decode_token = 4 * (both * 3 * d + one * 2 * d + plan.output_head_on_gpu * (d + vocab)) \
+            + 4 * d * plan.embeddings_on_gpu + 8 * plan.embeddings_on_gpu
         assert units > 0 and stats["link_bytes_per_token"] >= per_decode_token
+        if fraction == 1.0:
+            assert both > 0  # the fused exchange was exercised
 
 
 def test_plan_quality_is_measured_recorded_shown_and_warned(tiny_model_dir, tmp_path, capsys):

@@ -32,10 +32,13 @@ def kind_of(name: str) -> str:
 
 
 class GpuTier:
-    def __init__(self, device: torch.device, budget_bytes: int) -> None:
+    def __init__(self, device: torch.device, budget_bytes: int, threads: int | None = None) -> None:
         if budget_bytes < 0:
             raise TandemError(f"GPU budget must be >= 0 bytes, got {budget_bytes}")
+        if threads is not None and threads < 1:
+            raise TandemError(f"GPU-tier threads must be >= 1, got {threads}")
         self.device = device
+        self.threads = threads or torch.get_num_threads()  # CPU-kernel threads when the tier is the CPU
         self.budget_bytes = budget_bytes
         self.used_bytes = 0
         self.peak_bytes = 0
@@ -49,14 +52,14 @@ class GpuTier:
         self._pinned: dict[tuple, torch.Tensor] = {}
 
     @classmethod
-    def create(cls, budget_bytes: int, device: str | None = None) -> "GpuTier":
+    def create(cls, budget_bytes: int, device: str | None = None, threads: int | None = None) -> "GpuTier":
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise TandemError("--gpu-device cuda requested but no CUDA device is available")
         if device not in ("cpu",) and not device.startswith("cuda"):
             raise TandemError(f"unknown GPU-tier device {device!r} (use 'cuda' or 'cpu')")
-        return cls(torch.device(device), budget_bytes)
+        return cls(torch.device(device), budget_bytes, threads)
 
     @property
     def is_cuda(self) -> bool:

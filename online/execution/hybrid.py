@@ -23,12 +23,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.errors import TandemError
+
 from ..config import ModelConfig
 from ..kernels.ffn import QuantizedFFN, QuantizedLinear
 from .activations import activate, gated_hidden
 from .dense import DenseExecutor
 from .gpu_tier import GpuTier
 from .tier_format import TIER_FORMATS, TierMatrix
+from .tier_units import tier_ffn_kernel
 from .quantized_linear import EXACT_GGUF_TYPES
 from .weights import FFNWeights, MoELayerWeights
 
@@ -51,6 +54,7 @@ class ExecutionSettings:
     threads: int = 2
     gpu_device: str | None = None  # None: CUDA when present, else the CPU
     tier_format: str = "fp32"  # how hot rows are stored on the GPU tier (a plan sets its own: fp16/q8/q4)
+    tier_formats: tuple[tuple[str, str], ...] = ()  # per tensor role (a plan's ``tensor_formats``); others: tier_format
 
     def __post_init__(self) -> None:
         from tandem.errors import TandemError
@@ -62,6 +66,14 @@ class ExecutionSettings:
             raise TandemError(f"threads must be >= 1, got {self.threads}")
         if self.tier_format not in TIER_FORMATS:
             raise TandemError(f"unknown GPU-tier format {self.tier_format!r} (choose from {', '.join(TIER_FORMATS)})")
+        if any(fmt not in TIER_FORMATS for _, fmt in self.tier_formats):  # keys: placement.settings checks them
+            raise TandemError(f"unknown GPU-tier format in {dict(self.tier_formats)} (choose from {', '.join(TIER_FORMATS)})")
+
+    def tier_format_of(self, role: str, layer: int | None = None) -> str:
+        """The tier format of a tensor role (``ffn_up``, ``attn_q``, ``output``, ...; see placement.settings),
+        in ``layer`` (a plan may give single layers their own)."""
+        from .tier_format import format_lookup
+        return format_lookup(self.tier_formats, role, layer, self.tier_format)
 
 
 @dataclass
@@ -74,6 +86,7 @@ class GpuPart:
     gate: TierMatrix | None = None  # [n_hot, d]
     up_bias: torch.Tensor | None = None  # [n_hot] float32 on the tier
     gate_bias: torch.Tensor | None = None  # [n_hot]
+    kernel_ffn: object = None  # CPU tier: online.kernels QuantizedFFN over the same codes (tier_ffn_kernel)
 
     @property
     def nbytes(self) -> int:
@@ -117,6 +130,8 @@ class HybridExecutor(DenseExecutor):
         self.counters = ExecutionCounters()
         self.experts = None  # online.experts.ExpertRuntime for MoE layers (attach_experts)
         self.tier_head = None  # TierMatrix: the output layer on the GPU tier (tier_units.place_plan_units)
+        # layer -> (hot FFN output, tier predictor's mask), fetched in the layer's tier-attention exchange
+        self.pending_hot: dict[int, tuple] = {}
 
     def attach_experts(self, runtime) -> None:
         """Run MoE layers through ``runtime``; it holds the (packed) experts, so the float ones go."""
@@ -164,12 +179,19 @@ class HybridExecutor(DenseExecutor):
         start = time.perf_counter()
         n_tokens = x.shape[0]
         y = handle = None
-        if split.gpu is not None:  # launched first; on CUDA it runs while the CPU computes the cold part
-            handle = self.tier.fetch_async(self._gpu_forward(split.gpu, x))
+        pending = self.pending_hot.pop(layer, None)  # computed in the layer's tier-attention exchange
+        if pending is not None and pending[0] is not None and pending[0].shape != x.shape:
+            raise TandemError(f"internal error: layer {layer}'s hot FFN output does not match its input")
+        if pending is None and self.has_tier_ffn(layer, n_tokens):  # launched first: on CUDA it runs while the CPU computes
+            handle = self.tier.fetch_async(self.tier_outputs(layer, self.tier.send(x)))
+            if self._tier_mask_wanted(split, n_tokens):  # the CPU part needs the predicted rows first
+                pending, handle = self.unpack_tier_outputs(layer, self.tier.wait(handle), n_tokens), None
+        y_gpu, mask = pending if pending is not None else (None, None)
         if split.cpu is not None:
-            y = self._cpu_forward(split, x)
+            y = self._cpu_forward(split, x, mask)
         if handle is not None:
-            y_gpu = self.tier.wait(handle)  # the layer's one exchange back
+            y_gpu, _ = self.unpack_tier_outputs(layer, self.tier.wait(handle), n_tokens)  # the layer's one exchange
+        if y_gpu is not None:
             y = y_gpu if y is None else y + y_gpu
         if split.down_bias is not None:
             y = y + split.down_bias
@@ -181,8 +203,41 @@ class HybridExecutor(DenseExecutor):
         return split.cpu_neurons.numel() + (split.gpu.neurons.numel() if split.gpu is not None else 0)
 
     def _gpu_forward(self, part: GpuPart, x: torch.Tensor) -> torch.Tensor:
-        x_tier = self.tier.send(x)
-        cfg = self.cfg
+        return self.hot_on_tier(part, self.tier.send(x))
+
+    # --- what a layer's FFN computes on the tier, fetched as one buffer ------------------------
+    def has_tier_ffn(self, layer: int, n_tokens: int) -> bool:
+        """Whether the layer's FFN computes anything on the tier for ``n_tokens`` tokens."""
+        split = self.splits[layer] if layer < len(self.splits) else None
+        return split is not None and (split.gpu is not None or self._tier_mask_wanted(split, n_tokens))
+
+    @staticmethod
+    def _tier_mask_wanted(split: LayerSplit, n_tokens: int) -> bool:
+        return _tier_predictor(split) is not None and split.cpu is not None and n_tokens <= PREDICTOR_MAX_TOKENS
+
+    def tier_outputs(self, layer: int, x_tier: torch.Tensor) -> torch.Tensor:
+        """From the FFN input on the tier: the hot rows' output ``[T * d]`` then the tier predictor's mask
+        ``[n_ff]`` (as 0/1 floats; decode only), concatenated: one buffer to fetch."""
+        split, parts = self.splits[layer], []
+        if split.gpu is not None:
+            parts.append(self.hot_on_tier(split.gpu, x_tier).reshape(-1))
+        if self._tier_mask_wanted(split, x_tier.shape[0]):
+            parts.append(split.predictor.mask_on_tier(x_tier).to(x_tier.dtype))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def unpack_tier_outputs(self, layer: int, flat: torch.Tensor, n_tokens: int) -> tuple:
+        """(hot output ``[T, d]`` or None, predicted-active mask ``[n_ff]`` bool or None) from ``tier_outputs``."""
+        split, d = self.splits[layer], self.cfg.hidden_size
+        y = flat[:n_tokens * d].reshape(n_tokens, d) if split.gpu is not None else None
+        rest = flat[n_tokens * d:] if split.gpu is not None else flat
+        return y, (rest > 0.5 if rest.numel() else None)
+
+    def hot_on_tier(self, part: GpuPart, x_tier: torch.Tensor) -> torch.Tensor:
+        """The hot rows on input already on the tier: ``[T, d]`` there (no exchange)."""
+        cfg, x = self.cfg, x_tier
+        if part.kernel_ffn is not None and x_tier.dtype == torch.float32:  # CPU tier: the CPU kernels, same codes
+            self.counters.ffn_neurons_active += x.shape[0] * part.neurons.numel()
+            return part.kernel_ffn.forward_dense(x_tier.contiguous())
         up = part.up.linear(x_tier, part.up_bias)  # [T, n_hot]
         if part.gate is None:
             h = activate(cfg.hidden_act, up, cfg.act_threshold)
@@ -194,10 +249,11 @@ class HybridExecutor(DenseExecutor):
             self.counters.bytes_moved += x.numel() * x.element_size() + y.numel() * y.element_size()
         return y  # [T, d] on the tier
 
-    def _cpu_forward(self, split: LayerSplit, x: torch.Tensor) -> torch.Tensor:
+    def _cpu_forward(self, split: LayerSplit, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if split.predictor is not None and x.shape[0] <= PREDICTOR_MAX_TOKENS:
             t0 = time.perf_counter()
-            active_global = split.predictor(x)  # [n] int64 neuron ids predicted active
+            # [n] int64 neuron ids predicted active (a tier predictor's came with the layer's exchange)
+            active_global = mask.nonzero().flatten() if mask is not None else split.predictor(x)
             local = split.cold_local[active_global]
             local = local[local >= 0].numpy()  # [n_cold_active] indices into the CPU part
             self.counters.predictor_s += time.perf_counter() - t0
@@ -250,17 +306,27 @@ def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor,
     cold = torch.nonzero(cold_mask).flatten()
     gpu = None
     if hot.numel():
-        fmt, prefix = settings.tier_format, f"layers.{layer}"
+        prefix = f"layers.{layer}"
+
+        def fmt(role: str) -> str:
+            return settings.tier_format_of(role, layer)
 
         def put(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else tier.allocate(f"{prefix}.{name}", t.float().contiguous())
+
+        def rows(name: str, role: str, float_rows: torch.Tensor) -> TierMatrix:  # GGUF rows as they are, if any
+            blocks = raw.get(f"model.layers.{layer}.mlp.{name}_proj.weight")
+            if blocks is not None:
+                return TierMatrix.from_raw(blocks, fmt(role), tier, f"{prefix}.hot_{name}", rows=hot)
+            return TierMatrix.pack(float_rows[hot], fmt(role), tier, f"{prefix}.hot_{name}")
         gpu = GpuPart(
             neurons=hot, index=tier.allocate(f"{prefix}.hot_index", hot.clone()),
-            up=TierMatrix.pack(w.up[hot], fmt, tier, f"{prefix}.hot_up"),
-            down_t=TierMatrix.pack(w.down[:, hot].t(), fmt, tier, f"{prefix}.hot_down"),
-            gate=None if w.gate is None else TierMatrix.pack(w.gate[hot], fmt, tier, f"{prefix}.hot_gate"),
+            up=rows("up", "ffn_up", w.up),
+            down_t=TierMatrix.pack(w.down[:, hot].t(), fmt("ffn_down"), tier, f"{prefix}.hot_down"),  # blocks along d
+            gate=None if w.gate is None else rows("gate", "ffn_gate", w.gate),
             up_bias=put("hot_up_bias", None if w.up_bias is None else w.up_bias[hot]),
             gate_bias=put("hot_gate_bias", None if w.gate_bias is None else w.gate_bias[hot]))
+        gpu.kernel_ffn = tier_ffn_kernel(cfg, gpu, tier)
     cpu = None
     if cold.numel():
         kw = dict(act=cfg.hidden_act, act_threshold=cfg.act_threshold, threads=settings.threads)
@@ -281,6 +347,11 @@ def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor,
     cold_local[cold] = torch.arange(cold.numel())
     return LayerSplit(gpu=gpu, cpu=cpu, cpu_neurons=cold, threshold=threshold,
                       down_bias=w.down_bias, predictor=predictor if cpu is not None else None, cold_local=cold_local)
+
+
+def _tier_predictor(split: LayerSplit):
+    """The split's predictor when it runs on the tier (``tier_units.TierPredictor``), else None."""
+    return split.predictor if getattr(split.predictor, "on_tier", False) else None
 
 
 def _pack_head(weight: torch.Tensor, settings: ExecutionSettings, raw_blocks) -> QuantizedLinear:

@@ -46,12 +46,12 @@ def gpu_layer_count(cfg, budget_bytes: int, tier_format: str, kv_dtype: torch.dt
 
 
 def offload_layers(model, executor, tier, n_gpu_layers: int, tier_format: str, kv_dtype: torch.dtype,
-                   kv_capacity_tokens: int) -> None:
+                   kv_capacity_tokens: int, raw: dict | None = None) -> None:
     """Attention of the first ``n_gpu_layers`` on the tier (their FFNs went there with all neurons hot)."""
     attention = [i < n_gpu_layers for i in range(model.cfg.num_layers)]
     place_plan_units(model, executor, tier, attention_on_gpu=attention, output_head_on_gpu=False,
                      embeddings_on_gpu=False, tier_format=tier_format, kv_dtype=kv_dtype,
-                     kv_capacity_tokens=kv_capacity_tokens)
+                     kv_capacity_tokens=kv_capacity_tokens, raw=raw)
 
 
 class LayerOffloadStep(FusedDecodeStep):
@@ -146,11 +146,11 @@ def build_layer_offload(model, ffn_layers: list, settings, budget_bytes: int, kv
         raise TandemError("--layer-offload supports dense models only (MoE models: use a plan or --expert-slots)")
     tier_format, kv_dtype = TIER_FORMAT_OF[settings.weight_format], torch.float16
     n_gpu = gpu_layer_count(cfg, budget_bytes, tier_format, kv_dtype, kv_capacity_tokens)
-    tier = GpuTier.create(budget_bytes, settings.gpu_device)
+    tier = GpuTier.create(budget_bytes, settings.gpu_device, threads=settings.threads)
     from dataclasses import replace
     settings = replace(settings, tier_format=tier_format, sparse=False)
     hot = [torch.arange(cfg.intermediate_size) if i < n_gpu else None for i in range(cfg.num_layers)]
     executor = HybridExecutor.build(cfg, ffn_layers, tier, settings, gpu_neurons=hot,
                                     head_weight=model.lm_head.weight, raw=raw)
-    offload_layers(model, executor, tier, n_gpu, tier_format, kv_dtype, kv_capacity_tokens)
+    offload_layers(model, executor, tier, n_gpu, tier_format, kv_dtype, kv_capacity_tokens, raw)
     return executor, n_gpu

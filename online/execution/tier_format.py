@@ -12,16 +12,23 @@ Formats (bytes per weight as the planner counts them, ``placement.settings.WEIGH
 
 Rows whose width is not a multiple of 32 are zero-padded to one (the padding is charged too).
 
+GGUF tensors whose block type is a tier format (F32, F16, Q8_0, Q4_0, Q4_1) are stored with their blocks
+as they are (``TierMatrix.from_raw``); others are decoded and packed. On a CPU tier the matrices are read
+through the CPU kernels (``online.kernels``: the C dot kernels, the numba ones) over the same codes, with
+no dequantization per call; on CUDA through dequantize + matmul.
+
 Example::
 
     m = TierMatrix.pack(w, "q4", tier, "layers.3.hot_up")    # w [R, C] float32, bytes charged to the tier
+    m = TierMatrix.from_raw(ckpt.raw[name], "q4_1", tier, "layers.3.hot_up", rows=hot)  # GGUF rows as they are
     y = m.linear(x)                                          # x [T, C] on the tier -> [T, R]
     m.nbytes                                                 # R * C * 0.5625
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +36,33 @@ from tandem.errors import TandemError
 
 TIER_FORMATS = {"fp32": 4.0, "fp16": 2.0, "q8": 1.0625, "q4_1": 0.625, "q4": 0.5625}
 BLOCK = 32
+# GGUF block types a tier format holds as they are: (format, bytes of the block head: f16 scale (+ minimum))
+_RAW_AS_IS = {"Q8_0": ("q8", 2), "Q4_0": ("q4", 2), "Q4_1": ("q4_1", 4), "F32": ("fp32", 0), "F16": ("fp16", 0)}
+
+
+def format_lookup(pairs, role: str, layer: int | None, default: str) -> str:
+    """A tensor's tier format from ``(key, format)`` pairs: ``layers.{layer}.{role}``, else ``role``, else ``default``.
+
+    >>> format_lookup((("ffn_up", "q4_1"), ("layers.2.ffn_up", "q8")), "ffn_up", 2, "q4"), \
+    ...     format_lookup((("ffn_up", "q4_1"),), "ffn_up", 0, "q4"), format_lookup((), "output", None, "q4")
+    ('q8', 'q4_1', 'q4')
+    """
+    table = dict(pairs)
+    if layer is not None and f"layers.{layer}.{role}" in table:
+        return table[f"layers.{layer}.{role}"]
+    return table.get(role, default)
+
+
+def tier_matrix_bytes(rows: int, cols: int, fmt: str) -> int:
+    """Bytes a ``[rows, cols]`` TierMatrix takes in ``fmt`` (the planner counts these).
+
+    >>> tier_matrix_bytes(1536, 576, "q4_1"), tier_matrix_bytes(2, 40, "q8"), tier_matrix_bytes(2, 40, "fp16")
+    (552960, 136, 160)
+    """
+    if fmt in ("fp32", "fp16"):
+        return int(rows * cols * TIER_FORMATS[fmt])
+    padded = -(-cols // BLOCK) * BLOCK
+    return int(round(rows * padded * TIER_FORMATS[fmt]))
 
 
 def tier_format_for(bytes_per_weight: float) -> str:
@@ -57,17 +91,48 @@ class TierMatrix:
     data: torch.Tensor
     scale: torch.Tensor | None = None
     minimum: torch.Tensor | None = None  # q4_1 only
+    threads: int = 1  # CPU-kernel threads on a CPU tier
+    _kernel: object = field(default=None, repr=False, compare=False)  # online.kernels QuantizedLinear (CPU tier)
 
     @classmethod
-    def pack(cls, w: torch.Tensor, fmt: str, tier, name: str) -> "TierMatrix":
+    def from_raw(cls, raw, fmt: str, tier, name: str, rows: torch.Tensor | None = None) -> "TierMatrix":
+        """A GGUF tensor (``RawQuantTensor``: qtype, shape, data) or its ``rows``, in ``fmt``: its blocks as they
+        are when its type is ``fmt`` (Q8_0 -> q8, Q4_0 -> q4, Q4_1 -> q4_1, F32, F16), else decoded and packed."""
+        from online.loading import quants
+        qtype, shape = quants.qtype_name(raw.qtype), tuple(int(s) for s in raw.shape)
+        as_is, head = _RAW_AS_IS.get(qtype, (None, 0))
+        if as_is != fmt or len(shape) != 2 or (head and shape[1] % BLOCK):
+            w = torch.from_numpy(quants.dequantize(raw.data, qtype, shape))  # [R, C]
+            return cls.pack(w if rows is None else w[rows], fmt, tier, name, threads=tier_threads(tier))
+        blocks = quants._as_rows(raw.data, qtype, shape)  # [R, row bytes] uint8
+        if rows is not None:
+            blocks = blocks[rows.numpy()]
+        n = blocks.shape[0]
+        threads = tier_threads(tier)
+        if fmt in ("fp32", "fp16"):
+            values = torch.from_numpy(np.array(blocks).view(np.float32 if fmt == "fp32" else np.float16))  # a copy
+            return cls(fmt, n, shape[1], tier.allocate(name, values.reshape(n, shape[1]).contiguous()), threads=threads)
+        blocks = np.ascontiguousarray(blocks).reshape(n, shape[1] // BLOCK, -1)  # [R, C/32, block bytes]
+
+        def f16(offset: int) -> torch.Tensor:  # [R, C/32]
+            return torch.from_numpy(np.ascontiguousarray(blocks[..., offset:offset + 2]).view(np.float16)[..., 0])
+        codes = np.ascontiguousarray(blocks[..., head:]).reshape(n, -1)
+        data = torch.from_numpy(codes.view(np.int8) if fmt == "q8" else codes)
+        minimum = tier.allocate(name + ".min", f16(2).contiguous()) if fmt == "q4_1" else None
+        return cls(fmt, n, shape[1], tier.allocate(name, data), tier.allocate(name + ".scale", f16(0).contiguous()),
+                   minimum, threads=threads)
+
+    @classmethod
+    def pack(cls, w: torch.Tensor, fmt: str, tier, name: str, threads: int | None = None) -> "TierMatrix":
         if fmt not in TIER_FORMATS:
             raise TandemError(f"unknown tier format {fmt!r} (choose from {', '.join(TIER_FORMATS)})")
         w = w.detach().float()  # [R, C]
         rows, cols = w.shape
+        threads = tier_threads(tier) if threads is None else threads
         if fmt == "fp32":
-            return cls(fmt, rows, cols, tier.allocate(name, w.contiguous()))
+            return cls(fmt, rows, cols, tier.allocate(name, w.contiguous()), threads=threads)
         if fmt == "fp16":
-            return cls(fmt, rows, cols, tier.allocate(name, w.half().contiguous()))
+            return cls(fmt, rows, cols, tier.allocate(name, w.half().contiguous()), threads=threads)
         blocks = _pad_cols(w).reshape(rows, -1, BLOCK)  # [R, C/32, 32]
         amax = blocks.abs().amax(dim=-1)  # [R, C/32]
         if fmt == "q8":
@@ -82,14 +147,15 @@ class TierMatrix:
             codes = torch.clamp(torch.round((blocks - minimum.float()[..., None]) * inv[..., None]), 0, 15).to(torch.uint8)
             data = (codes[..., :BLOCK // 2] | (codes[..., BLOCK // 2:] << 4)).reshape(rows, -1)  # [R, C_pad/2]
             return cls(fmt, rows, cols, tier.allocate(name, data.contiguous()),
-                       tier.allocate(name + ".scale", scale.contiguous()), tier.allocate(name + ".min", minimum.contiguous()))
+                       tier.allocate(name + ".scale", scale.contiguous()), tier.allocate(name + ".min", minimum.contiguous()),
+                       threads=threads)
         else:
             scale = (amax / 7.0).half()
             inv = torch.where(scale.float() > 0, 1.0 / scale.float(), torch.zeros_like(amax))
             codes = (torch.clamp(torch.round(blocks * inv[..., None]), -8, 7) + 8).to(torch.uint8)  # [R, C/32, 32]
             data = (codes[..., :BLOCK // 2] | (codes[..., BLOCK // 2:] << 4)).reshape(rows, -1)  # [R, C_pad/2]
         return cls(fmt, rows, cols, tier.allocate(name, data.contiguous()),
-                   tier.allocate(name + ".scale", scale.contiguous()))
+                   tier.allocate(name + ".scale", scale.contiguous()), threads=threads)
 
     @property
     def nbytes(self) -> int:
@@ -111,8 +177,36 @@ class TierMatrix:
                 w = codes * self.scale.float()[..., None] + self.minimum.float()[..., None]
         return w.reshape(self.rows, -1)[:, :self.cols]
 
+    def kernel_weight(self):
+        """The same codes as an ``online.kernels.quantize`` weight (CPU tier), or None where the kernels do not
+        read this layout (padded rows, fp16 rows not a multiple of 8 wide). Codes are shared, not copied; the
+        f16 block scales are widened to float32 (exactly) until the kernels read f16 scales."""
+        from online.kernels.quantize import BlockInt8Weight, Fp16Weight, Fp32Weight, Int4Weight
+        if self.data.device.type != "cpu" or self.cols % BLOCK:
+            return None
+        data = self.data.numpy()
+        if self.fmt == "fp32":
+            return Fp32Weight(data)
+        if self.fmt == "fp16":
+            return Fp16Weight(data)
+        scale = np.ascontiguousarray(self.scale.numpy().astype(np.float32))  # [R, C/32]
+        if self.fmt == "q8":
+            return BlockInt8Weight(q=data, scale=scale)
+        minimum = (-8.0 * scale).astype(np.float32) if self.minimum is None else self.minimum.numpy().astype(np.float32)
+        return Int4Weight(packed=data, scale=scale, minimum=np.ascontiguousarray(minimum), group_size=BLOCK)
+
+    def kernel(self):
+        """``online.kernels.QuantizedLinear`` over ``kernel_weight`` (built once), or None."""
+        if self._kernel is None:
+            from online.kernels.ffn import QuantizedLinear
+            weight = self.kernel_weight()
+            self._kernel = False if weight is None else QuantizedLinear(weight, threads=self.threads)
+        return self._kernel or None
+
     def take_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 ``[n, cols]``: rows ``ids`` only (an embedding lookup)."""
+        if self.fmt not in ("fp32", "fp16") and self.kernel() is not None:
+            return self.kernel().embed(ids)
         data = self.data[ids]
         if self.fmt in ("fp32", "fp16"):
             return data.float()
@@ -121,8 +215,17 @@ class TierMatrix:
         return sub.dequantize()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x ``[T, cols]`` -> ``[T, rows]`` (dequantize, then one matmul)."""
+        """x ``[T, cols]`` -> ``[T, rows]``: the CPU kernels on a CPU tier, else dequantize and one matmul."""
+        kernel = self.kernel()
+        if kernel is not None and x.dtype == torch.float32:
+            y = kernel.forward(x.contiguous())
+            return y if bias is None else y + bias
         return F.linear(x, self.dequantize(), bias)
+
+
+def tier_threads(tier) -> int:
+    """CPU-kernel threads of a tier (its ``threads``; torch's count when it has none)."""
+    return max(1, int(getattr(tier, "threads", 0) or torch.get_num_threads()))
 
 
 def expert_format_for(bytes_per_weight: float) -> str:

@@ -104,6 +104,7 @@ class ExpertRuntime:
         self.cost = cost_model or default_cost_model(tier)
         self.copier = make_copier(tier)
         self.moe: dict[int, MoELayerWeights] = {}
+        self.tier_shared: dict = {}  # layer -> shared expert on the GPU tier (tier_units.place_shared_experts)
         self.packed: dict[int, list[PackedExpert]] = {}
         self.caches: dict[int, ExpertCache] = {}
         gated = cfg.mlp_gated
@@ -198,7 +199,9 @@ class ExpertRuntime:
             if e not in results:
                 on_tier(e)
         out = combine_experts(x, routed, results, weights)  # [T, d]
-        if moe.shared_expert is not None:
+        if layer in self.tier_shared:  # on the GPU tier (tier_units.TierSharedExpert)
+            out = out + self.tier_shared[layer](x)
+        elif moe.shared_expert is not None:
             out = out + shared_expert_out(self.cfg, moe, x)
         return out
 
