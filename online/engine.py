@@ -21,14 +21,14 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from tandem.errors import TandemError
-from .config import ModelConfig
-from .execution import DenseExecutor
-from .generate import LoopTimings, decode_one_token, prefill, token_loop
-from .kv_cache import KVCache
-from .loading import load_checkpoint
-from .model.build import build_model
-from .sampling import DecodeOptions, SamplingParams, TokenChoice
+from tandem.core.errors import TandemError
+from tandem.core.config import ModelConfig
+from tandem.core.ffn import DenseExecutor
+from tandem.core.generate import LoopTimings, decode_one_token, prefill, token_loop
+from tandem.core.kv_cache import KVCache
+from tandem.core.loading import load_checkpoint
+from tandem.core.model.build import build_model
+from tandem.core.sampling import DecodeOptions, SamplingParams, TokenChoice
 
 KV_CAPACITY_ROUND_TOKENS = 256
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from .execution.gpu_tier import GpuTier
 from .execution.hybrid import ExecutionSettings, HybridExecutor
-from .execution.tier_format import expert_format_for, tier_format_for
+from tandem.core.tier_format import expert_format_for, tier_format_for
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 from .budget import format_bytes
 from .hardware import PRESETS

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 FORMATS = ("int4", "int8")
 # (layers, hidden, ffn) of the three timed models: fixed costs from the two small ones, bandwidth from the big one
@@ -78,7 +78,7 @@ class FusedCalibration:
 
 
 def save_calibration(cal: FusedCalibration, path: str | Path) -> Path:
-    from tandem.artifacts import atomic_write_json
+    from tandem.core.artifacts import atomic_write_json
     atomic_write_json(path, cal.to_dict())
     return Path(path)
 

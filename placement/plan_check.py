@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 MEASURE_TOKENS = 32
 

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 NO_PREDICTORS_FINGERPRINT = "none"
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 DEFAULT_QUALITY_TOKENS = 256
 WINDOW_TOKENS = 128

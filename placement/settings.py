@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from online.config import ModelConfig
-from tandem.artifacts import fingerprint
-from tandem.errors import ArtifactError, TandemError
+from tandem.core.config import ModelConfig
+from tandem.core.artifacts import fingerprint
+from tandem.core.errors import ArtifactError, TandemError
 
 WEIGHT_FORMATS = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0625, "int4": 0.5625}
 # on-disk GGUF block sizes: bytes per block / weights per block

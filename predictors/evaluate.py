@@ -21,9 +21,9 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from online.generate import prefill
-from online.kv_cache import KVCache
-from tandem.errors import TandemError
+from tandem.core.generate import prefill
+from tandem.core.kv_cache import KVCache
+from tandem.core.errors import TandemError
 from .gated import PredictorGatedExecutor
 
 

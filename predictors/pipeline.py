@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from online.execution.weights import MoELayerWeights
-from tandem.errors import TandemError
+from tandem.core.ffn.weights import MoELayerWeights
+from tandem.core.errors import TandemError
 from .evaluate import HeldOutScorer, Quality, choose_prefix
 from .expert import fit_expert_predictors
 from .gated import PredictorGatedExecutor

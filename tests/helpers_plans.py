@@ -37,7 +37,7 @@ def plan_settings(weight_format: str = "int4"):
 def full_model_bytes(folder: Path, profile_dir: Path, hardware: str = "rtx4090", weight_format: str = "int4") -> int:
     """Bytes of every placeable unit (what a plan with room for everything puts on the GPU)."""
     from offline.profile_artifact import load_profile
-    from online.loading import load_checkpoint
+    from tandem.core.loading import load_checkpoint
     from placement.hardware import load_hardware
     from placement.predictor_info import no_predictors
     from placement.problem import build_problem
@@ -59,7 +59,7 @@ def full_model_bytes(folder: Path, profile_dir: Path, hardware: str = "rtx4090",
 def tiny_plan(folder: Path, out: Path, hardware: str, fraction: float, weight_format: str = "int4") -> Path:
     """A plan with budget = reserve + ``fraction`` of the model's bytes (0: an all-CPU plan)."""
     from offline.profile_artifact import load_profile
-    from online.loading import load_checkpoint
+    from tandem.core.loading import load_checkpoint
     from placement.hardware import load_hardware
     from placement.plan import save_plan
     from placement.planner import make_plan

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from online import Engine
-from online.kv_cache import KVCache
+from tandem.core.kv_cache import KVCache
 from online.server.batch_config import BatchConfig
 from online.server.metrics import Metrics
 from online.server.scheduler import Scheduler

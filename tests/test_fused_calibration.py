@@ -6,7 +6,7 @@ import json
 import pytest
 
 from placement.fused_calibration import FusedCalibration, _fit, load_calibration, save_calibration
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 
 def test_fit_recovers_known_terms():

@@ -15,7 +15,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def gemma3_path():
-    from online.loading.resolve import resolve_model_path
+    from tandem.core.loading.resolve import resolve_model_path
     return resolve_model_path("gemma3")
 
 
@@ -38,7 +38,7 @@ def test_every_gguf_tensor_decodes_like_gguf(gemma3_path):
     """Our decoders against gguf-py's on the real file's blocks (all four quantized types)."""
     import gguf
     import numpy as np
-    from online.loading.quants import dequantize
+    from tandem.core.loading.quants import dequantize
     reader = gguf.GGUFReader(str(gemma3_path))
     seen = set()
     for t in reader.tensors:
@@ -76,8 +76,8 @@ def test_greedy_32_tokens_match_transformers(gemma3_engine, hf_gemma3):
 
 def test_builtin_gemma_chat_template(gemma3_path):
     """The file ships no chat template: Gemma's turn format is used (as llama.cpp does)."""
-    from online.loading.gguf_loader import read_gguf
-    from online.loading.tokenizer import Tokenizer
+    from tandem.core.loading.gguf_loader import read_gguf
+    from tandem.core.loading.tokenizer import Tokenizer
     _, fields = read_gguf(gemma3_path)
     assert "tokenizer.chat_template" not in fields
     tok = Tokenizer.from_gguf_metadata(fields)

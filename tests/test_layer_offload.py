@@ -6,7 +6,7 @@ import torch
 
 from online.engine import Engine
 from online.execution.layer_offload import gpu_layer_count, layer_tier_bytes
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 PROMPT = [5, 17, 42, 9, 77, 3]
 

@@ -15,7 +15,7 @@ from online import Engine
 from online.server import create_app
 from online.server.batch_config import BatchConfig
 from online.server.cli import add_serve_parser, batch_config
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from helpers_tiny import build_tiny_chat_model
 from test_server import PROMPTS, LiveServer, metric, sse_payloads, wait_idle
 

@@ -23,14 +23,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import ModelConfig
+from tandem.core.config import ModelConfig
 from ..kernels.ffn import QuantizedFFN, QuantizedLinear
-from .activations import activate, gated_hidden
-from .dense import DenseExecutor
+from tandem.core.ffn.activations import activate, gated_hidden
+from tandem.core.ffn.dense import DenseExecutor
 from .gpu_tier import GpuTier
-from .tier_format import TIER_FORMATS, TierMatrix
+from tandem.core.tier_format import TIER_FORMATS, TierMatrix
 from .quantized_linear import EXACT_GGUF_TYPES
-from .weights import FFNWeights, MoELayerWeights
+from tandem.core.ffn.weights import FFNWeights, MoELayerWeights
 
 WEIGHT_FORMATS = ("fp32", "int8", "int4")
 DOWN_FORMATS = ("fp32", "fp16", "int8b", "int8")
@@ -53,7 +53,7 @@ class ExecutionSettings:
     tier_format: str = "fp32"  # how hot rows are stored on the GPU tier (a plan sets its own: fp16/q8/q4)
 
     def __post_init__(self) -> None:
-        from tandem.errors import TandemError
+        from tandem.core.errors import TandemError
         if self.weight_format not in WEIGHT_FORMATS:
             raise TandemError(f"unknown weight format {self.weight_format!r} (choose from {', '.join(WEIGHT_FORMATS)})")
         if self.down_format not in DOWN_FORMATS:

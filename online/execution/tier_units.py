@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
-from ..model.decoder import Attention
-from ..model.rope import apply_rope
-from .tier_format import TierMatrix
+from tandem.core.model.decoder import Attention
+from tandem.core.model.rope import apply_rope
+from tandem.core.tier_format import TierMatrix
 
 KV_DTYPES = {4.0: torch.float32, 2.0: torch.float16}
 

@@ -21,11 +21,11 @@ from typing import Sequence
 
 import torch
 
-from tandem.errors import TandemError
-from ..config import ModelConfig
-from ..execution.dense import combine_experts, route, shared_expert_out, tokens_by_expert
+from tandem.core.errors import TandemError
+from tandem.core.config import ModelConfig
+from tandem.core.ffn.dense import combine_experts, route, shared_expert_out, tokens_by_expert
 from ..execution.gpu_tier import GpuTier
-from ..execution.weights import MoELayerWeights
+from tandem.core.ffn.weights import MoELayerWeights
 from .cache import ExpertCache
 from .copier import make_copier
 from .cost import MissCostModel

@@ -15,7 +15,7 @@ import os
 import socket
 import sys
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 API_KEY_ENV = "TANDEM_API_KEY"
 

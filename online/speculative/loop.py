@@ -1,6 +1,6 @@
 """The speculative decode loop: draft k, verify k + 1 in one multi-token step, emit one by one.
 
-Every emitted token goes through the same EOS / length checks as ``online.generate.token_loop``,
+Every emitted token goes through the same EOS / length checks as ``tandem.core.generate.token_loop``,
 one at a time, so a stop inside an accepted run ends the sequence exactly where plain decoding
 would. Rollback is free: after a rejection the pending position moves back behind the rejected
 rows, which the next step overwrites before anything reads them (attention reads rows 0..pos).
@@ -20,8 +20,8 @@ from typing import Iterator
 
 import torch
 
-from ..generate import LoopTimings, TokenEvent, prefill
-from ..sampling import SamplingParams, make_generator, sample_next
+from tandem.core.generate import LoopTimings, TokenEvent, prefill
+from tandem.core.sampling import SamplingParams, make_generator, sample_next
 from .verify import accept_greedy, accept_sampled
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 TIER_FORMATS = {"fp32": 4.0, "fp16": 2.0, "q8": 1.0625, "q4_1": 0.625, "q4": 0.5625}
 BLOCK = 32
