@@ -199,7 +199,7 @@ def measure_quality(result: PlanResult, model: str | Path, profile_dir: str | Pa
     call it after letting go of the checkpoint given to ``plan``."""
     check_quality_tokens(tokens)
     from placement.plan import save_plan
-    from placement.quality import measure_plan_quality
+    from online.plan_measure import measure_plan_quality
     result.plan.quality = measure_plan_quality(model, result.path, max_tokens=tokens, gpu_device=gpu_device,
                                                max_quality_loss=result.profile.quality.get("max_quality_loss"),
                                                profile_dir=profile_dir, predictors_dir=predictors_dir)

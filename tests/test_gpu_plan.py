@@ -161,7 +161,7 @@ def test_plan_quality_is_measured_recorded_shown_and_warned(tiny_model_dir, tmp_
     import math
     from placement.cli import format_plan_summary
     from placement.plan import save_plan
-    from placement.quality import measure_plan_quality
+    from online.plan_measure import measure_plan_quality
     folder, hf_model = tiny_model_dir("llama")
     plan_dir = tiny_plan(folder, tmp_path, "rtx4090", 0.5)
     docs = [torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(2)]
