@@ -142,7 +142,8 @@ def base_executor(engine) -> DenseExecutor:
     """The engine's dense executor (unwrapping instrumented ones)."""
     executor = engine.executor
     if not isinstance(executor, DenseExecutor):
-        raise TandemError(f"profiling needs the dense executor, the engine runs {type(executor).__name__}")
+        raise TandemError(f"the offline stages need the dense float32 executor (an engine loaded without plan or "
+                          f"weight_format), this engine runs {type(executor).__name__}")
     return executor
 
 

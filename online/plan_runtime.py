@@ -95,7 +95,7 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
     if cfg.is_moe:
         from .experts.runtime import ExpertRuntime, default_cost_model
         slots = plan.expert_cache_slots if expert_slots is None else expert_slots
-        executor.attach_experts(ExpertRuntime(cfg, executor.layers, tier,
+        executor.attach_experts(ExpertRuntime(cfg, ffn_layers, tier,
                                               weight_format=expert_format_for(plan.settings.bytes_per_weight),
                                               slots=slots, pinned=plan.expert_pinned, prefetch=prefetch,
                                               cost_model=default_cost_model(tier, plan.hardware),

@@ -64,7 +64,7 @@ def cached(folder, slots, prefetch=True, policy="auto", fmt="fp32", pinned=None,
     need = tier_bytes_needed(cfg, layers, fmt, slots, pinned)
     tier = GpuTier.create(need if budget is None else budget, device)
     executor = HybridExecutor.build(cfg, layers, tier, ExecutionSettings(weight_format=fmt, sparse=False, threads=1))
-    runtime = ExpertRuntime(cfg, executor.layers, tier, weight_format=fmt, slots=slots, pinned=pinned,
+    runtime = ExpertRuntime(cfg, layers, tier, weight_format=fmt, slots=slots, pinned=pinned,
                             prefetch=prefetch, miss_policy=policy, threads=1)
     executor.attach_experts(runtime)
     return model, executor, runtime, tier
