@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.core.artifacts import atomic_write_json
 from tandem.core.errors import TandemError
 
 FORMATS = ("int4", "int8")
@@ -75,7 +76,6 @@ class FusedCalibration:
 
 
 def save_calibration(cal: FusedCalibration, path: str | Path) -> Path:
-    from tandem.core.artifacts import atomic_write_json
     atomic_write_json(path, cal.to_dict())
     return Path(path)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from tandem.core.errors import TandemError
 
+from .fused_calibration import calibrated_plan_tokens_per_s, load_calibration
+
 def print_modeled_and_measured(plan, args, measure=None) -> None:
     """``measure(model, plan_dir, predictors, threads) -> (tok/s, decode path)``: the runtime's timing
     (online.plan_measure.measure_plan_tokens_per_s), needed with ``args.measure``."""
@@ -15,7 +17,6 @@ def print_modeled_and_measured(plan, args, measure=None) -> None:
     line = [f"tokens/s side by side: modeled (raw cost model) {modeled:.1f}"]
     calibrated = None
     if args.calibration:
-        from .fused_calibration import calibrated_plan_tokens_per_s, load_calibration
         cal = load_calibration(args.calibration)
         fmt = "int8" if plan.settings.bytes_per_weight >= 1.0 else "int4"
         calibrated = calibrated_plan_tokens_per_s(plan, cal, fmt)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from offline.calibration import build_calibration_set
 from tandem.core.errors import TandemError
 
 DEFAULT_QUALITY_TOKENS = 256
@@ -29,7 +30,6 @@ WINDOW_TOKENS = 128
 def held_out_tokens(engine, max_tokens: int, token_docs: list[list[int]] | None = None) -> list[int]:
     """The held-out slice: the calibration split's held-out documents (or ``token_docs``), concatenated."""
     if token_docs is None:
-        from offline.calibration import build_calibration_set
         token_docs = build_calibration_set(engine, max_tokens=max(16, 5 * max_tokens)).held_out
     flat = [t for doc in token_docs for t in doc][:max_tokens]
     if len(flat) < 2:

@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from tandem.core.ffn.weights import MoELayerWeights
-from offline.collect import base_executor
+from offline.collect import base_executor, iter_calibration_batches, split_windows
 from tandem.core.errors import TandemError
 from .evaluate import HeldOutScorer, Quality, choose_prefix
 from .expert import fit_expert_predictors
@@ -85,7 +85,6 @@ def exact_thresholds(profile, num_layers: int) -> torch.Tensor:
 
 def collect_inputs(engine, docs: list[list[int]], window_tokens: int, progress: bool = True) -> dict[int, torch.Tensor]:
     """{layer: x [N, d]} FFN inputs on the documents (the dense model; the profiler's instrumentation)."""
-    from offline.collect import iter_calibration_batches, split_windows
     xs: dict[int, list[torch.Tensor]] = {}
     n_windows = len(split_windows(docs, window_tokens))
     with tqdm(total=n_windows, desc="collect FFN inputs", unit="win", disable=not progress) as bar:
