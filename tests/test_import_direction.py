@@ -80,3 +80,9 @@ def test_the_walk_sees_lazy_relative_and_from_imports(tmp_path):
     assert (2, "online.engine") in found and (3, "offline.collect") in found and (4, "synth.build") in found
     assert floor("online.engine")[0] > floor("offline.profiler")[0] == floor("synth.build")[0]
     assert floor("tandem.core.config")[0] == 0 and floor("tandem.pipeline")[0] == TOP
+
+
+def test_no_module_is_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in our_modules().values()
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, f"modules over 400 lines (split them by purpose): {long}"
