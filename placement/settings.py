@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from tandem.core.config import ModelConfig
 from tandem.core.artifacts import fingerprint
 from tandem.core.errors import ArtifactError, TandemError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 WEIGHT_FORMATS = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0625, "int4": 0.5625}
 # on-disk GGUF block sizes: bytes per block / weights per block
@@ -98,6 +99,7 @@ class ActivationStats:
         return stats
 
     def check(self, config: ModelConfig) -> None:
+        import numpy as np  # here, not at the top: `tandem --help` imports this module's WEIGHT_FORMATS (cold start)
         num_layers = config.num_layers
         dense_layers = [i for i in range(num_layers) if not config.is_moe_layer(i)]
         if self.neuron_freq.ndim != 2 or self.neuron_freq.shape[0] != num_layers:
