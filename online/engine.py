@@ -242,9 +242,19 @@ class Engine:
             from .speculative.loop import speculative_token_loop
             return speculative_token_loop(self.model, self.executor, cache, prompt_ids, params, eos_ids,
                                           self.max_context, timings, speculation.step, speculation.drafters,
-                                          speculation.policy, speculation.stats, decode_threads=self.decode_threads)
+                                          speculation.policy, speculation.stats, decode_threads=self.decode_threads,
+                                          prefill_fn=self._step_prefill if self.decode_path == "fused" else None)
         return token_loop(self.model, self.executor, cache, prompt_ids, params, eos_ids, self.max_context, timings,
-                          decode_threads=self.decode_threads, compiled=self.compiled_decode, options=options)
+                          decode_threads=self.decode_threads, compiled=self.compiled_decode, options=options,
+                          prefill_fn=self._step_prefill if self.decode_path == "fused" else None)
+
+    def _step_prefill(self, prompt_ids: list[int], cache: KVCache) -> torch.Tensor:
+        """Generation's prefill where the fused step decodes (layer offload's goes token by token: modules
+        there): one batched call, output layer for the last token only; logits [vocab] and KV bit-identical
+        to feeding the prompt token by token through the decode step, and no numba kernel is loaded."""
+        n = len(prompt_ids)
+        return self.compiled_decode.step_batch(prompt_ids, list(range(n)), [[0]] * n, cache,
+                                               [False] * (n - 1) + [True])[0]
 
     def _pieces(self, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int], holder: dict,
                 options: DecodeOptions | None = None, spec=None) -> Iterator[str]:

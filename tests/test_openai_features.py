@@ -475,7 +475,7 @@ def test_n_choices_with_logprobs_and_a_json_schema_request_batched_beside_a_stre
     engine_kw = {"weight_format": "int4"}
     ref = Engine.load(str(tiny_dir), **engine_kw)
     question = [{"role": "user", "content": "hi"}]
-    batch = BatchConfig(prefill="modules")  # the reference, Engine.generate, prefills through the modules
+    batch = BatchConfig(prefill="step")  # the reference, Engine.generate, prefills through the fused step
     with LiveServer(create_app(Engine.load(str(tiny_dir), **engine_kw), batch=batch)) as srv:
         client = srv.client()
         chat = client.chat.completions.create(model=ref.model_id, messages=question, max_tokens=10, n=2,

@@ -41,7 +41,7 @@ def test_64_clients_x_4_requests_with_random_disconnects(tiny_dir):
     expected = {p: ref_engine.generate(p, max_new_tokens=max_tokens, ignore_eos=True).text for p in PROMPTS}
     engine = Engine.load(str(tiny_dir), weight_format=weight_format)
     assert engine.decode_path == "fused"
-    app = create_app(engine, max_queue=256, batch=BatchConfig(block_tokens=4, prefill="modules"))  # as generate
+    app = create_app(engine, max_queue=256, batch=BatchConfig(block_tokens=4, prefill="step"))  # as generate (the fused step)
     with LiveServer(app) as srv:
         before = httpx.get(srv.url + "/metrics").text
 

@@ -48,22 +48,22 @@ class SpecStats:
 def speculative_token_loop(model, executor, cache, prompt_ids: list[int], params: SamplingParams,
                            eos_ids: set[int], max_total_tokens: int, timings: LoopTimings, step,
                            drafters: dict, policy, stats: SpecStats,
-                           decode_threads: int | None = None) -> Iterator[TokenEvent]:
-    """Like ``token_loop`` (same events, same stopping), decoding through ``step`` (a
+                           decode_threads: int | None = None, prefill_fn=None) -> Iterator[TokenEvent]:
+    """Like ``token_loop`` (same events, same stopping, same ``prefill_fn``), decoding through ``step`` (a
     FusedDecodeStep: ``__call__`` and ``step_many``) with ``drafters`` (name -> proposer)."""
     prefill_threads = torch.get_num_threads()
     try:
         yield from _loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_tokens, timings, step,
-                         drafters, policy, stats, decode_threads)
+                         drafters, policy, stats, decode_threads, prefill_fn)
     finally:
         torch.set_num_threads(prefill_threads)
 
 
 def _loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_tokens, timings, step, drafters,
-          policy, stats, decode_threads):
+          policy, stats, decode_threads, prefill_fn):
     generator = make_generator(params)
     timings.start_s = time.perf_counter()
-    logits = prefill(model, executor, cache, prompt_ids)
+    logits = prefill(model, executor, cache, prompt_ids) if prefill_fn is None else prefill_fn(prompt_ids, cache)
     if decode_threads is not None:
         torch.set_num_threads(decode_threads)
     budget = min(params.max_new_tokens, max_total_tokens - len(prompt_ids))

@@ -51,7 +51,7 @@ class LoopTimings:
 def token_loop(model, executor, cache: KVCache, prompt_ids: list[int], params: SamplingParams,
                eos_ids: set[int], max_total_tokens: int, timings: LoopTimings,
                decode_threads: int | None = None, compiled=None,
-               options: DecodeOptions | None = None) -> Iterator[TokenEvent]:
+               options: DecodeOptions | None = None, prefill_fn=None) -> Iterator[TokenEvent]:
     """Yield sampled tokens one by one until EOS, max_new_tokens or the context is full.
 
     ``options``: logprobs and a grammar constraint (``choose_token``); a sequence whose grammar is
@@ -59,21 +59,24 @@ def token_loop(model, executor, cache: KVCache, prompt_ids: list[int], params: S
 
     ``decode_threads``: torch's thread count while decoding (1 when numba kernels do the parallel
     work: two OpenMP pools alternating on few cores stall each other); prefill keeps the default.
+
+    ``prefill_fn(prompt_ids, cache)`` -> logits [vocab] of the last prompt token: the caller's own prefill
+    (the fused step's batched call), else the module graph's.
     """
     prefill_threads = torch.get_num_threads()
     try:
         yield from _token_loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_tokens, timings,
-                               decode_threads, compiled, options)
+                               decode_threads, compiled, options, prefill_fn)
     finally:
         torch.set_num_threads(prefill_threads)
 
 
 def _token_loop(model, executor, cache, prompt_ids, params, eos_ids, max_total_tokens, timings, decode_threads,
-                compiled, options):
+                compiled, options, prefill_fn):
     generator = make_generator(params)
     state = options.new_state() if options is not None else None
     timings.start_s = time.perf_counter()
-    logits = prefill(model, executor, cache, prompt_ids)
+    logits = prefill(model, executor, cache, prompt_ids) if prefill_fn is None else prefill_fn(prompt_ids, cache)
     if decode_threads is not None:
         torch.set_num_threads(decode_threads)
     pos = len(prompt_ids)
