@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tandem.core.errors import TandemError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]  # tandem/core/loading/resolve.py -> the checkout
 
 
 @dataclass(frozen=True)
