@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 $(DEFAULT_GGUF): | $(STAMP)
-	$(BIN)/python -m online.loading.resolve fetch smollm2 --dir $(MODELS_DIR)
+	$(BIN)/python -m tandem.core.loading.resolve fetch smollm2 --dir $(MODELS_DIR)
 
 # The whole pipeline on the default model: profile + plan for this machine (reused when valid), then
 # hybrid sparse + quantized generation from the plan.

@@ -45,7 +45,7 @@ def main() -> None:
     from offline.profile_artifact import load_profile
     from offline.thresholds import AbsHistogram
     from online import Engine
-    from online.loading import load_checkpoint
+    from tandem.core.loading import load_checkpoint
     ckpt = load_checkpoint("smollm2")
     profile = load_profile(Path("profiles") / ckpt.model_id / "profile", expected_model_fingerprint=ckpt.fingerprint)
     hist = AbsHistogram(ckpt.config.num_layers)

@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--skip-perplexity", action="store_true")
     args = ap.parse_args()
-    from online.loading.resolve import resolve_model_path
+    from tandem.core.loading.resolve import resolve_model_path
     gguf = str(resolve_model_path("gemma3"))
     if not args.skip_perplexity:
         perplexity(gguf, args)

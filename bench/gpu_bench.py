@@ -26,7 +26,7 @@ PROMPT = "Write a short story about a robot who learns to paint. Once upon a tim
 def model_bytes(model: str, profile_dir: Path, hardware: str, weight_format: str) -> tuple[int, int]:
     """(bytes of every placeable unit as the planner counts them, the GPU buffers it reserves)."""
     from offline.profile_artifact import load_profile
-    from online.loading import load_checkpoint
+    from tandem.core.loading import load_checkpoint
     from placement.settings import checkpoint_bytes_per_weight, checkpoint_tensor_formats
     from placement.hardware import load_hardware
     from placement.predictor_info import no_predictors

@@ -73,7 +73,7 @@ def bench_xgrammar(tok, vocab_size, ids, eos):
 def bench_outlines_core(tok, vocab_size, ids, eos):
     from outlines_core import Guide, Index, Vocabulary
     from outlines_core.json_schema import build_regex_from_schema
-    from online.loading.tokenizer import byte_alphabet
+    from tandem.core.loading.tokenizer import byte_alphabet
     start = time.perf_counter()
     to_byte = {c: b for b, c in byte_alphabet().items()}
     by_bytes: dict[bytes, list[int]] = {}
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--decode", type=int, default=0, metavar="TOKENS", help="also time constrained decoding")
     args = parser.parse_args(argv)
-    from online.loading import load_checkpoint
+    from tandem.core.loading import load_checkpoint
     ckpt = load_checkpoint(args.model)
     tok, vocab_size = ckpt.tokenizer, ckpt.config.vocab_size
     ids = tok.encode(json.dumps(ANSWER), add_special_tokens=False)

@@ -24,7 +24,7 @@ def modeled_rtx4090(plan_dir: str) -> list[tuple[str, float, float]]:
     """Modeled tokens/s of SmolLM2 plans with the same profile on the rtx4090 preset (budget sweep)."""
     sys.path.insert(0, str(REPO))
     from offline.profile_artifact import load_profile
-    from online.loading import load_checkpoint
+    from tandem.core.loading import load_checkpoint
     from placement.hardware import load_hardware
     from placement.planner import make_plan
     from placement.settings import PlanSettings

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from offline.profile_artifact import Profile
-from online.config import ModelConfig
+from tandem.core.config import ModelConfig
 from placement import cost_model
 from placement.expert_cache_model import lru_hit_rate
 from placement.hardware import load_hardware

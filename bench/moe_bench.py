@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from bench.modeled_moe import BYTES_PER_WEIGHT, PUBLISHED, REPEAT_RATE, SLOTS, modeled_rows  # noqa: E402
 from bench.moe_sim import RoutingTrace, belady, exhaustive_optimum, simulate, trace_statistics  # noqa: E402
 from bench.moe_traces import moefication_trace, tiny_mixtral_trace  # noqa: E402
-from tandem.artifacts import atomic_write_bytes  # noqa: E402
+from tandem.core.artifacts import atomic_write_bytes  # noqa: E402
 
 SLOT_COUNTS = (2, 3, 4, 6)
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from online.execution.gpu_tier import GpuTier
-from online.execution.weights import MoELayerWeights
+from tandem.core.ffn.weights import MoELayerWeights
 from online.experts.cache import ExpertCache
 from online.experts.prefetch import Prefetcher
 

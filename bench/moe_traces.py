@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from online.execution import DenseExecutor
-from online.execution.dense import route
+from tandem.core.ffn import DenseExecutor
+from tandem.core.ffn.dense import route
 from online.experts.packing import pack_expert
 from .moe_sim import RoutingTrace
 
@@ -48,10 +48,10 @@ class _Recorder(DenseExecutor):
 def tiny_mixtral_trace(n_tokens: int = 1024, num_layers: int = 8, seed: int = 0) -> RoutingTrace:
     import tempfile
     import transformers as tf
-    from online.generate import prefill
-    from online.kv_cache import KVCache
-    from online.loading.hf_loader import load_hf_folder
-    from online.model.build import build_model
+    from tandem.core.generate import prefill
+    from tandem.core.kv_cache import KVCache
+    from tandem.core.loading.hf_loader import load_hf_folder
+    from tandem.core.model.build import build_model
     torch.manual_seed(seed)
     hf_cfg = tf.MixtralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=num_layers,
                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=NUM_EXPERTS,
@@ -101,7 +101,7 @@ def moefication_trace(fit_tokens: int = 2000, trace_tokens: int | None = None, t
     from offline.calibration import build_calibration_set
     from offline.collect import collect_layer_activations
     from online import Engine
-    from online.execution.weights import FFNWeights
+    from tandem.core.ffn.weights import FFNWeights
     engine = Engine.load("smollm2", threads=threads)
     calib = build_calibration_set(engine)
     cfg = engine.config

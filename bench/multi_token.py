@@ -27,7 +27,7 @@ def time_ms(fn) -> tuple[float, float]:
 
 def measure(engine, context: int, rounds: int, counts=TOKEN_COUNTS) -> list[dict]:
     """Per T: median ms of one step_many call and of one single-token step (interleaved rounds)."""
-    from online.kv_cache import KVCache
+    from tandem.core.kv_cache import KVCache
     step = engine.compiled_decode
     cache = KVCache(engine.model.cfg, context + max(counts) + 1)
     history = [(7 * i + 3) % engine.model.cfg.vocab_size for i in range(context)]
@@ -54,7 +54,7 @@ def measure_batch(engine, context: int, rounds: int, n_seqs: int = 8, block_toke
 
     import numpy as np
 
-    from online.kv_cache import KVCache
+    from tandem.core.kv_cache import KVCache
     step, cfg = engine.compiled_decode, engine.model.cfg
     per_seq = (context + 8 * n_seqs) // block_tokens + 2
     storage = KVCache(cfg, per_seq * n_seqs * block_tokens)

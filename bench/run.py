@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--skip-hybrid", action="store_true")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    from online.loading.resolve import resolve_model_path
+    from tandem.core.loading.resolve import resolve_model_path
     gguf = str(resolve_model_path("smollm2"))
     common = ["--threads", str(args.threads), "--runs", str(args.runs), "--decode-tokens", str(args.decode_tokens)]
     tandem = [sys.executable, "-m", "bench.systems.tandem_dense", *common]

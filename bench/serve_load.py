@@ -140,7 +140,7 @@ def systems(args) -> list[tuple[str, list[str], dict, int]]:
 
 
 def resolve_gguf(model: str) -> Path:
-    from online.loading.resolve import resolve_model_path
+    from tandem.core.loading.resolve import resolve_model_path
     return resolve_model_path(model)
 
 

@@ -1,7 +1,7 @@
 """Instrumented FFN execution: per-layer observations (FFN input, hidden h, routing) during a forward pass.
 
 The model calls ``executor.forward(layer, x)`` for each FFN/MoE block; :class:`InstrumentedExecutor`
-computes exactly what :class:`~online.execution.DenseExecutor` computes and hands every layer's
+computes exactly what :class:`~tandem.core.ffn.DenseExecutor` computes and hands every layer's
 :class:`LayerObservation` to an observer (any object with ``observe(obs)``). Subclasses may
 sparsify the hidden state through :meth:`InstrumentedExecutor.transform_hidden` (see
 ``offline.thresholds.ThresholdedExecutor``); observers always see the dense h.
@@ -31,11 +31,11 @@ from typing import Iterable, Iterator, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from online.execution import DenseExecutor, MoELayerWeights
-from online.execution.dense import combine_experts, ffn_down, ffn_hidden, route, tokens_by_expert
-from online.generate import prefill
-from online.kv_cache import KVCache
-from tandem.errors import TandemError
+from tandem.core.ffn import DenseExecutor, MoELayerWeights
+from tandem.core.ffn.dense import combine_experts, ffn_down, ffn_hidden, route, tokens_by_expert
+from tandem.core.generate import prefill
+from tandem.core.kv_cache import KVCache
+from tandem.core.errors import TandemError
 
 SHARED_EXPERT = -1  # ``expert`` argument of transform_hidden for a MoE layer's shared expert
 
@@ -142,7 +142,8 @@ def base_executor(engine) -> DenseExecutor:
     """The engine's dense executor (unwrapping instrumented ones)."""
     executor = engine.executor
     if not isinstance(executor, DenseExecutor):
-        raise TandemError(f"profiling needs the dense executor, the engine runs {type(executor).__name__}")
+        raise TandemError(f"the offline stages need the dense float32 executor (an engine loaded without plan or "
+                          f"weight_format), this engine runs {type(executor).__name__}")
     return executor
 
 

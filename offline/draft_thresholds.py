@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.errors import ArtifactError, TandemError
+from tandem.core.errors import ArtifactError, TandemError
 from .thresholds import AbsHistogram
 
 DEFAULT_DRAFT_QUALITY_LOSS = 0.2

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from online.config import ModelConfig
-from online.execution import MoELayerWeights
-from online.execution.dense import route
+from tandem.core.config import ModelConfig
+from tandem.core.ffn import MoELayerWeights
+from tandem.core.ffn.dense import route
 from .collect import LayerObservation
 
 LOOKAHEAD_LAYERS = (1, 2)

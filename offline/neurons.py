@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from online.config import ModelConfig
+from tandem.core.config import ModelConfig
 from .collect import LayerObservation
 
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from tandem.artifacts import fingerprint, load_artifact, save_artifact
-from tandem.errors import ArtifactError
+from tandem.core.artifacts import fingerprint, load_artifact, save_artifact
+from tandem.core.errors import ArtifactError
 
 PROFILE_SCHEMA_VERSION = 2  # 2: thresholds searched on training windows, held-out re-measured
 TENSOR_KEYS = ("neuron_freq", "neuron_mean_abs", "hot_order", "thresholds", "layer_sparsity")

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 from tqdm import tqdm
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from .calibration import CalibrationSet, split_documents
 from .draft_thresholds import DEFAULT_DRAFT_QUALITY_LOSS, DRAFT_SEARCH_STEPS
 from .collect import InstrumentedExecutor, ObserverGroup, base_executor, run_windows, split_windows

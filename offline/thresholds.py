@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from online.execution import DenseExecutor
+from tandem.core.ffn import DenseExecutor
 from .collect import SHARED_EXPERT, InstrumentedExecutor, LayerObservation, run_windows
 
 LOG2_MIN, LOG2_MAX = -40.0, 24.0  # |h| range covered by the histogram (2^-40 .. 2^24)

@@ -6,12 +6,13 @@ import json
 import sys
 from pathlib import Path
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
+
+from .engine_args import EngineArgs, add_engine_arguments
 
 
 def add_parsers(sub) -> None:
     gen = sub.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("--model", required=True, help="alias (smollm2), .gguf file or Hugging Face folder")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
@@ -34,7 +35,6 @@ def add_parsers(sub) -> None:
     gen.set_defaults(handler=run_generate)
 
     ppl = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
-    ppl.add_argument("--model", required=True)
     ppl.add_argument("--text-file", required=True)
     ppl.add_argument("--window", type=int, default=512, help="tokens per window")
     ppl.add_argument("--stride", type=int, default=256, help="tokens between window starts")
@@ -61,40 +61,10 @@ def speculation_config(args):
     return SpeculationConfig.parse(args.speculate, args.draft_tokens)
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
-    p.add_argument("--plan", default=None, help="plan directory from `tandem plan` / `tandem prepare`")
-    p.add_argument("--context", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--weight-format", choices=("fp32", "int8", "int4"), default=None,
-                   help="packed CPU weights (default: float32 without a plan; with one, int4 for GGUF Q4 models (their blocks, exactly), else int8)")
-    p.add_argument("--gpu-budget", default=None, help="GPU-tier budget, e.g. 2GiB (must fit the plan)")
-    p.add_argument("--gpu-device", choices=("cuda", "cpu"), default=None,
-                   help="where the GPU tier runs (default: cuda when present, else cpu)")
-    p.add_argument("--no-sparse", action="store_true", help="compute every FFN neuron (exact)")
-    p.add_argument("--down-format", choices=("fp16", "fp32", "int8b", "int8"), default=None,
-                   help="storage of the sparse (transposed) down projection (default fp16)")
-    p.add_argument("--no-fused-decode", action="store_true",
-                   help="decode through the module graph instead of the one-call C step")
-    p.add_argument("--profile", default=None, help="profile directory of the plan (default: beside the plan)")
-    p.add_argument("--predictors", default=None, help="predictors directory of the plan (default: beside the plan)")
-    p.add_argument("--expert-slots", type=int, default=None, metavar="N",
-                   help="MoE: expert cache slots per layer on the GPU tier (overrides the plan's; works without one)")
-    p.add_argument("--no-prefetch", action="store_true", help="MoE: no speculative prefetch of the next layer's experts")
-    p.add_argument("--layer-offload", action="store_true",
-                   help="llama.cpp -ngl policy: whole layers on the GPU tier in order until --gpu-budget is spent")
-
-
 def load_engine(args):
+    """The engine the command's engine flags (online.engine_args.add_engine_arguments) describe."""
     from online import Engine
-    budget = None
-    if args.gpu_budget is not None:
-        from placement.budget import parse_bytes
-        budget = parse_bytes(args.gpu_budget)
-    return Engine.load(args.model, threads=args.threads, plan=args.plan, context_length=args.context,
-                       weight_format=args.weight_format, gpu_budget_bytes=budget, gpu_device=args.gpu_device,
-                       sparse=not args.no_sparse, profile=args.profile, predictors=args.predictors,
-                       expert_slots=args.expert_slots, prefetch=not args.no_prefetch, down_format=args.down_format,
-                       fused_decode=not args.no_fused_decode, layer_offload=args.layer_offload)
+    return Engine.from_args(EngineArgs.from_namespace(args))
 
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -113,7 +83,7 @@ def run_generate(args) -> int:
     if args.prompt_ids is not None and args.chat:
         raise TandemError("--chat needs --prompt text, not --prompt-ids")
     prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
-    from online.sampling import SamplingParams
+    from tandem.core.sampling import SamplingParams
     SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()))  # validate before loading
     grammar = cli_grammar(args)

@@ -14,66 +14,24 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-import torch.nn.functional as F
 
-from tandem.errors import TandemError
-from .config import ModelConfig
-from .execution import DenseExecutor
-from .generate import LoopTimings, decode_one_token, prefill, token_loop
-from .kv_cache import KVCache
-from .loading import load_checkpoint
-from .model.build import build_model
-from .sampling import DecodeOptions, SamplingParams, TokenChoice
+from tandem.core.errors import TandemError
+from tandem.core.config import ModelConfig
+from tandem.core.generate import LoopTimings, decode_one_token, prefill, token_loop
+from tandem.core.kv_cache import KVCache
+from tandem.core.loading import load_checkpoint
+from tandem.core.model.build import build_model
+from tandem.core.sampling import DecodeOptions, SamplingParams, TokenChoice
+
+from .engine_args import EngineArgs
+from .engine_build import build_executor
+from .results import GenerationResult, TextStream, sliding_window_perplexity
 
 KV_CAPACITY_ROUND_TOKENS = 256
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]  # generated ids (prompt excluded)
-    prompt_tokens: int
-    finish_reason: str  # "stop" | "length"
-    stats: dict[str, Any] = field(default_factory=dict)
-    choices: list[TokenChoice] = field(default_factory=list)  # one per generated token (logprobs when asked)
-
-
-class TextStream:
-    """Iterator of text pieces; ``.result`` holds the GenerationResult once exhausted; ``close()`` stops early.
-    ``choices`` grows with each generated token (TokenChoice, with logprobs when asked for)."""
-
-    def __init__(self, pieces: Iterator[str], holder: dict) -> None:
-        self._pieces = pieces
-        self._holder = holder
-
-    def __iter__(self) -> "TextStream":
-        return self
-
-    def __next__(self) -> str:
-        return next(self._pieces)
-
-    @property
-    def result(self) -> GenerationResult | None:
-        return self._holder.get("result")
-
-    @property
-    def choices(self) -> list[TokenChoice]:
-        return self._holder.setdefault("choices", [])
-
-    def close(self) -> None:
-        self._pieces.close()
-
-
-def default_weight_format(raw: dict) -> str:
-    """int4 when the checkpoint's FFN weights are GGUF Q4 blocks (read exactly, no re-quantization),
-    else int8."""
-    qtype = getattr(raw.get("model.layers.0.mlp.up_proj.weight"), "qtype", None)
-    return "int4" if qtype in ("Q4_0", "Q4_1") else "int8"
 
 
 class Engine:
@@ -94,8 +52,10 @@ class Engine:
         self.eos_token_ids = eos
         self._cache: KVCache | None = None
         self.plan_info = None
+        self.args: EngineArgs | None = None  # what from_args was given
+        self.layer_offload_gpu_layers: int | None = None
         # numba kernels parallelise decode themselves; torch then runs its small ops on one thread
-        self.decode_threads = 1 if hasattr(executor, "settings") else None
+        self.decode_threads = 1 if executor.packed else None
         self.compiled_decode = None  # online.execution.fused_decode.FusedDecodeStep when available
         self.decode_path = "modules"
         self.decode_path_reason = ""
@@ -104,13 +64,10 @@ class Engine:
         self.default_speculation = None  # SpeculationConfig used when a call passes speculate=None (serve)
 
     @classmethod
-    def load(cls, model: str | Path, threads: int | None = None, plan: str | Path | None = None,
-             context_length: int | None = None, weight_format: str | None = None,
-             gpu_budget_bytes: int | None = None, gpu_device: str | None = None,
-             sparse: bool = True, expert_slots: int | None = None, prefetch: bool = True,
-             profile: str | Path | None = None, predictors: str | Path | None = None,
-             fused_decode: bool = True, down_format: str | None = None, layer_offload: bool = False) -> "Engine":
-        """Load a model: alias ("smollm2"), a .gguf file or a Hugging Face folder.
+    def load(cls, model: str | Path, **kwargs) -> "Engine":
+        """Load a model: alias ("smollm2"), a .gguf file or a Hugging Face folder; ``kwargs`` are EngineArgs
+        fields (threads, plan, context_length, weight_format, gpu_budget_bytes, gpu_device, sparse,
+        down_format, fused_decode, profile, predictors, expert_slots, prefetch, layer_offload).
 
         Without ``plan`` and ``weight_format`` the runtime is dense float32 (the reference). With a
         plan (``tandem plan`` / ``tandem prepare``) FFNs run hybrid and sparse as planned, with packed
@@ -122,79 +79,32 @@ class Engine:
         default; fp32 / int8b / int8, see ExecutionSettings). ``fused_decode``: decode packed
         CPU-only models with the one-call C step (falls back to the module graph, with the reason
         in ``decode_path_reason``, where it does not apply).
+
+        Example::
+
+            engine = Engine.load("smollm2", threads=2, weight_format="int4")
         """
-        if threads is not None and threads < 1:
-            raise TandemError(f"threads must be >= 1, got {threads}")
-        if threads is not None:
-            torch.set_num_threads(threads)
-        if expert_slots is not None and (isinstance(expert_slots, bool) or not isinstance(expert_slots, int)
-                                         or expert_slots < 0):
-            raise TandemError(f"--expert-slots must be an integer >= 0, got {expert_slots!r}")
-        if plan is None and weight_format is None and expert_slots is None and down_format is not None:
-            raise TandemError("--down-format needs --plan or --weight-format (the dense float32 runtime has no packed FFN)")
-        if plan is None and expert_slots is None and gpu_budget_bytes is not None and not layer_offload:
-            raise TandemError("--gpu-budget needs --plan (or --expert-slots for a MoE model)")
-        ckpt = load_checkpoint(model)
-        fingerprint = ckpt.fingerprint
-        tokenizer, cfg, raw = ckpt.tokenizer, ckpt.config, ckpt.raw
-        if expert_slots is not None and not cfg.is_moe:
-            raise TandemError(f"--expert-slots needs a MoE model; {ckpt.model_id} has no experts")
+        return cls.from_args(EngineArgs.create(model, **kwargs))
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> "Engine":
+        """The engine ``args`` describes (Engine.load builds the EngineArgs from keywords)."""
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        ckpt = load_checkpoint(args.model)
+        if args.expert_slots is not None and not ckpt.config.is_moe:
+            raise TandemError(f"expert_slots needs a MoE model; {ckpt.model_id} has no experts")
         net, ffn_layers = build_model(ckpt)
-        plan_info = None
-        n_gpu_layers = None
-        if layer_offload:  # llama.cpp -ngl on our kernels (online/execution/layer_offload.py)
-            if plan is not None or expert_slots is not None:
-                raise TandemError("--layer-offload replaces a plan: drop --plan / --expert-slots")
-            if gpu_budget_bytes is None:
-                raise TandemError("--layer-offload needs --gpu-budget (whole layers go on the GPU tier until it is spent)")
-            from .execution.hybrid import ExecutionSettings
-            from .execution.layer_offload import build_layer_offload
-            from .execution.quantized_linear import quantize_attention
-            settings = ExecutionSettings(weight_format=weight_format or default_weight_format(raw), sparse=False,
-                                         threads=threads or torch.get_num_threads(), gpu_device=gpu_device)
-            capacity = min(context_length or cfg.max_context, cfg.max_context)
-            executor, n_gpu_layers = build_layer_offload(net, ffn_layers, settings, gpu_budget_bytes, capacity, raw)
-            if settings.weight_format != "fp32":
-                quantize_attention(net, settings.weight_format, settings.threads, raw)
-        elif plan is None and weight_format is None and expert_slots is None:
-            executor = DenseExecutor(cfg, ffn_layers)
-        else:
-            from .execution.hybrid import ExecutionSettings, HybridExecutor
-            from .execution.quantized_linear import quantize_attention
-            default_format = "fp32" if plan is None and expert_slots is not None else default_weight_format(raw)
-            settings = ExecutionSettings(weight_format=weight_format or default_format, sparse=sparse,
-                                         **({"down_format": down_format} if down_format is not None else {}),
-                                         threads=threads or torch.get_num_threads(), gpu_device=gpu_device)
-            head = net.lm_head.weight if weight_format is not None or plan is not None else None
-            if plan is not None:
-                from .plan_runtime import build_plan_executor
-                executor, plan_info = build_plan_executor(plan, cfg, ffn_layers, fingerprint, settings,
-                                                          head_weight=head, raw=raw,
-                                                          gpu_budget_bytes=gpu_budget_bytes,
-                                                          expert_slots=expert_slots, prefetch=prefetch, profile_dir=profile, predictors_dir=predictors,
-                                                          model=net)
-            elif expert_slots is not None:
-                from .experts.runtime import ExpertRuntime, tier_bytes_needed
-                from .execution.gpu_tier import GpuTier
-                budget = gpu_budget_bytes if gpu_budget_bytes is not None else tier_bytes_needed(
-                    cfg, ffn_layers, settings.weight_format, expert_slots)
-                tier = GpuTier.create(budget, gpu_device)
-                executor = HybridExecutor.build(cfg, ffn_layers, tier, settings, head_weight=head, raw=raw)
-                executor.attach_experts(ExpertRuntime(cfg, executor.layers, tier, weight_format=settings.weight_format,
-                                                      slots=expert_slots, prefetch=prefetch, threads=settings.threads))
-            else:
-                from .execution.gpu_tier import GpuTier
-                executor = HybridExecutor.build(cfg, ffn_layers, GpuTier.create(0, "cpu"), settings,
-                                                head_weight=head, raw=raw)
-            if settings.weight_format != "fp32":
-                quantize_attention(net, settings.weight_format, settings.threads, raw)
-        engine = cls(net, executor, tokenizer, cfg, ckpt.source_path, ckpt.model_id, fingerprint, threads, context_length)
-        engine.plan_info = plan_info
-        engine.layer_offload_gpu_layers = n_gpu_layers
-        if n_gpu_layers is not None:
-            if fused_decode:
-                engine._use_layer_offload_step(n_gpu_layers)
-        elif fused_decode and hasattr(executor, "settings"):
+        built = build_executor(args, ckpt, net, ffn_layers)
+        engine = cls(net, built.executor, ckpt.tokenizer, ckpt.config, ckpt.source_path, ckpt.model_id,
+                     ckpt.fingerprint, args.threads, args.context_length)
+        engine.args = args
+        engine.plan_info = built.plan_info
+        engine.layer_offload_gpu_layers = built.gpu_layers
+        if built.gpu_layers is not None:
+            if args.fused_decode:
+                engine._use_layer_offload_step(built.gpu_layers)
+        elif args.fused_decode and built.executor.packed:
             engine._use_fused_decode()
         return engine
 
@@ -350,7 +260,7 @@ class Engine:
             speculation.stats = SpecStats(spec.mode if speculation.active else "off")
         cache = self._kv_cache(len(prompt_ids) + params.max_new_tokens)
         timings = LoopTimings()
-        before = self._counters()
+        before = self.executor.counters_snapshot()
         generated: list[int] = []
         choices: list[TokenChoice] = holder.setdefault("choices", [])
         emitted = 0
@@ -392,20 +302,6 @@ class Engine:
         holder["result"] = GenerationResult(text=text, token_ids=generated, prompt_tokens=len(prompt_ids),
                                             finish_reason=finish, stats=stats, choices=choices)
 
-    def _counters(self) -> dict | None:
-        """Cumulative executor counters (expert-cache counters prefixed ``experts.``)."""
-        counters = getattr(self.executor, "counters", None)
-        if counters is None:
-            return None
-        snapshot = counters.snapshot()
-        tier = getattr(self.executor, "tier", None)
-        if tier is not None:
-            snapshot.update({f"tier.{k}": v for k, v in tier.link_counters().items()})
-        experts = getattr(self.executor, "experts", None)
-        if experts is not None:
-            snapshot.update({f"experts.{k}": v for k, v in experts.counters().items()})
-        return snapshot
-
     def _stats(self, prompt_ids: list[int], generated: list[int], t: LoopTimings,
                before: dict | None = None) -> dict[str, Any]:
         first = t.first_token_s or t.end_s
@@ -423,28 +319,14 @@ class Engine:
             "decode_path": self.decode_path,
         }
         if before is not None:
-            now = self._counters()
+            now = self.executor.counters_snapshot()
             delta = {k: now[k] - before[k] for k in now}
-            steps = len(prompt_ids) + max(t.decode_steps, 0)
-            total = max(delta["ffn_neurons_total"], 1)
-            stats["ffn_sparsity"] = round(1.0 - delta["ffn_neurons_active"] / total, 4)
-            bytes_moved = delta["bytes_moved"]
-            experts = getattr(self.executor, "experts", None)
-            if experts is not None:
-                expert_stats = experts.stats({k[8:]: v for k, v in delta.items() if k.startswith("experts.")}, steps)
-                bytes_moved += expert_stats.pop("expert_bytes_moved")
-                stats.update(expert_stats)
-            stats["bytes_moved_per_token"] = int(bytes_moved / max(steps, 1))
-            stats["predictor_time_share"] = round(delta["predictor_s"] / max(t.end_s - t.start_s, 1e-9), 4)
-            stats["weight_format"] = self.executor.settings.weight_format
-            if "tier.tier_syncs" in delta:  # per forward step: the prefill call + each decoded token
-                forward_steps = 1 + max(t.decode_steps, 0)
-                stats["tier_calls_per_token"] = round(delta["tier.tier_calls"] / forward_steps, 3)
-                stats["tier_syncs_per_token"] = round(delta["tier.tier_syncs"] / forward_steps, 3)
-                stats["link_bytes_per_token"] = int(delta["tier.link_bytes"] / forward_steps)
+            decode_steps = max(t.decode_steps, 0)
+            stats.update(self.executor.run_stats(delta, steps=len(prompt_ids) + decode_steps,
+                                                 forward_steps=1 + decode_steps, elapsed_s=t.end_s - t.start_s))
         if self.plan_info is not None:
             stats["plan"] = str(self.plan_info.plan_dir)
-        if getattr(self, "layer_offload_gpu_layers", None) is not None:
+        if self.layer_offload_gpu_layers is not None:
             stats["layer_offload_gpu_layers"] = self.layer_offload_gpu_layers
         return stats
 
@@ -455,7 +337,7 @@ class Engine:
         attn = sum(p.numel() * p.element_size() for p in layers.parameters())
         attn += sum(m.nbytes for m in layers.modules() if hasattr(m, "nbytes"))
         head = self.model.lm_head.weight
-        head_bytes = getattr(self.executor, "head_nbytes", None) or head.numel() * head.element_size()
+        head_bytes = self.executor.head_nbytes or head.numel() * head.element_size()
         return attn + self.executor.ffn_nbytes + head_bytes
 
     # --- scoring ---------------------------------------------------------------------------
@@ -498,22 +380,7 @@ class Engine:
         scores one token at a time through the decode path (``step_logits``: what generation
         computes, the fused step included) instead of batched prefill; ``tokens_per_step`` > 1
         scores the known text that many tokens per multi-token step (same numbers, fewer weight reads)."""
-        if len(token_ids) < 2:
-            raise TandemError("need at least 2 tokens to compute perplexity")
-        window_tokens = min(window_tokens, self.max_context - 1)
-        stride_tokens = min(stride_tokens, window_tokens)
-        nll, scored, prev_end = 0.0, 0, 0
-        for begin in range(0, len(token_ids), stride_tokens):
-            end = min(begin + window_tokens, len(token_ids))
-            window = token_ids[begin:end]
-            logits = (self.step_logits(window, tokens_per_step) if decode_steps or tokens_per_step > 1
-                      else self.logits(window))  # [W, vocab]
-            n_new = end - max(prev_end, begin + 1)
-            targets = torch.tensor(window[-n_new:])
-            logp = F.log_softmax(logits[-n_new - 1:-1].double(), dim=-1)
-            nll -= float(logp.gather(1, targets[:, None]).sum())
-            scored += n_new
-            prev_end = end
-            if end == len(token_ids):
-                break
-        return math.exp(nll / scored), scored
+        return sliding_window_perplexity(
+            token_ids, window_tokens=min(window_tokens, self.max_context - 1), stride_tokens=stride_tokens,
+            window_logits=lambda window: (self.step_logits(window, tokens_per_step)
+                                          if decode_steps or tokens_per_step > 1 else self.logits(window)))

@@ -1,7 +1,7 @@
 """Paged KV pool: fixed-size blocks in one storage, ref counts, prefix caching, copy on write.
 
 Storage is ``keys``/``values`` float32 ``[L, KV, n_blocks * block_tokens, hd]`` (the layout the fused
-step's ``step_batch`` reads, see online/kv_cache.py). A sequence owns a block table; its position p
+step's ``step_batch`` reads, see tandem/core/kv_cache.py). A sequence owns a block table; its position p
 lives at row ``table[p // block_tokens] * block_tokens + p % block_tokens``.
 
 Prefix caching (vLLM's automatic prefix caching): a *full* block's id is the hash of its parent
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 DEFAULT_BLOCK_TOKENS = 16
 

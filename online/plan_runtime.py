@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from .execution.gpu_tier import GpuTier
 from .execution.hybrid import ExecutionSettings, HybridExecutor
-from .execution.tier_format import expert_format_for, tier_format_for
+from tandem.core.tier_format import expert_format_for, tier_format_for
 
 
 @dataclass(frozen=True)
@@ -99,10 +99,10 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
     if cfg.is_moe:
         from .experts.runtime import ExpertRuntime, default_cost_model
         from .execution.tier_units import place_shared_experts
-        shared = place_shared_experts(cfg, executor.layers, tier, [bool(layer.get("shared_expert_on_gpu"))
+        shared = place_shared_experts(cfg, ffn_layers, tier, [bool(layer.get("shared_expert_on_gpu"))
                                                                    for layer in plan.layers], settings.tier_format_of, raw)
         slots = plan.expert_cache_slots if expert_slots is None else expert_slots
-        executor.attach_experts(ExpertRuntime(cfg, executor.layers, tier,
+        executor.attach_experts(ExpertRuntime(cfg, ffn_layers, tier,
                                               weight_format=expert_format_for(plan.settings.bytes_per_weight),
                                               slots=slots, pinned=plan.expert_pinned, prefetch=prefetch,
                                               cost_model=default_cost_model(tier, plan.hardware),

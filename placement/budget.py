@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 _UNITS = {
     "": 1, "b": 1,

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 from .budget import format_bytes
 from .hardware import PRESETS
@@ -188,8 +188,9 @@ def cmd_show_plan(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"plot written to {plot_plan(plan, args.plot)}")
     if args.calibration or args.measure:
+        from online.plan_measure import measure_plan_tokens_per_s  # the runtime: only with --measure
         from .plan_check import print_modeled_and_measured
-        print_modeled_and_measured(plan, args)
+        print_modeled_and_measured(plan, args, measure_plan_tokens_per_s)
     return 0
 
 
@@ -200,7 +201,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
         print(f"hardware profile written to {args.out} (use it with --hardware {args.out})")
     print(json.dumps(hardware.to_dict(), indent=2))
     if args.fused:
-        from .fused_calibration import measure_fused_calibration, save_calibration
+        from online.plan_measure import measure_fused_calibration  # the runtime: only with --fused
+        from .fused_calibration import save_calibration
         cal = measure_fused_calibration(threads=hardware.cpu_threads)
         save_calibration(cal, args.fused)
         for t in cal.terms:

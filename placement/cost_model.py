@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from online.config import ModelConfig
-from tandem.roofline import roofline_seconds
+from tandem.core.config import ModelConfig
+from tandem.core.roofline import roofline_seconds
 
 if TYPE_CHECKING:
     from .hardware import HardwareProfile

@@ -11,22 +11,20 @@ layer; bandwidth_share: the share of the probe's read bandwidth the row kernels 
 
 Example::
 
-    cal = measure_fused_calibration(threads=2)              # ~20 s
+    cal = measure_fused_calibration(threads=2)              # ~20 s (online.plan_measure: it times engines)
     cal.step_seconds("int4", n_layers=16, read_bytes=600e6)
     calibrated_plan_tokens_per_s(plan, cal)                   # cpu-only plans
 """
 from __future__ import annotations
 
 import json
-import statistics
-import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from tandem.errors import TandemError
+from tandem.core.artifacts import atomic_write_json
+from tandem.core.errors import TandemError
 
 FORMATS = ("int4", "int8")
 # (layers, hidden, ffn) of the three timed models: fixed costs from the two small ones, bandwidth from the big one
@@ -78,7 +76,6 @@ class FusedCalibration:
 
 
 def save_calibration(cal: FusedCalibration, path: str | Path) -> Path:
-    from tandem.artifacts import atomic_write_json
     atomic_write_json(path, cal.to_dict())
     return Path(path)
 
@@ -93,62 +90,7 @@ def load_calibration(path: str | Path) -> FusedCalibration:
     return FusedCalibration.from_dict(data)
 
 
-def _random_llama(folder: Path, layers: int, hidden: int, ffn: int) -> Path:
-    import torch
-    import transformers as tf
-
-    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-                         num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
-                         max_position_embeddings=256, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    tf.utils.logging.disable_progress_bar()
-    tf.LlamaForCausalLM(cfg).save_pretrained(folder)
-    return folder
-
-
-def _time_step(engine, tokens: int = 64, rounds: int = 5) -> float:
-    step = engine.compiled_decode
-    cache = engine._kv_cache(tokens + 1)
-    step(1, 0, cache)  # warm-up
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for pos in range(tokens):
-            step(pos % 512, pos, cache)
-        times.append((time.perf_counter() - t0) / tokens)
-    return statistics.median(times)
-
-
-def measure_fused_calibration(threads: int, formats: tuple[str, ...] = FORMATS) -> FusedCalibration:
-    """Time the fused step on three random Llama models per format and fit the three terms."""
-    import torch
-
-    from online import Engine
-    from .probe import measure_read_bandwidth
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        bandwidth = measure_read_bandwidth("cpu")
-    finally:
-        torch.set_num_threads(previous)
-    samples = {f: [] for f in formats}
-    with tempfile.TemporaryDirectory(prefix="tandem-probe-") as tmp:
-        for i, (layers, hidden, ffn) in enumerate(SIZES):
-            folder = _random_llama(Path(tmp) / f"m{i}", layers, hidden, ffn)
-            for fmt in formats:
-                engine = Engine.load(str(folder), threads=threads, weight_format=fmt)
-                if engine.decode_path != "fused":
-                    raise TandemError(f"no fused decode step here: {engine.decode_path_reason}")
-                samples[fmt].append((layers, float(engine.weight_bytes_per_token), _time_step(engine)))
-                del engine
-    terms = tuple(_fit(fmt, samples[fmt], bandwidth) for fmt in formats)
-    stamp = time.strftime("%Y-%m-%d %H:%M")
-    return FusedCalibration(threads=threads, read_bandwidth_bytes_per_s=bandwidth, terms=terms,
-                            description=f"measured by `tandem probe --fused` on {stamp} ({threads} threads)")
-
-
-def _fit(fmt: str, samples: list, bandwidth: float) -> FusedTerms:
+def fit_terms(fmt: str, samples: list, bandwidth: float) -> FusedTerms:
     a = np.array([[1.0, layers, read] for layers, read, _ in samples])  # unknowns: call_s, layer_s, s per byte
     y = np.array([s for _, _, s in samples])
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)

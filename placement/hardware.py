@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandem.artifacts import atomic_write_json, fingerprint
-from tandem.errors import TandemError
+from tandem.core.artifacts import atomic_write_json, fingerprint
+from tandem.core.errors import TandemError
 
 GiB = 2**30
 MiB = 2**20

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pulp
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 from .cost_model import Placement, evaluate_layer, evaluate_placement
 from .hardware import MiB

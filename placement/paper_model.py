@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from offline.profile_artifact import Profile
-from online.config import ModelConfig
+from tandem.core.config import ModelConfig
 
 from .hardware import GiB, HardwareProfile, load_hardware
 from .ilp import SolverSettings

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from tandem.artifacts import load_artifact, save_artifact
-from tandem.errors import ArtifactError
+from tandem.core.artifacts import load_artifact, save_artifact
+from tandem.core.errors import ArtifactError
 
 from .budget import format_bytes
 from .hardware import HardwareProfile

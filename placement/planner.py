@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from online.config import ModelConfig
-from tandem.errors import TandemError
+from tandem.core.config import ModelConfig
+from tandem.core.errors import TandemError
 
 from .budget import format_bytes
 from .cost_model import (Evaluation, Placement, all_cpu_dense_seconds, all_cpu_sparse_seconds,

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 NO_PREDICTORS_FINGERPRINT = "none"
 
@@ -71,7 +71,7 @@ def load_predictor_info(predictors_dir: str | Path, num_layers: int, expected_mo
                         expected_profile_fingerprint: str | None = None) -> PredictorInfo:
     """Per-layer predictor facts (used flag, parameter bytes, recall, predicted-active fraction)
     from a ``tandem train-predictors`` artifact, with the artifact's fingerprint."""
-    from predictors.artifact import load_predictors
+    from predictors.artifact import load_predictors  # torch: loaded only when a plan reads predictors
     pset = load_predictors(predictors_dir, expected_model_fingerprint, expected_profile_fingerprint)
     if len(pset.entries) != num_layers:
         raise TandemError(f"predictors in {predictors_dir} cover {len(pset.entries)} layers, the model has {num_layers}")

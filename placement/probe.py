@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 from .hardware import HardwareProfile
 

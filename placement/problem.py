@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from online.config import ModelConfig
-from online.execution.tier_format import expert_format_for, expert_layout_bytes, tier_matrix_bytes
-from tandem.errors import TandemError
+from tandem.core.config import ModelConfig
+from tandem.core.errors import TandemError
+from tandem.core.tier_format import expert_format_for, expert_layout_bytes, tier_matrix_bytes
 
 from . import cost_model
 from .expert_cache_model import lru_hit_rate

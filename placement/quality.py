@@ -6,21 +6,22 @@ slice (the profile's calibration split: every 5th document of the built-in corpu
 ``plan.json`` under ``quality``; ``show-plan`` prints it and loading a plan whose recorded perplexity
 increase is above the profile's quality budget warns.
 
+The measurement loads engines, so it lives a floor up (online.plan_measure.measure_plan_quality); this
+module holds the pieces that need only an object with ``.logits(tokens)``.
+
 Example::
 
-    quality = measure_plan_quality("smollm2", "profiles/m/plan-rtx4090-2GiB", max_tokens=256)
-    quality["perplexity_increase"], quality["greedy_agreement"]
+    quality_warning({"perplexity_increase": 0.05, "max_quality_loss": 0.02})  # "this plan's measured ..."
 """
 from __future__ import annotations
 
-import math
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from tandem.errors import TandemError
+from offline.calibration import build_calibration_set
+from tandem.core.errors import TandemError
 
 DEFAULT_QUALITY_TOKENS = 256
 WINDOW_TOKENS = 128
@@ -29,7 +30,6 @@ WINDOW_TOKENS = 128
 def held_out_tokens(engine, max_tokens: int, token_docs: list[list[int]] | None = None) -> list[int]:
     """The held-out slice: the calibration split's held-out documents (or ``token_docs``), concatenated."""
     if token_docs is None:
-        from offline.calibration import build_calibration_set
         token_docs = build_calibration_set(engine, max_tokens=max(16, 5 * max_tokens)).held_out
     flat = [t for doc in token_docs for t in doc][:max_tokens]
     if len(flat) < 2:
@@ -37,7 +37,7 @@ def held_out_tokens(engine, max_tokens: int, token_docs: list[list[int]] | None 
     return flat
 
 
-def _scores(engine, tokens: list[int], window_tokens: int) -> tuple[float, torch.Tensor]:
+def scores(engine, tokens: list[int], window_tokens: int) -> tuple[float, torch.Tensor]:
     """Sum of NLL over scored positions and the greedy choices there (windows of ``window_tokens``, no overlap)."""
     nll, greedy = 0.0, []
     for begin in range(0, len(tokens) - 1, window_tokens):
@@ -47,31 +47,6 @@ def _scores(engine, tokens: list[int], window_tokens: int) -> tuple[float, torch
         nll -= float(F.log_softmax(logits.double(), dim=-1).gather(1, targets[:, None]).sum())
         greedy.append(logits.argmax(dim=-1))
     return nll, torch.cat(greedy)
-
-
-def measure_plan_quality(model: str | Path, plan_dir: str | Path, *, max_tokens: int = DEFAULT_QUALITY_TOKENS,
-                         gpu_device: str | None = None, token_docs: list[list[int]] | None = None,
-                         max_quality_loss: float | None = None, profile_dir: str | Path | None = None,
-                         predictors_dir: str | Path | None = None) -> dict[str, Any]:
-    """Perplexity of the plan's runtime and of dense float32 on the same held-out tokens, and how often
-    their greedy next-token choices agree."""
-    from online import Engine
-    from .plan import read_plan
-    context = read_plan(plan_dir).settings.context_tokens  # the KV cache the plan sized
-    dense = Engine.load(str(model))
-    window = max(1, min(WINDOW_TOKENS, context - 1, dense.max_context - 1))
-    tokens = held_out_tokens(dense, max_tokens, token_docs)
-    dense_nll, dense_greedy = _scores(dense, tokens, window)
-    del dense
-    planned = Engine.load(str(model), plan=plan_dir, gpu_device=gpu_device, profile=profile_dir, predictors=predictors_dir)
-    plan_nll, plan_greedy = _scores(planned, tokens, window)
-    scored = len(tokens) - 1
-    ppl, dense_ppl = math.exp(plan_nll / scored), math.exp(dense_nll / scored)
-    return {"label": "measured", "held_out_tokens": scored, "perplexity": round(ppl, 6),
-            "dense_perplexity": round(dense_ppl, 6), "perplexity_increase": round(ppl / dense_ppl - 1.0, 6),
-            "greedy_agreement": round(float((plan_greedy == dense_greedy).float().mean()), 6),
-            "max_quality_loss": max_quality_loss, "window_tokens": window, "tier_device": str(planned.executor.tier.device),
-            "path": "batched module path (tier units, packed CPU weights, thresholds, predictors)"}
 
 
 def quality_warning(quality: dict[str, Any]) -> str | None:

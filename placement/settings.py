@@ -13,13 +13,14 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+from tandem.core.config import ModelConfig
+from tandem.core.artifacts import fingerprint
+from tandem.core.errors import ArtifactError, TandemError
 
-from online.config import ModelConfig
-from tandem.artifacts import fingerprint
-from tandem.errors import ArtifactError, TandemError
+if TYPE_CHECKING:
+    import numpy as np
 
 WEIGHT_FORMATS = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0625, "int4": 0.5625}
 # on-disk GGUF block sizes: bytes per block / weights per block
@@ -83,7 +84,7 @@ class PlanSettings:
             pairs = tuple(sorted((str(role), str(fmt)) for role, fmt in pairs))
         except (TypeError, ValueError):
             raise TandemError(f"tensor_formats must map tensor roles to tier formats, got {formats!r}") from None
-        from online.execution.tier_format import TIER_FORMATS  # torch: not imported by `tandem --help`
+        from tandem.core.tier_format import TIER_FORMATS  # torch: not imported by `tandem --help`
         for key, fmt in pairs:
             role = _LAYER_KEY.sub("", key)  # "layers.3.ffn_up": that layer's tensor only
             if role not in TENSOR_ROLES or fmt not in TIER_FORMATS or (key != role and role in ("output", "embeddings")):
@@ -103,12 +104,12 @@ class PlanSettings:
 
     def format_of(self, role: str, layer: int | None = None) -> str:
         """The tier format of ``role`` (in ``layer``): its own, else the densest holding ``bytes_per_weight``."""
-        from online.execution.tier_format import format_lookup, tier_format_for
+        from tandem.core.tier_format import format_lookup, tier_format_for
         return format_lookup(self.tensor_formats, role, layer, tier_format_for(self.bytes_per_weight))
 
     def bytes_of(self, role: str, layer: int | None = None) -> float:
         """Bytes per weight of ``role`` on the tier (block scales included)."""
-        from online.execution.tier_format import TIER_FORMATS
+        from tandem.core.tier_format import TIER_FORMATS
         return TIER_FORMATS[self.format_of(role, layer)]
 
     def to_dict(self) -> dict[str, Any]:
@@ -149,6 +150,7 @@ class ActivationStats:
         return stats
 
     def check(self, config: ModelConfig) -> None:
+        import numpy as np  # here, not at the top: `tandem --help` imports this module's WEIGHT_FORMATS (cold start)
         num_layers = config.num_layers
         dense_layers = [i for i in range(num_layers) if not config.is_moe_layer(i)]
         if self.neuron_freq.ndim != 2 or self.neuron_freq.shape[0] != num_layers:
@@ -192,7 +194,7 @@ def checkpoint_tensor_formats(checkpoint: Any) -> dict[str, str]:
 
     Example: SmolLM2 Q4_1 (Q4_1 layers, Q8_0 tied embeddings) -> ``{"ffn_up": "q4_1", ..., "output": "q8"}``.
     """
-    from online.execution.tier_format import TIER_FORMATS
+    from tandem.core.tier_format import TIER_FORMATS
     types = checkpoint.quant_types or {}
     config = checkpoint.config
     out: dict[str, str] = {}

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from tandem.artifacts import fingerprint, load_artifact, save_artifact
-from tandem.errors import ArtifactError, TandemError
+from tandem.core.artifacts import fingerprint, load_artifact, save_artifact
+from tandem.core.errors import ArtifactError, TandemError
 from .model import LayerEntry, LayerPredictor, PredictorSet
 
 PREDICTORS_SCHEMA_VERSION = 1

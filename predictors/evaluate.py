@@ -21,9 +21,10 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from online.generate import prefill
-from online.kv_cache import KVCache
-from tandem.errors import TandemError
+from offline.collect import split_windows
+from tandem.core.generate import prefill
+from tandem.core.kv_cache import KVCache
+from tandem.core.errors import TandemError
 from .gated import PredictorGatedExecutor
 
 
@@ -48,7 +49,6 @@ class Quality:
 def split_into_windows(docs: Sequence[Sequence[int]] | Sequence[int], window_tokens: int) -> list[list[int]]:
     """Documents (or one flat id list) concatenated and cut into windows of window_tokens (>= 2 each),
     as the profiler cuts its held-out text."""
-    from offline.collect import split_windows
     return [w for w in split_windows(docs, window_tokens) if len(w) >= 2]
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from online.config import ModelConfig
-from online.execution.dense import route
-from online.execution.weights import MoELayerWeights
+from tandem.core.config import ModelConfig
+from tandem.core.ffn.dense import route
+from tandem.core.ffn.weights import MoELayerWeights
 from .model import LayerEntry, PredictorSet
 from .train import TrainSettings, train_predictor
 

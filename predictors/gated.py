@@ -25,11 +25,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from online.config import ModelConfig
-from online.execution.activations import activate, gated_hidden
-from online.execution.dense import DenseExecutor
-from online.execution.weights import FFNWeights, MoELayerWeights
-from tandem.errors import TandemError
+from tandem.core.config import ModelConfig
+from tandem.core.ffn.activations import activate, gated_hidden
+from tandem.core.ffn.dense import DenseExecutor
+from tandem.core.ffn.weights import FFNWeights, MoELayerWeights
+from tandem.core.errors import TandemError
 from .model import LayerEntry, PredictorSet
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 MODES = ("exact", "predictor", "gate")
 

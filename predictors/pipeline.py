@@ -31,8 +31,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from online.execution.weights import MoELayerWeights
-from tandem.errors import TandemError
+from tandem.core.ffn.weights import MoELayerWeights
+from offline.collect import base_executor, iter_calibration_batches, split_windows
+from tandem.core.errors import TandemError
 from .evaluate import HeldOutScorer, Quality, choose_prefix
 from .expert import fit_expert_predictors
 from .gated import PredictorGatedExecutor
@@ -62,7 +63,7 @@ def model_param_count(engine) -> int:
     """Parameters of the whole model (tied embeddings counted once)."""
     seen, total = set(), 0
     tensors = list(engine.model.parameters())
-    for w in engine.executor.layers:
+    for w in base_executor(engine).layers:
         ffns = [w] if not isinstance(w, MoELayerWeights) else [*w.experts, *([w.shared_expert] if w.shared_expert else [])]
         if isinstance(w, MoELayerWeights):
             tensors += [w.router] + ([w.shared_expert_gate] if w.shared_expert_gate is not None else [])
@@ -84,7 +85,6 @@ def exact_thresholds(profile, num_layers: int) -> torch.Tensor:
 
 def collect_inputs(engine, docs: list[list[int]], window_tokens: int, progress: bool = True) -> dict[int, torch.Tensor]:
     """{layer: x [N, d]} FFN inputs on the documents (the dense model; the profiler's instrumentation)."""
-    from offline.collect import iter_calibration_batches, split_windows
     xs: dict[int, list[torch.Tensor]] = {}
     n_windows = len(split_windows(docs, window_tokens))
     with tqdm(total=n_windows, desc="collect FFN inputs", unit="win", disable=not progress) as bar:
@@ -151,7 +151,7 @@ def build_predictors(engine, profile, calib, settings: TrainSettings, *, window_
                      val_fraction: float = 0.15, max_quality_loss: float | None = None,
                      extra_loss: float = DEFAULT_EXTRA_LOSS, eval_tokens: int = DEFAULT_EVAL_TOKENS,
                      progress: bool = True) -> PredictorSet:
-    cfg, layers = engine.config, engine.executor.layers
+    cfg, layers = engine.config, base_executor(engine).layers
     if profile.model_fingerprint != engine.model_fingerprint:
         raise TandemError(f"profile was made for another model ({profile.model_id}); run `tandem profile` for this model")
     if not 0.0 < val_fraction < 0.5:
@@ -221,7 +221,7 @@ def select_options(engine, pset: PredictorSet, thresholds: torch.Tensor, held_ou
                    order: list[Option], budget: float, extra_loss: float, window_tokens: int,
                    eval_tokens: int, progress: bool) -> dict[str, Any]:
     """Install the chosen options into ``pset``; returns the quality figures for the metadata."""
-    cfg, layers = engine.config, engine.executor.layers
+    cfg, layers = engine.config, base_executor(engine).layers
     scorer = HeldOutScorer(engine, held_out, window_tokens, max_tokens=eval_tokens)
     dense = scorer.dense
     oracle = scorer.score(PredictorGatedExecutor(cfg, layers, exact_thresholds=thresholds))

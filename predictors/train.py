@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from online.config import ModelConfig
-from online.execution.activations import activate
-from online.execution.dense import ffn_hidden
-from online.execution.weights import FFNWeights
-from tandem.errors import TandemError
+from tandem.core.config import ModelConfig
+from tandem.core.ffn.activations import activate
+from tandem.core.ffn.dense import ffn_hidden
+from tandem.core.ffn.weights import FFNWeights
+from tandem.core.errors import TandemError
 from .model import LayerPredictor
 from .rrr_init import init_reduced_rank, reduced_rank_basis
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 RATE_CAP = 0.98  # no neuron fires on every token
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 from .activity import firing_rates, hot_share_of
 from .gguf_out import StreamingGGUF, tensor_plan
@@ -78,7 +78,7 @@ def default_file_name(spec: SynthSpec) -> str:
 
 def synthesize(spec: SynthSpec, out_dir: str | Path, tokenizer_gguf: str | Path, progress=None) -> SynthResult:
     """Write DIR/<shape>-synthetic-s<NN>.<qtype>.gguf (+ .synth.json); returns its path and statistics."""
-    from online.loading.gguf_loader import read_gguf
+    from tandem.core.loading.gguf_loader import read_gguf
 
     out_dir = Path(out_dir)
     try:

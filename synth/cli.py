@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 import time
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 
 def add_parsers(sub) -> None:
@@ -27,7 +27,7 @@ def add_parsers(sub) -> None:
 
 
 def run_synth(args) -> int:
-    from online.loading.resolve import resolve_model_path
+    from tandem.core.loading.resolve import resolve_model_path
 
     from .build import SynthSpec, synthesize
     from .shapes import get_shape

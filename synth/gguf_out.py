@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
-from online.loading.quants import row_nbytes
+from tandem.core.loading.quants import row_nbytes
 
 STATS_KEY = "tandem.synth.stats"
 STATS_BYTES = 4096

@@ -27,7 +27,7 @@ import math
 import numpy as np
 import torch
 
-from online.loading.gguf_loader import rope_unpermute_index
+from tandem.core.loading.gguf_loader import rope_unpermute_index
 
 BIAS_DIMS = 32
 

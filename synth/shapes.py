@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 
 @dataclass(frozen=True)

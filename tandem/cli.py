@@ -17,7 +17,7 @@ from typing import Callable
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
-from .errors import TandemError
+from tandem.core.errors import TandemError
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

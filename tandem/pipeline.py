@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .errors import ArtifactError, TandemError
+from tandem.core.errors import ArtifactError, TandemError
 
 Log = Callable[[str], None]
 
@@ -145,7 +145,7 @@ def plan(model: str | Path, profile_dir: str | Path, hardware: str | Path, *, gp
     "2GiB"; default 90% of the GPU). An existing plan at ``out`` made from the same inputs is reused;
     one made from other inputs is refused unless ``replan``. ``measure_quality`` then records its quality."""
     from offline.profile_artifact import load_profile
-    from online.loading import load_checkpoint
+    from tandem.core.loading import load_checkpoint
     from placement.budget import format_bytes, parse_bytes
     from placement.hardware import load_hardware
     from placement.ilp import SolverSettings
@@ -201,7 +201,7 @@ def measure_quality(result: PlanResult, model: str | Path, profile_dir: str | Pa
     call it after letting go of the checkpoint given to ``plan``."""
     check_quality_tokens(tokens)
     from placement.plan import save_plan
-    from placement.quality import measure_plan_quality
+    from online.plan_measure import measure_plan_quality
     result.plan.quality = measure_plan_quality(model, result.path, max_tokens=tokens, gpu_device=gpu_device,
                                                max_quality_loss=result.profile.quality.get("max_quality_loss"),
                                                profile_dir=profile_dir, predictors_dir=predictors_dir)
@@ -223,8 +223,8 @@ def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str |
     """
     if predictors not in ("auto", "on", "off"):
         raise TandemError(f"predictors must be auto, on or off, got {predictors!r}")
-    from online.loading import load_checkpoint
     from placement.settings import checkpoint_tensor_formats
+    from tandem.core.loading import load_checkpoint
     checkpoint = load_checkpoint(model)
     cfg, fingerprint = checkpoint.config, checkpoint.fingerprint
     tensor_formats = checkpoint_tensor_formats(checkpoint)  # what `plan` sets (weight format auto)

@@ -88,7 +88,7 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def default_gguf_path() -> Path:
-    from online.loading.resolve import resolve_model_path
+    from tandem.core.loading.resolve import resolve_model_path
     return resolve_model_path("smollm2")
 
 

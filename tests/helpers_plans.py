@@ -38,7 +38,7 @@ def full_model_bytes(folder: Path, profile_dir: Path, hardware: str = "rtx4090",
                      tensor_formats: dict | None = None) -> int:
     """Bytes of every placeable unit (what a plan with room for everything puts on the GPU)."""
     from offline.profile_artifact import load_profile
-    from online.loading import load_checkpoint
+    from tandem.core.loading import load_checkpoint
     from placement.hardware import load_hardware
     from placement.predictor_info import no_predictors
     from placement.problem import build_problem
@@ -61,7 +61,7 @@ def tiny_plan(folder: Path, out: Path, hardware: str, fraction: float, weight_fo
               tensor_formats: dict | None = None) -> Path:
     """A plan with budget = reserve + ``fraction`` of the model's bytes (0: an all-CPU plan)."""
     from offline.profile_artifact import load_profile
-    from online.loading import load_checkpoint
+    from tandem.core.loading import load_checkpoint
     from placement.hardware import load_hardware
     from placement.plan import save_plan
     from placement.planner import make_plan

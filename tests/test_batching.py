@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from online import Engine
-from online.generate import prefill
-from online.kv_cache import KVCache
+from tandem.core.generate import prefill
+from tandem.core.kv_cache import KVCache
 from online.server.batch_config import BatchConfig
 from online.server.metrics import Metrics
 from online.server.scheduler import Scheduler
@@ -95,17 +95,12 @@ def serve(engine, specs: list[dict], batch: BatchConfig, spy=None):
     return asyncio.run(main())
 
 
-def single_step_greedy(engine, prompt: list[int], max_tokens: int,
-                       module_prefill: bool = False) -> tuple[list[int], torch.Tensor]:
-    """Independent reference: the single-token fused step on a contiguous cache, greedy (EOS ignored),
-    after a prefill through that step (or through the module graph). Returns the tokens and the logits
-    after the prompt."""
+def single_step_greedy(engine, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Independent reference: the single-token fused step on a contiguous cache, greedy (EOS ignored).
+    Returns the tokens and the logits after the prompt."""
     cache = KVCache(engine.config, len(prompt) + max_tokens)
-    if module_prefill:
-        logits = prefill(engine.model, engine.executor, cache, prompt)
-    else:
-        for pos, tok in enumerate(prompt):
-            logits = engine.compiled_decode(tok, pos, cache)
+    for pos, tok in enumerate(prompt):
+        logits = engine.compiled_decode(tok, pos, cache)
     first_logits, out = logits.clone(), []
     for i in range(max_tokens):
         out.append(int(torch.argmax(logits)))
@@ -114,11 +109,23 @@ def single_step_greedy(engine, prompt: list[int], max_tokens: int,
     return out, first_logits
 
 
+def module_prefill_greedy(engine, prompt: list[int], max_tokens: int) -> list[int]:
+    """Reference for ``prefill="modules"``: the prompt through the module graph in one chunk, then greedy
+    single-token fused steps."""
+    cache = KVCache(engine.config, len(prompt) + max_tokens)
+    logits, out = prefill(engine.model, engine.executor, cache, prompt), []
+    for i in range(max_tokens):
+        out.append(int(torch.argmax(logits)))
+        if i < max_tokens - 1:
+            logits = engine.compiled_decode(out[-1], len(prompt) + i, cache)
+    return out
+
+
 @pytest.mark.parametrize("prefill", ["step", "modules"])
 def test_fused_batch_under_load_equals_references_and_served_alone(fused_engine, prefill):
     """Mixed prompt lengths, staggered arrivals (joins mid-stream), a cancellation; decode tokens of all
     running sequences share one step_batch call. References: the single-token step on a contiguous
-    cache, after a prefill through the step or through the module graph (prompts within one chunk)."""
+    cache (prefill through the step) or the module graph's prefill (prompts within one chunk)."""
     batch = BatchConfig(block_tokens=4, prefill_chunk_tokens=32, prefill=prefill)
     specs = [{"prompt": p, "max_tokens": 12 + 3 * i, "delay_s": 0.004 * i} for i, p in enumerate(prompts(8))]
     specs[3]["cancel_after"] = 2
@@ -133,9 +140,8 @@ def test_fused_batch_under_load_equals_references_and_served_alone(fused_engine,
             continue
         if prefill == "step":
             assert result.token_ids == single_step_greedy(fused_engine, spec["prompt"], spec["max_tokens"])[0]
-        elif len(spec["prompt"]) <= 32:  # within one module prefill chunk
-            ref, _ = single_step_greedy(fused_engine, spec["prompt"], spec["max_tokens"], module_prefill=True)
-            assert result.token_ids == ref
+        elif len(spec["prompt"]) <= 32:
+            assert result.token_ids == module_prefill_greedy(fused_engine, spec["prompt"], spec["max_tokens"])
         alone, _, _ = serve(fused_engine, [{k: v for k, v in spec.items() if k != "delay_s"}], batch)
         assert alone[0].token_ids == result.token_ids and alone[0].text == result.text
     assert metrics.cancelled_total == 1

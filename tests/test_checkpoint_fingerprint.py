@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from online import Engine
-from online.loading import load_checkpoint, model_fingerprint
-from online.model.build import build_model
+from tandem.core.loading import load_checkpoint, model_fingerprint
+from tandem.core.model.build import build_model
 
 
 @pytest.mark.parametrize("kind", ["llama", "mixtral"])

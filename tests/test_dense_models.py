@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import save_file
 
 from online import Engine
-from online.execution import DenseExecutor
-from online.generate import decode_one_token, prefill
-from online.kv_cache import KVCache
-from online.loading.hf_loader import load_hf_folder
-from online.model.build import build_model
+from tandem.core.ffn import DenseExecutor
+from tandem.core.generate import decode_one_token, prefill
+from tandem.core.kv_cache import KVCache
+from tandem.core.loading.hf_loader import load_hf_folder
+from tandem.core.model.build import build_model
 
 KINDS = ["llama", "llama-relu", "qwen2", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3", "gemma3"]
 
@@ -103,7 +103,7 @@ def test_generation_stops_at_context(tiny_model_dir):
 
 
 def test_unknown_architecture_is_refused(tmp_path):
-    from tandem.errors import TandemError
+    from tandem.core.errors import TandemError
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "vocab_size": 10}))
     with pytest.raises(TandemError, match="unsupported model_type 'mamba'"):
         load_hf_folder(tmp_path)

@@ -11,21 +11,21 @@ import torch
 import torch.nn.functional as F
 
 from online import Engine
-from online.execution import DenseExecutor, MoELayerWeights
-from online.execution.dense import route
+from tandem.core.ffn import DenseExecutor, MoELayerWeights
+from tandem.core.ffn.dense import route
 from online.execution.gpu_tier import GpuTier
 from online.execution.hybrid import ExecutionSettings, HybridExecutor
 from online.experts import ExpertCache, ExpertRuntime, MissCostModel, pack_expert, tier_bytes_needed, tier_forward
 from online.experts.copier import ThreadCopier
-from online.generate import LoopTimings, prefill, token_loop
+from tandem.core.generate import LoopTimings, prefill, token_loop
 from online.kernels.quantize import quantize
-from online.kv_cache import KVCache
-from online.loading.hf_loader import load_hf_folder
-from online.model.build import build_model
-from online.sampling import SamplingParams
+from tandem.core.kv_cache import KVCache
+from tandem.core.loading.hf_loader import load_hf_folder
+from tandem.core.model.build import build_model
+from tandem.core.sampling import SamplingParams
 from placement.hardware import PRESETS
 from tandem.cli import main
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 PROMPT = [5, 17, 42, 9, 77, 3, 101, 64]
 NEW_TOKENS = 10
@@ -64,7 +64,7 @@ def cached(folder, slots, prefetch=True, policy="auto", fmt="fp32", pinned=None,
     need = tier_bytes_needed(cfg, layers, fmt, slots, pinned)
     tier = GpuTier.create(need if budget is None else budget, device)
     executor = HybridExecutor.build(cfg, layers, tier, ExecutionSettings(weight_format=fmt, sparse=False, threads=1))
-    runtime = ExpertRuntime(cfg, executor.layers, tier, weight_format=fmt, slots=slots, pinned=pinned,
+    runtime = ExpertRuntime(cfg, layers, tier, weight_format=fmt, slots=slots, pinned=pinned,
                             prefetch=prefetch, miss_policy=policy, threads=1)
     executor.attach_experts(runtime)
     return model, executor, runtime, tier
@@ -376,7 +376,7 @@ def test_engine_stats_count_what_the_runtime_did(mixtral8):
 def test_plan_slots_and_pinned_experts_reach_the_runtime(mixtral8, tmp_path):
     import numpy as np
     from offline.profile_artifact import Profile, save_profile
-    from online.loading import load_checkpoint
+    from tandem.core.loading import load_checkpoint
     from placement.hardware import HardwareProfile
     from placement.plan import save_plan
     from placement.planner import make_plan

@@ -5,15 +5,15 @@ import json
 
 import pytest
 
-from placement.fused_calibration import FusedCalibration, _fit, load_calibration, save_calibration
-from tandem.errors import TandemError
+from placement.fused_calibration import FusedCalibration, fit_terms, load_calibration, save_calibration
+from tandem.core.errors import TandemError
 
 
 def test_fit_recovers_known_terms():
     bandwidth, call_s, layer_s, share = 30e9, 40e-6, 3e-6, 0.7
     samples = [(layers, read, call_s + layers * layer_s + read / (share * bandwidth))
                for layers, read in ((2, 2e6), (10, 11e6), (2, 80e6), (16, 300e6))]
-    t = _fit("int4", samples, bandwidth)
+    t = fit_terms("int4", samples, bandwidth)
     assert t.call_s == pytest.approx(call_s, rel=1e-6)
     assert t.layer_s == pytest.approx(layer_s, rel=1e-6)
     assert t.bandwidth_share == pytest.approx(share, rel=1e-6)
@@ -24,7 +24,7 @@ def test_fit_recovers_known_terms():
 
 
 def test_calibration_round_trip_and_bad_files(tmp_path):
-    t = _fit("int8", [(2, 1e6, 1e-4), (10, 5e6, 5e-4), (2, 8e7, 3e-3)], 30e9)
+    t = fit_terms("int8", [(2, 1e6, 1e-4), (10, 5e6, 5e-4), (2, 8e7, 3e-3)], 30e9)
     cal = FusedCalibration(threads=2, read_bandwidth_bytes_per_s=30e9, terms=(t,), description="test")
     path = save_calibration(cal, tmp_path / "cal.json")
     assert load_calibration(path) == cal

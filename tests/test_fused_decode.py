@@ -9,19 +9,19 @@ import pytest
 import torch
 
 from helpers_fused import matvec, quantized_activation, reference_step
-from online.execution import DenseExecutor
+from tandem.core.ffn import DenseExecutor
 from online.execution.fused_decode import FusedDecodeStep, FusedDecodeUnavailable
 from online.execution.gpu_tier import GpuTier
 from online.execution.hybrid import ExecutionSettings, HybridExecutor
 from online.execution.quantized_linear import quantize_attention
-from online.generate import decode_one_token, prefill
+from tandem.core.generate import decode_one_token, prefill
 from online.kernels import native
 from online.kernels.native.structs import describe
 from online.kernels.quantize import Fp32Weight, quantize
-from online.kv_cache import KVCache
-from online.loading.hf_loader import load_hf_folder
-from online.model.build import build_model
-from tandem.errors import TandemError
+from tandem.core.kv_cache import KVCache
+from tandem.core.loading.hf_loader import load_hf_folder
+from tandem.core.model.build import build_model
+from tandem.core.errors import TandemError
 
 PROMPT = [5, 17, 42, 9, 77, 3, 101, 64]
 RNG = np.random.default_rng(7)

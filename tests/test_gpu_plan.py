@@ -7,7 +7,8 @@ import torch
 
 from online import Engine
 from online.execution.gpu_tier import GpuTier
-from online.execution.tier_format import TIER_FORMATS, TierMatrix, tier_format_for
+from online.execution.tier_matrix import TierMatrix
+from tandem.core.tier_format import TIER_FORMATS, tier_format_for
 from placement.plan import read_plan
 
 from helpers_plans import tiny_plan
@@ -86,9 +87,9 @@ def test_every_preset_plan_loads_and_generates_on_the_cpu_tier(tiny_model_dir, t
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "int4"])
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
 def test_planned_expert_slot_bytes_equal_the_packed_expert(fmt, gated, bias):
-    from online.config import ModelConfig
-    from online.execution.tier_format import expert_layout_bytes
-    from online.execution.weights import FFNWeights
+    from tandem.core.config import ModelConfig
+    from tandem.core.tier_format import expert_layout_bytes
+    from tandem.core.ffn.weights import FFNWeights
     from online.experts.packing import pack_expert
     d, n_ff = 64, 48
     g = torch.Generator().manual_seed(1)
@@ -107,13 +108,13 @@ def test_planned_expert_slot_bytes_equal_the_packed_expert(fmt, gated, bias):
                                                         ((True, True), True, True)])
 def test_tier_units_equal_dense(tiny_model_dir, kind, attention, head, embeddings):
     """fp32 tier, all neurons active: attention + KV, output layer and embeddings on the tier change nothing."""
-    from online.execution import DenseExecutor
+    from tandem.core.ffn import DenseExecutor
     from online.execution.hybrid import ExecutionSettings, HybridExecutor
     from online.execution.tier_units import place_plan_units
-    from online.generate import prefill
-    from online.kv_cache import KVCache
-    from online.loading.hf_loader import load_hf_folder
-    from online.model.build import build_model
+    from tandem.core.generate import prefill
+    from tandem.core.kv_cache import KVCache
+    from tandem.core.loading.hf_loader import load_hf_folder
+    from tandem.core.model.build import build_model
     folder, _ = tiny_model_dir(kind)
     ids = [5, 17, 42, 9, 77, 3, 101]
 
@@ -168,7 +169,7 @@ def test_plan_quality_is_measured_recorded_shown_and_warned(tiny_model_dir, tmp_
     import math
     from placement.cli import format_plan_summary
     from placement.plan import save_plan
-    from placement.quality import measure_plan_quality
+    from online.plan_measure import measure_plan_quality
     folder, hf_model = tiny_model_dir("llama")
     plan_dir = tiny_plan(folder, tmp_path, "rtx4090", 0.5)
     docs = [torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(2)]

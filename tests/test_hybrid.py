@@ -4,15 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from online.execution import DenseExecutor
-from online.execution.dense import ffn_hidden
+from tandem.core.ffn import DenseExecutor
+from tandem.core.ffn.dense import ffn_hidden
 from online.execution.gpu_tier import GpuTier
 from online.execution.hybrid import ExecutionSettings, HybridExecutor
-from online.generate import prefill
-from online.kv_cache import KVCache
-from online.loading.hf_loader import load_hf_folder
-from online.model.build import build_model
-from tandem.errors import TandemError
+from tandem.core.generate import prefill
+from tandem.core.kv_cache import KVCache
+from tandem.core.loading.hf_loader import load_hf_folder
+from tandem.core.model.build import build_model
+from tandem.core.errors import TandemError
 
 
 def load(folder):

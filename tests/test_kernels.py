@@ -14,7 +14,7 @@ from online.kernels.ffn import KERNEL_MAX_TOKENS, QuantizedFFN, QuantizedLinear
 from online.kernels.quantize import (BlockInt8Weight, Fp32Weight, Int4Weight, Int8Weight, concat_rows, int4_from_q4_0,
                                      int4_from_q4_1, int8_from_q8_0, quantize, quantize_int4, quantize_int8,
                                      weight_from_gguf)
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 RNG = np.random.default_rng(1234)
 TH = K.clamp_threads(2)  # 1 on a single-core runner

@@ -5,9 +5,9 @@ import gguf
 import numpy as np
 import pytest
 
-from online.loading.kquants import KQUANT_LAYOUT, kquant_fields
-from online.loading.quants import dequantize
-from tandem.errors import TandemError
+from tandem.core.loading.kquants import KQUANT_LAYOUT, kquant_fields
+from tandem.core.loading.quants import dequantize
+from tandem.core.errors import TandemError
 
 Q = gguf.GGMLQuantizationType
 # byte offsets of the f16 scale fields inside each block

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from online.kv_pool import KVPool, PoolExhausted
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 CFG = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=2)
 BT = 4

@@ -6,7 +6,7 @@ import torch
 
 from online.engine import Engine
 from online.execution.layer_offload import gpu_layer_count, layer_tier_bytes
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 PROMPT = [5, 17, 42, 9, 77, 3]
 
@@ -61,7 +61,7 @@ def test_gpu_layer_count_follows_the_budget(tiny_model_dir):
 
 def test_layer_offload_errors(tiny_model_dir):
     folder, _ = tiny_model_dir("llama")
-    with pytest.raises(TandemError, match="needs --gpu-budget"):
+    with pytest.raises(TandemError, match="needs gpu_budget_bytes"):
         Engine.load(folder, layer_offload=True)
     with pytest.raises(TandemError, match="MoE"):
         Engine.load(tiny_model_dir("mixtral")[0], layer_offload=True, gpu_budget_bytes=1 << 20)

@@ -1,9 +1,9 @@
-"""The one MoE dispatch/combine (online/execution/dense.py) against a per-token brute-force loop."""
+"""The one MoE dispatch/combine (tandem/core/ffn/dense.py) against a per-token brute-force loop."""
 from __future__ import annotations
 
 import torch
 
-from online.execution.dense import combine_experts, tokens_by_expert
+from tandem.core.ffn.dense import combine_experts, tokens_by_expert
 
 
 def test_dispatch_and_combine_match_a_per_token_loop():

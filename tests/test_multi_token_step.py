@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from online.execution.fused_decode import FusedDecodeStep
-from online.kv_cache import KVCache
-from tandem.errors import TandemError
+from tandem.core.kv_cache import KVCache
+from tandem.core.errors import TandemError
 from test_fused_decode import PROMPT, packed
 
 
@@ -198,7 +198,7 @@ def test_step_batch_splits_long_calls_in_order(tiny_model_dir):
 
 def test_smollm2_step_many_equals_single_steps():
     from online import Engine
-    from online.loading.resolve import resolve_model_path
+    from tandem.core.loading.resolve import resolve_model_path
     try:
         resolve_model_path("smollm2")
     except Exception:

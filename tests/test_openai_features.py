@@ -18,18 +18,18 @@ import torch
 from pydantic import BaseModel, Field
 
 from online import Engine
-from online.generate import decode_one_token, prefill
-from online.kv_cache import KVCache
+from tandem.core.generate import decode_one_token, prefill
+from tandem.core.kv_cache import KVCache
 from online.constrain import (Grammar, GrammarConstraint, ToolSpec, parse_tool_calls, render_tool_messages,
                               tool_call_grammar)
 from online.constrain.grammar import build_grammar_tokenizer
-from online.sampling import DecodeOptions, SamplingParams, choose_token, make_generator
+from tandem.core.sampling import DecodeOptions, SamplingParams, choose_token, make_generator
 from online.server import create_app
 from online.server.batch_config import BatchConfig
 from online.server.app import chat_prompt
 from online.server.responses import may_be_tool_call
 from online.server.schemas import ChatCompletionRequest, parse_request
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from helpers_tiny import build_tiny_chat_model
 from test_server import LiveServer, sse_payloads
 
@@ -178,7 +178,7 @@ def test_grammar_bridge_agrees_with_our_tokenizers(ref_engine, tmp_path):
     """llguidance's view of the vocabulary (built from the tokenizers JSON) decodes as ours does: walks
     through the allowed tokens of byte-level BPE and SentencePiece (byte fallback) GGUF vocabularies
     give text that parses and validates."""
-    from online.loading.tokenizer import Tokenizer
+    from tandem.core.loading.tokenizer import Tokenizer
     from test_tokenizer import read_gguf, write_sentencepiece_gguf
     write_sentencepiece_gguf(tmp_path / "sp.gguf")
     sentencepiece = Tokenizer.from_gguf_metadata(read_gguf(tmp_path / "sp.gguf")[1])

@@ -6,7 +6,7 @@ import pytest
 
 from helpers_tiny import build_tiny_chat_model
 from tandem import pipeline
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def _prepare(folder, out, log=None):
 
 def test_prepare_builds_reuses_and_replans_stale(tiny_folder, tmp_path):
     from offline.profile_artifact import load_profile
-    from online.loading import load_checkpoint
+    from tandem.core.loading import load_checkpoint
     from placement.plan import load_plan
 
     out = tmp_path / "art"

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from offline.profile_artifact import Profile
-from online.config import ModelConfig
+from tandem.core.config import ModelConfig
 from placement import cli as placement_cli
 from placement.budget import format_bytes, parse_bytes
 from placement.cost_model import (Placement, all_cpu_dense_seconds, evaluate_placement,
@@ -34,7 +34,7 @@ from placement.planner import make_plan
 from placement.predictor_info import LayerPredictorInfo, PredictorInfo, no_predictors
 from placement.problem import build_problem
 from placement.settings import ActivationStats, PlanSettings
-from tandem.errors import ArtifactError, TandemError
+from tandem.core.errors import ArtifactError, TandemError
 
 EXACT = SolverSettings(time_limit_s=20, gap_rel=0.0)
 
@@ -444,8 +444,8 @@ def test_cpu_only_hardware_plans_all_cpu_and_refuses_a_budget():
 
 
 def test_cli_plan_reuses_refuses_and_replans(tmp_path, monkeypatch, capsys):
-    from online.loading.checkpoint import Checkpoint
-    import online.loading as loading
+    from tandem.core.loading.checkpoint import Checkpoint
+    import tandem.core.loading as loading
     from offline.profile_artifact import save_profile
     config = tiny_config()
     tensors = {"model.embed_tokens.weight": torch.zeros(64, 32)}

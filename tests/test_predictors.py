@@ -9,16 +9,16 @@ import torch
 from offline.calibration import CalibrationSet
 from offline.profile_artifact import Profile
 from online import Engine
-from online.execution import DenseExecutor
-from online.execution.dense import ffn_hidden
-from online.generate import prefill
-from online.kv_cache import KVCache
+from tandem.core.ffn import DenseExecutor
+from tandem.core.ffn.dense import ffn_hidden
+from tandem.core.generate import prefill
+from tandem.core.kv_cache import KVCache
 from predictors.artifact import load_predictors, save_predictors
 from predictors.gated import PredictorGatedExecutor
 from predictors.model import LayerEntry, LayerPredictor, PredictorSet
 from predictors.pipeline import build_predictors
 from predictors.train import TrainSettings, fit_layer, layer_labels, operating_point, predict_scores
-from tandem.errors import ArtifactError
+from tandem.core.errors import ArtifactError
 
 @pytest.fixture(autouse=True)
 def one_thread():

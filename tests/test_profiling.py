@@ -20,10 +20,10 @@ from offline.profile_artifact import load_profile, save_profile
 from offline.profiler import SEARCH_BUDGET_SHARE, profile_model
 from offline.thresholds import AbsHistogram, ThresholdedExecutor, search_uniform_sparsity
 from online import Engine
-from online.generate import prefill
-from online.kv_cache import KVCache
+from tandem.core.generate import prefill
+from tandem.core.kv_cache import KVCache
 from tandem.cli import main as tandem_main
-from tandem.errors import ArtifactError, TandemError
+from tandem.core.errors import ArtifactError, TandemError
 
 WINDOW = 32
 
@@ -448,7 +448,7 @@ def test_corrupted_artifact_gives_clear_error(saved_profile, tmp_path, capsys):
 
 
 def test_interrupted_save_leaves_no_artifact(saved_profile, tmp_path, monkeypatch):
-    import tandem.artifacts as artifacts
+    import tandem.core.artifacts as artifacts
     _, profile, _ = saved_profile
 
     def explode(*a, **k):
@@ -509,8 +509,8 @@ def test_cli_profile_empty_calib_file(tiny_chat_folder, tmp_path, capsys):
 @pytest.mark.slow
 def test_smollm2_profile_cli(smollm2_path, tmp_path):
     from offline.calibration import render_document
-    from online.loading.gguf_loader import read_gguf
-    from online.loading.tokenizer import Tokenizer
+    from tandem.core.loading.gguf_loader import read_gguf
+    from tandem.core.loading.tokenizer import Tokenizer
     _, fields = read_gguf(smollm2_path)
     tok = Tokenizer.from_gguf_metadata(fields)
     assert sum(len(render_document(d, tok)) for d in builtin_documents()) >= 6000

@@ -1,4 +1,4 @@
-"""One roofline for the planner and the expert-miss rule (tandem/roofline.py)."""
+"""One roofline for the planner and the expert-miss rule (tandem/core/roofline.py)."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import pytest
 from online.experts.cost import MissCostModel
 from placement.cost_model import weight_seconds
 from placement.hardware import load_hardware
-from tandem.roofline import roofline_seconds
+from tandem.core.roofline import roofline_seconds
 
 
 def test_roofline_is_the_larger_of_memory_and_compute_time():

@@ -27,7 +27,7 @@ from online import Engine
 from online.server import create_app
 from online.server.batch_config import BatchConfig
 from online.server.cli import add_serve_parser, run_serve
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from helpers_tiny import build_tiny_chat_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -487,7 +487,7 @@ LAUNCH = """
 import argparse, sys
 from online.server.batch_config import BatchConfig
 from online.server.cli import add_serve_parser, run_serve
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 parser = argparse.ArgumentParser(); sub = parser.add_subparsers(dest="command", required=True)
 add_serve_parser(sub)
 args = parser.parse_args(sys.argv[1:])

@@ -15,7 +15,7 @@ from online import Engine
 from online.server import create_app
 from online.server.batch_config import BatchConfig
 from online.server.cli import add_serve_parser, batch_config
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from helpers_tiny import build_tiny_chat_model
 from test_server import PROMPTS, LiveServer, metric, sse_payloads, wait_idle
 
@@ -34,14 +34,14 @@ def ref_engine(tiny_dir):
 
 def test_64_clients_x_4_requests_with_random_disconnects(tiny_dir):
     """The fused step_batch path (the module path's storm is in test_server.py). Reference:
-    Engine.generate of a separately loaded engine (the prompts are short, so generate prefills them
-    through the fused step: the server's step prefill and batched steps are the same arithmetic)."""
+    Engine.generate of a separately loaded engine (the prompts fit in one prefill chunk, so the server's
+    module prefill + batched decode steps are the same arithmetic as generate's)."""
     max_tokens, weight_format = 6, "int4"
     ref_engine = Engine.load(str(tiny_dir), weight_format=weight_format)
     expected = {p: ref_engine.generate(p, max_new_tokens=max_tokens, ignore_eos=True).text for p in PROMPTS}
     engine = Engine.load(str(tiny_dir), weight_format=weight_format)
     assert engine.decode_path == "fused"
-    app = create_app(engine, max_queue=256, batch=BatchConfig(block_tokens=4))
+    app = create_app(engine, max_queue=256, batch=BatchConfig(block_tokens=4, prefill="step"))  # as generate (the fused step)
     with LiveServer(app) as srv:
         before = httpx.get(srv.url + "/metrics").text
 

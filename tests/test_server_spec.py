@@ -196,7 +196,7 @@ def test_spec_max_seqs_flag_and_off_on_the_module_path(tiny_dir):
     import argparse
 
     from online.server.cli import add_serve_parser, batch_config
-    from tandem.errors import TandemError
+    from tandem.core.errors import TandemError
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
     base = ["serve", "--model", "m"]

@@ -13,14 +13,14 @@ from scipy.stats import chisquare
 from helpers_tiny import build_tiny_chat_model
 from online import Engine
 from online.execution.fused_decode import FusedDecodeStep
-from online.generate import LoopTimings, token_loop
-from online.kv_cache import KVCache
-from online.sampling import SamplingParams, sampling_probs
+from tandem.core.generate import LoopTimings, token_loop
+from tandem.core.kv_cache import KVCache
+from tandem.core.sampling import SamplingParams, sampling_probs
 from online.speculative import LookupDrafter, SpeculationConfig, accept_sampled
 from online.speculative.drafters import LookupProposer, SparseDrafter
 from online.speculative.loop import SpecStats, speculative_token_loop
 from online.speculative.policy import SpecPolicy
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from test_fused_decode import PROMPT, packed
 
 VERIFY_THRESHOLDS = [0.02, 0.02]

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from online import Engine
-from online.kv_cache import KVCache
-from online.loading.gguf_loader import read_gguf
+from tandem.core.kv_cache import KVCache
+from tandem.core.loading.gguf_loader import read_gguf
 from synth import SynthSpec, get_shape, synthesize
 from synth.activity import firing_rates, hot_share_of, max_hot_share
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 TOKENIZER = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 

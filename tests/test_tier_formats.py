@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from online.execution.gpu_tier import GpuTier
-from online.execution.tier_format import TIER_FORMATS, TierMatrix, tier_matrix_bytes
+from online.execution.tier_matrix import TierMatrix
+from tandem.core.tier_format import TIER_FORMATS, tier_matrix_bytes
 
 from helpers_plans import plan_settings, tiny_plan
 from test_gguf_loading import write_tiny_gguf
@@ -33,8 +34,8 @@ def mixed_gguf(tmp_path_factory):
 def test_plan_formats_follow_the_checkpoint_and_the_tier_keeps_its_blocks(mixed_gguf, tmp_path):
     from gguf.quants import GGMLQuantizationType, dequantize
     from online import Engine
-    from online.loading import load_checkpoint
-    from online.loading.quants import _as_rows
+    from tandem.core.loading import load_checkpoint
+    from tandem.core.loading.quants import _as_rows
     from placement.plan import read_plan
     from placement.settings import checkpoint_tensor_formats
     ckpt = load_checkpoint(str(mixed_gguf))
@@ -105,7 +106,7 @@ def test_old_plans_keep_their_fingerprint():
                                  {"layers.x.ffn_up": "q8"}])
 def test_bad_tensor_formats_are_refused(bad):
     from placement.settings import PlanSettings
-    from tandem.errors import TandemError
+    from tandem.core.errors import TandemError
     with pytest.raises(TandemError):
         PlanSettings(bytes_per_weight=0.625, tensor_formats=bad)
 
@@ -132,9 +133,9 @@ def test_cpu_tier_reads_its_codes_through_the_kernels(fmt, monkeypatch):
 @pytest.mark.parametrize("fmt", ["q8", "q4", "q4_1", "fp16"])
 def test_hot_rows_on_the_cpu_tier_equal_the_torch_path(fmt):
     """The hot FFN part through the CPU kernels equals dequantize + matmul of the same tier codes."""
-    from online.config import ModelConfig
+    from tandem.core.config import ModelConfig
     from online.execution.hybrid import ExecutionSettings, HybridExecutor
-    from online.execution.weights import FFNWeights
+    from tandem.core.ffn.weights import FFNWeights
     d, n_ff = 64, 96
     g = torch.Generator().manual_seed(4)
     r = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
@@ -156,7 +157,7 @@ def test_plan_bytes_for_predictors_on_the_tier(tiny_model_dir, tmp_path):
     """A plan that puts predictors on the GPU: the tier holds their bytes, as planned, under ``predictors``."""
     from offline.profile_artifact import load_profile
     from online import Engine
-    from online.loading import load_checkpoint
+    from tandem.core.loading import load_checkpoint
     from placement.hardware import load_hardware
     from placement.plan import save_plan
     from placement.planner import make_plan
@@ -199,10 +200,10 @@ def test_tier_predictors_give_the_host_predictors_rows_in_one_exchange_per_layer
     one exchange: with its tier attention (layer 0) or with its hot rows (layer 1)."""
     from online.execution.hybrid import ExecutionSettings, HybridExecutor
     from online.execution.tier_units import TierPredictor, place_plan_units, place_predictors
-    from online.generate import prefill
-    from online.kv_cache import KVCache
-    from online.loading.hf_loader import load_hf_folder
-    from online.model.build import build_model
+    from tandem.core.generate import prefill
+    from tandem.core.kv_cache import KVCache
+    from tandem.core.loading.hf_loader import load_hf_folder
+    from tandem.core.model.build import build_model
     from predictors.model import PredictorSet
     from predictors.runtime import LayerGate
     folder, _ = tiny_model_dir("llama")
@@ -239,7 +240,7 @@ def test_tier_predictors_give_the_host_predictors_rows_in_one_exchange_per_layer
 
 
 def model_cfg(folder):
-    from online.loading.hf_loader import load_hf_folder
+    from tandem.core.loading.hf_loader import load_hf_folder
     return load_hf_folder(folder).config
 
 
@@ -247,10 +248,10 @@ def model_cfg(folder):
 def test_shared_expert_on_the_tier_equals_the_dense_one(fmt):
     """Qwen2-MoE's shared expert on the tier computes what ``dense.shared_expert_out`` does (fp32: to rounding;
     q8: to its quantization), in one exchange, with the bytes the planner counts."""
-    from online.config import ModelConfig
-    from online.execution.dense import shared_expert_out
+    from tandem.core.config import ModelConfig
+    from tandem.core.ffn.dense import shared_expert_out
     from online.execution.tier_units import place_shared_experts
-    from online.execution.weights import FFNWeights, MoELayerWeights
+    from tandem.core.ffn.weights import FFNWeights, MoELayerWeights
     d, width = 64, 96
     g = torch.Generator().manual_seed(8)
     r = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731

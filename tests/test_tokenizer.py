@@ -6,9 +6,9 @@ import random
 import numpy as np
 import pytest
 
-from online.loading.gguf_loader import read_gguf
-from online.loading.tokenizer import IncrementalDecoder, Tokenizer
-from tandem.errors import TandemError
+from tandem.core.loading.gguf_loader import read_gguf
+from tandem.core.loading.tokenizer import IncrementalDecoder, Tokenizer
+from tandem.core.errors import TandemError
 
 TRICKY = [
     "Hello world", " leading space", "trailing space ", "multiple    spaces  here", "tabs\tand\ttabs",

@@ -30,7 +30,7 @@ def ffn_bytes(engine) -> tuple[int, int, int, int]:
 
 
 def run_mode(engine, step, mode: str, ids: list[int], n_tokens: int, runs: int, preds: list) -> dict:
-    from online.generate import prefill
+    from tandem.core.generate import prefill
     from online.kernels.native.structs import TdmPredictor
 
     null = ctypes.POINTER(TdmPredictor)()

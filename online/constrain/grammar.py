@@ -26,7 +26,7 @@ import llguidance
 import numpy as np
 import torch
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 # JSON is generated compactly but with the spaces models usually write after ':' and ','; no free
 # whitespace (a model can otherwise loop on newlines forever).
@@ -71,7 +71,7 @@ class Grammar:
 
 
 def build_grammar_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: list[int]) -> llguidance.LLTokenizer:
-    """llguidance's view of an engine tokenizer (online.loading.tokenizer.Tokenizer): built from the
+    """llguidance's view of an engine tokenizer (tandem.core.loading.tokenizer.Tokenizer): built from the
     same ``tokenizers`` JSON (the GGUF's vocabulary and merges), so token ids and bytes agree. ~0.6 s."""
     if tokenizer is None:
         raise TandemError("constrained decoding needs the model's tokenizer")

@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from .grammar import JSON_OPTIONS, Grammar
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -1,5 +1,2 @@
-"""FFN / MoE executors: the model calls ``executor.forward(layer, x)``; placement plugs in here."""
-from .dense import DenseExecutor
-from .weights import FFNWeights, MoELayerWeights, extract_ffn_weights
-
-__all__ = ["DenseExecutor", "FFNWeights", "MoELayerWeights", "extract_ffn_weights"]
+"""The runtime's executors (hybrid, layer offload, GPU tier, the fused C step). The executor contract and
+DenseExecutor, the exact reference they all match, live on the ground floor in tandem.core.ffn."""

@@ -35,13 +35,13 @@ import weakref
 import numpy as np
 import torch
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 from ..kernels.cpu_numba import clamp_threads
 from ..kernels.quantize import ACT_IDS
 from ..kernels.native import NativeUnavailable, load_native
 from ..kernels.native.structs import TdmBatch, TdmLayer, TdmModel, WeightRef, addr, describe
-from ..kv_cache import KVCache
+from tandem.core.kv_cache import KVCache
 from .fused_predict import PredictorRef, build_predictor
 from .multi_token import int_list, kv_key, pack_tables, step_batch_by_token
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 from ..kernels.native.structs import TdmPredictor, addr, describe
 from ..kernels.quantize import Fp32Weight, quantize_int8

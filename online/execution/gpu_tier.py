@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 # name pattern -> the plan's ``gpu_bytes_by_kind`` key (first match wins)
 _KIND_BY_PART = (("experts.", "experts"), (".shared_expert", "shared_experts"), (".hot_", "ffn_neurons"),

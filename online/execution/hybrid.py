@@ -23,20 +23,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.errors import TandemError
-
-from ..config import ModelConfig
+from tandem.core.config import ModelConfig
+from tandem.core.errors import TandemError
 from ..kernels.ffn import QuantizedFFN, QuantizedLinear
-from .activations import activate, gated_hidden
-from .dense import DenseExecutor
+from tandem.core.ffn.activations import activate, gated_hidden
+from tandem.core.ffn.dense import moe_forward
+from ..engine_args import DOWN_FORMATS, WEIGHT_FORMATS
 from .gpu_tier import GpuTier
-from .tier_format import TIER_FORMATS, TierMatrix
+from tandem.core.tier_format import TIER_FORMATS
+from .tier_matrix import TierMatrix
 from .tier_units import tier_ffn_kernel
 from .quantized_linear import EXACT_GGUF_TYPES
-from .weights import FFNWeights, MoELayerWeights
+from tandem.core.ffn.weights import FFNWeights, MoELayerWeights
 
-WEIGHT_FORMATS = ("fp32", "int8", "int4")
-DOWN_FORMATS = ("fp32", "fp16", "int8b", "int8")
 PREDICTOR_MAX_TOKENS = 4  # longer batches (prefill) activate nearly every neuron: exact path there
 
 
@@ -57,7 +56,7 @@ class ExecutionSettings:
     tier_formats: tuple[tuple[str, str], ...] = ()  # per tensor role (a plan's ``tensor_formats``); others: tier_format
 
     def __post_init__(self) -> None:
-        from tandem.errors import TandemError
+        from tandem.core.errors import TandemError
         if self.weight_format not in WEIGHT_FORMATS:
             raise TandemError(f"unknown weight format {self.weight_format!r} (choose from {', '.join(WEIGHT_FORMATS)})")
         if self.down_format not in DOWN_FORMATS:
@@ -72,7 +71,7 @@ class ExecutionSettings:
     def tier_format_of(self, role: str, layer: int | None = None) -> str:
         """The tier format of a tensor role (``ffn_up``, ``attn_q``, ``output``, ...; see placement.settings),
         in ``layer`` (a plan may give single layers their own)."""
-        from .tier_format import format_lookup
+        from tandem.core.tier_format import format_lookup
         return format_lookup(self.tier_formats, role, layer, self.tier_format)
 
 
@@ -119,10 +118,16 @@ class ExecutionCounters:
         return dict(self.__dict__)
 
 
-class HybridExecutor(DenseExecutor):
-    def __init__(self, cfg: ModelConfig, layers: list, splits: list[LayerSplit | None], tier: GpuTier,
-                 settings: ExecutionSettings, head: QuantizedLinear | None) -> None:
-        super().__init__(cfg, layers)
+class HybridExecutor:
+    """Packed, split FFN execution (the executor contract, tandem.core.ffn.contract.Executor). Dense layers are
+    ``splits``; MoE layers run through an attached ExpertRuntime, else float from ``float_moe``."""
+
+    packed = True
+
+    def __init__(self, cfg: ModelConfig, float_moe: dict[int, MoELayerWeights], splits: list[LayerSplit | None],
+                 tier: GpuTier, settings: ExecutionSettings, head: QuantizedLinear | None) -> None:
+        self.cfg = cfg
+        self.float_moe = float_moe  # layer -> float MoE weights (until an ExpertRuntime takes them)
         self.splits = splits
         self.tier = tier
         self.settings = settings
@@ -137,7 +142,7 @@ class HybridExecutor(DenseExecutor):
         """Run MoE layers through ``runtime``; it holds the (packed) experts, so the float ones go."""
         self.experts = runtime
         for i in runtime.moe:
-            self.layers[i] = runtime.moe[i]
+            self.float_moe.pop(i, None)
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
@@ -147,7 +152,7 @@ class HybridExecutor(DenseExecutor):
               raw: dict | None = None) -> "HybridExecutor":
         """Split every dense FFN layer; float FFN weights are released once packed."""
         splits: list[LayerSplit | None] = []
-        layers = list(ffn_layers)
+        float_moe = {i: w for i, w in enumerate(ffn_layers) if isinstance(w, MoELayerWeights)}
         for i, w in enumerate(ffn_layers):
             if isinstance(w, MoELayerWeights):
                 splits.append(None)
@@ -158,12 +163,11 @@ class HybridExecutor(DenseExecutor):
                 threshold = 0.0
             predictor = predictors[i] if predictors is not None and settings.sparse else None
             splits.append(_split_layer(cfg, i, w, hot, threshold, predictor, tier, settings, raw or {}))
-            layers[i] = None  # the packed copies are the weights now
         head = None
         if head_weight is not None:
             head = _pack_head(head_weight, settings, (raw or {}).get("lm_head.weight")
                               or ((raw or {}).get("model.embed_tokens.weight") if cfg.tie_word_embeddings else None))
-        return cls(cfg, layers, splits, tier, settings, head)
+        return cls(cfg, float_moe, splits, tier, settings, head)
 
     # --- execution ---------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +179,7 @@ class HybridExecutor(DenseExecutor):
             self.counters.ffn_neurons_active += n
             return self.experts.forward(layer, x)
         if split is None:
-            return self.moe_forward(layer, x)
+            return moe_forward(self.cfg, self.float_moe[layer], x)
         start = time.perf_counter()
         n_tokens = x.shape[0]
         y = handle = None
@@ -282,7 +286,7 @@ class HybridExecutor(DenseExecutor):
             if split is None and self.experts is not None:
                 continue
             if split is None:
-                total += self.layers[i].nbytes
+                total += self.float_moe[i].nbytes
                 continue
             if split.cpu is not None:
                 total += split.cpu.nbytes
@@ -295,6 +299,32 @@ class HybridExecutor(DenseExecutor):
         if self.tier_head is not None:
             return self.tier_head.nbytes
         return None if self.head is None else self.head.nbytes
+
+    def counters_snapshot(self) -> dict:
+        """Cumulative counters; the tier's prefixed ``tier.``, the expert cache's ``experts.``."""
+        snapshot = self.counters.snapshot()
+        snapshot.update({f"tier.{k}": v for k, v in self.tier.link_counters().items()})
+        if self.experts is not None:
+            snapshot.update({f"experts.{k}": v for k, v in self.experts.counters().items()})
+        return snapshot
+
+    def run_stats(self, delta: dict, steps: int, forward_steps: int, elapsed_s: float) -> dict:
+        """ffn_sparsity, bytes moved per token, predictor time share, weight format, tier exchanges per
+        forward step and the expert cache's figures, from the counters' change over one generation."""
+        stats = {"ffn_sparsity": round(1.0 - delta["ffn_neurons_active"] / max(delta["ffn_neurons_total"], 1), 4)}
+        bytes_moved = delta["bytes_moved"]
+        if self.experts is not None:
+            expert_stats = self.experts.stats({k[8:]: v for k, v in delta.items() if k.startswith("experts.")}, steps)
+            bytes_moved += expert_stats.pop("expert_bytes_moved")
+            stats.update(expert_stats)
+        stats["bytes_moved_per_token"] = int(bytes_moved / max(steps, 1))
+        stats["predictor_time_share"] = round(delta["predictor_s"] / max(elapsed_s, 1e-9), 4)
+        stats["weight_format"] = self.settings.weight_format
+        if "tier.tier_syncs" in delta:
+            stats["tier_calls_per_token"] = round(delta["tier.tier_calls"] / forward_steps, 3)
+            stats["tier_syncs_per_token"] = round(delta["tier.tier_syncs"] / forward_steps, 3)
+            stats["link_bytes_per_token"] = int(delta["tier.link_bytes"] / forward_steps)
+        return stats
 
 
 def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor, threshold: float,

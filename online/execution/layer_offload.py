@@ -17,9 +17,9 @@ import ctypes
 
 import torch
 
-from ..kv_cache import KVCache
+from tandem.core.kv_cache import KVCache
 from .fused_decode import FusedDecodeStep, FusedDecodeUnavailable, _check_model
-from .tier_format import BLOCK, TIER_FORMATS
+from tandem.core.tier_format import BLOCK, TIER_FORMATS
 from .tier_units import place_plan_units
 
 
@@ -138,7 +138,7 @@ TIER_FORMAT_OF = {"fp32": "fp32", "int8": "q8", "int4": "q4_1"}  # int4 on the C
 
 def build_layer_offload(model, ffn_layers: list, settings, budget_bytes: int, kv_capacity_tokens: int, raw: dict):
     """The executor for ``--layer-offload``: (HybridExecutor, n_gpu_layers). Dense (every neuron computed)."""
-    from tandem.errors import TandemError
+    from tandem.core.errors import TandemError
     from .gpu_tier import GpuTier
     from .hybrid import HybridExecutor
     cfg = model.cfg

@@ -14,9 +14,9 @@ import operator
 import numpy as np
 import torch
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
-from ..kv_cache import KVCache
+from tandem.core.kv_cache import KVCache
 
 
 def int_list(values, what: str) -> list[int]:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 from ..kernels.ffn import QuantizedLinear
 from ..kernels.quantize import concat_rows

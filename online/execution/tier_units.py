@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
-from ..model.decoder import Attention
-from ..model.rope import apply_rope
-from .tier_format import TierMatrix
+from tandem.core.model.decoder import Attention
+from tandem.core.model.rope import apply_rope
+from .tier_matrix import TierMatrix
 
 _ATTENTION_ROLES = (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_o"))
 
@@ -264,7 +264,7 @@ class TierSharedExpert:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, d]`` (host) -> the gated shared-expert output ``[T, d]`` (host), as ``dense.shared_expert_out``."""
-        from .activations import activate, gated_hidden
+        from tandem.core.ffn.activations import activate, gated_hidden
         cfg, x_tier = self.cfg, self.tier.send(x)
         up = self.up.linear(x_tier)  # [T, F]
         h = (activate(cfg.hidden_act, up, cfg.act_threshold) if self.gate is None
@@ -276,7 +276,7 @@ class TierSharedExpert:
 def place_shared_experts(cfg, layer_weights: list, tier, shared_on_gpu: list, fmt, raw: dict | None = None) -> dict:
     """The plan's ``shared_expert_on_gpu`` layers: their shared experts on the tier, by layer (for
     ``ExpertRuntime.tier_shared``; placed before the expert cache takes the tier's free bytes)."""
-    from .weights import MoELayerWeights
+    from tandem.core.ffn.weights import MoELayerWeights
     placed = {}
     for i, on_gpu in enumerate(shared_on_gpu):
         w = layer_weights[i] if i < len(layer_weights) else None

@@ -25,7 +25,7 @@ from typing import Iterable
 
 import torch
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from ..execution.gpu_tier import GpuTier
 
 

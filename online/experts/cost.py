@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tandem.errors import TandemError
-from tandem.roofline import roofline_seconds
+from tandem.core.errors import TandemError
+from tandem.core.roofline import roofline_seconds
 
 ACTIVATION_BYTES = 4  # float32 hidden states
 

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem.errors import TandemError
-from ..config import ModelConfig
-from ..execution.activations import gated_hidden, activate
-from ..execution.dense import ffn_down, ffn_hidden
-from ..execution.weights import FFNWeights
+from tandem.core.errors import TandemError
+from tandem.core.config import ModelConfig
+from tandem.core.ffn.activations import gated_hidden, activate
+from tandem.core.ffn.dense import ffn_down, ffn_hidden
+from tandem.core.ffn.weights import FFNWeights
 from ..kernels.ffn import QuantizedFFN
 from ..kernels.quantize import Fp32Weight, Int4Weight, Int8Weight, quantize
 

@@ -22,9 +22,9 @@ from typing import Callable
 
 import torch
 
-from ..config import ModelConfig
-from ..execution.dense import route
-from ..execution.weights import MoELayerWeights
+from tandem.core.config import ModelConfig
+from tandem.core.ffn.dense import route
+from tandem.core.ffn.weights import MoELayerWeights
 
 Guesser = Callable[[int, torch.Tensor], torch.Tensor]  # (target layer, x [T, d]) -> expert ids [T, k]
 

@@ -21,11 +21,12 @@ from typing import Sequence
 
 import torch
 
-from tandem.errors import TandemError
-from ..config import ModelConfig
-from ..execution.dense import combine_experts, route, shared_expert_out, tokens_by_expert
+from placement.hardware import PRESETS
+from tandem.core.errors import TandemError
+from tandem.core.config import ModelConfig
+from tandem.core.ffn.dense import combine_experts, route, shared_expert_out, tokens_by_expert
 from ..execution.gpu_tier import GpuTier
-from ..execution.weights import MoELayerWeights
+from tandem.core.ffn.weights import MoELayerWeights
 from .cache import ExpertCache
 from .copier import make_copier
 from .cost import MissCostModel
@@ -38,7 +39,6 @@ ACTIVATION_BYTES = 4
 
 def default_cost_model(tier: GpuTier, hardware=None) -> MissCostModel:
     """The plan's hardware when there is one; else the rtx4090 preset on CUDA, host memory on a CPU tier."""
-    from placement.hardware import PRESETS
     if hardware is not None:
         return MissCostModel.from_hardware(hardware)
     if tier.is_cuda:

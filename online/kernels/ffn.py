@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from . import cpu_numba as K
 from .quantize import Fp32Weight, Weight, quantize, weight_from_gguf
 

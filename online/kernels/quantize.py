@@ -22,7 +22,7 @@ Example::
     w8 = quantize_int8(w)                    # w: float32 [1536, 576]
     w4 = quantize_int4(w, group_size=32)
     w4.nbytes, w4.dequantize().shape          # 663552, (1536, 576)
-    wq = weight_from_gguf(raw.data, raw.qtype, raw.shape)   # online.loading.checkpoint.RawQuantTensor
+    wq = weight_from_gguf(raw.data, raw.qtype, raw.shape)   # tandem.core.loading.checkpoint.RawQuantTensor
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Union
 
 import numpy as np
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 # Kernel codes (cpu_numba and the native kernels dispatch on these; the C enums in kernels/native must
 # agree: tests/test_kernel_constants.py): weight formats and FFN activations.
@@ -332,7 +332,7 @@ def concat_rows(weights: list[Weight]) -> Weight:
 
 def weight_from_gguf(data: np.ndarray, qtype: Any, shape: tuple[int, ...]) -> Weight:
     """A GGUF tensor's raw bytes -> packed weight without a float round trip (Q8_0/Q4_0/Q4_1)."""
-    from online.loading import quants
+    from tandem.core.loading import quants
 
     qtype = quants.qtype_name(qtype)
     shape = tuple(int(s) for s in shape)
@@ -350,7 +350,7 @@ def weight_from_gguf(data: np.ndarray, qtype: Any, shape: tuple[int, ...]) -> We
 
 def _from_kquant(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> Weight:
     """Q4_K -> Int4Weight, Q5_0 / IQ4_NL -> BlockInt8Weight; every weight equal to gguf's decode."""
-    from online.loading import kquants, quants
+    from tandem.core.loading import kquants, quants
 
     rows, cols = shape
     blocks = quants._as_rows(data, qtype, shape).reshape(-1, quants.BLOCK_LAYOUT[qtype][1])  # [rows * nb, bytes]

@@ -36,7 +36,7 @@ from online.server.metrics import Metrics
 from online.server.responses import JobStreamingResponse, Reply
 from online.server.scheduler import GenerationJob, QueueFullError, Scheduler, SchedulerClosedError, timeout_error
 from online.server.schemas import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 log = logging.getLogger("tandem.server")
 

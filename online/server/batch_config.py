@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from online.kv_pool import DEFAULT_BLOCK_TOKENS, KVPool, kv_bytes_per_token
 from online.server.policy import SCHEDULES
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 DEFAULT_KV_BUDGET_BYTES = 256 << 20
 DEFAULT_PREFILL_CHUNK_TOKENS = 128

@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable
 
 from online.kv_pool import KVPool
-from online.sampling import TokenChoice, choose_token
+from tandem.core.sampling import TokenChoice, choose_token
 from online.server.batch_spec import DEFAULT_SPEC_MAX_SEQS, BatchSpeculation
 from online.server.batch_step import BatchStep
 from online.server.sequence import Sequence

@@ -15,7 +15,8 @@ import os
 import socket
 import sys
 
-from tandem.errors import TandemError
+from online.engine_args import EngineArgs, add_engine_arguments
+from tandem.core.errors import TandemError
 
 API_KEY_ENV = "TANDEM_API_KEY"
 
@@ -26,16 +27,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, "
                     "/v1/models, /health, /metrics.")
-    p.add_argument("--model", required=True, help="model alias (e.g. smollm2), .gguf file or Hugging Face folder")
-    p.add_argument("--plan", default=None, help="placement plan from `tandem plan` (hybrid CPU/GPU execution)")
-    p.add_argument("--weight-format", default=None, choices=("int8", "int4"),
-                   help="pack the weights without a plan (int4 reads GGUF Q4 blocks as they are): the fused, "
-                        "batched decode step")
+    add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV} if set)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for the engine (default: all cores)")
     p.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; more get 429 (default 64)")
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds a request may wait and generate in total (default 300)")
@@ -79,8 +75,6 @@ def _validate(args: argparse.Namespace) -> str | None:
         raise TandemError(f"--max-queue must be at least 1, got {args.max_queue}")
     if not args.request_timeout > 0:
         raise TandemError(f"--request-timeout must be positive, got {args.request_timeout}")
-    if args.threads is not None and args.threads < 1:
-        raise TandemError(f"--threads must be at least 1, got {args.threads}")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if api_key is not None and not api_key.strip():
         raise TandemError("--api-key must not be empty")
@@ -117,6 +111,7 @@ def _is_loopback(host: str) -> bool:
 def run_serve(args: argparse.Namespace) -> int:
     """Load the engine, bind the socket and serve until interrupted. Returns the exit code."""
     api_key = _validate(args)
+    engine_args = EngineArgs.from_namespace(args)  # checked before binding and loading
     batch = batch_config(args)
     from online.speculative import SpeculationConfig
     SpeculationConfig.parse(getattr(args, "speculate", None), getattr(args, "draft_tokens", None))  # before loading
@@ -127,8 +122,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from online import Engine
         from online.server.app import create_app
 
-        engine = Engine.load(args.model, threads=args.threads, plan=args.plan,
-                             weight_format=getattr(args, "weight_format", None))
+        engine = Engine.from_args(engine_args)
         if getattr(args, "speculate", None) is not None:
             shown = engine.set_default_speculation(args.speculate, args.draft_tokens)
             print(f"speculate: {shown['speculate']}" + (f" ({shown['speculate_reason']})"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from online.constrain import Grammar, ToolSpec, native_tool_messages, render_tool_messages
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 
 def response_format_grammar(fmt: dict[str, Any]) -> Any:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 SCHEDULES = ("fcfs", "mlfq")
 MLFQ_BASE_TOKENS = 8

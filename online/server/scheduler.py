@@ -30,7 +30,7 @@ from typing import Any
 import jinja2
 
 from online.engine import GenerationResult
-from online.sampling import SamplingParams, make_generator
+from tandem.core.sampling import SamplingParams, make_generator
 from online.server.batch_config import BatchConfig
 from online.server.batch_loop import BatchLoop
 from online.server.batch_step import private_kv
@@ -40,7 +40,7 @@ from online.server.jobs import (GenerationJob, QueueFullError, SchedulerClosedEr
 from online.server.policy import make_policy
 from online.server.schemas import ApiError
 from online.server.sequence import Sequence, TextDecoder
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 log = logging.getLogger("tandem.server")
 

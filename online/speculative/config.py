@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 MODES = ("off", "lookup", "sparse", "auto")
 DEFAULT_DRAFT_TOKENS = 5

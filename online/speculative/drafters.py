@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingParams, sampling_probs
+from tandem.core.sampling import SamplingParams, sampling_probs
 from .lookup import LookupDrafter
 
 

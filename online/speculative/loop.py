@@ -1,6 +1,6 @@
 """The speculative decode loop: draft k, verify k + 1 in one multi-token step, emit one by one.
 
-Every emitted token goes through the same EOS / length checks as ``online.generate.token_loop``,
+Every emitted token goes through the same EOS / length checks as ``tandem.core.generate.token_loop``,
 one at a time, so a stop inside an accepted run ends the sequence exactly where plain decoding
 would. Rollback is free: after a rejection the pending position moves back behind the rejected
 rows, which the next step overwrites before anything reads them (attention reads rows 0..pos).
@@ -20,8 +20,8 @@ from typing import Iterator
 
 import torch
 
-from ..generate import LoopTimings, TokenEvent, prefill
-from ..sampling import SamplingParams, make_generator, sample_next
+from tandem.core.generate import LoopTimings, TokenEvent, prefill
+from tandem.core.sampling import SamplingParams, make_generator, sample_next
 from .verify import accept_greedy, accept_sampled
 
 
@@ -49,7 +49,7 @@ def speculative_token_loop(model, executor, cache, prompt_ids: list[int], params
                            eos_ids: set[int], max_total_tokens: int, timings: LoopTimings, step,
                            drafters: dict, policy, stats: SpecStats,
                            decode_threads: int | None = None) -> Iterator[TokenEvent]:
-    """Like ``token_loop`` (same events, same stopping), decoding through ``step`` (a
+    """Like ``token_loop`` (same events, same stopping, same prefill), decoding through ``step`` (a
     FusedDecodeStep: ``__call__`` and ``step_many``) with ``drafters`` (name -> proposer)."""
     prefill_threads = torch.get_num_threads()
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from .config import SpeculationConfig
 from .drafters import LookupProposer, SparseDrafter
 from .policy import SpecPolicy

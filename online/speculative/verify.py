@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from ..sampling import SamplingParams, sampling_probs
+from tandem.core.sampling import SamplingParams, sampling_probs
 
 
 def accept_greedy(draft: Sequence[int], logits: torch.Tensor) -> list[int]:

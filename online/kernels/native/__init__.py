@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 from .structs import bind_signatures
 

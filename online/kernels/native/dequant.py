@@ -13,7 +13,7 @@ import ctypes
 
 import numpy as np
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from ..quantize import Int4Weight
 from . import NativeUnavailable, load_native
 from .structs import WeightRef, addr, describe

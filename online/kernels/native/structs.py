@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 from ..quantize import KIND_F16, KIND_F32, KIND_I4, KIND_I8, KIND_I8B, BlockInt8Weight, Fp16Weight, Fp32Weight, Int4Weight, Int8Weight
 

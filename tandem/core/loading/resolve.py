@@ -14,7 +14,7 @@ Example::
 
 CLI (used by the Makefile; idempotent)::
 
-    python -m online.loading.resolve fetch smollm2 --dir models
+    python -m tandem.core.loading.resolve fetch smollm2 --dir models
 """
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]  # tandem/core/loading/resolve.py -> the checkout
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def _extract_members(pieces: list[tuple[Path, str]], target: Path, sha256: str =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m online.loading.resolve",
+    parser = argparse.ArgumentParser(prog="python -m tandem.core.loading.resolve",
                                      description="Resolve or fetch Tandem model files.")
     sub = parser.add_subparsers(dest="command", required=True)
     fetch = sub.add_parser("fetch", help="download an aliased model into a folder (idempotent)")

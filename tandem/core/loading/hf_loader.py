@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from .checkpoint import Checkpoint
 from .hf_config import config_from_hf
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from ..config import ModelConfig
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from ..config import ModelConfig, freeze_mapping
 
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "smollm", "smollm2"}

@@ -5,7 +5,7 @@ so dense, sparse, hybrid or expert-cached execution plugs in behind the same mod
 
 Example::
 
-    model = build_model(checkpoint)                 # online.model.build
+    model = build_model(checkpoint)                 # tandem.core.model.build
     cache = KVCache(model.cfg, capacity_tokens=256)
     logits = model(torch.tensor([1, 2, 3]), start_pos=0, cache=cache, executor=executor)  # [1, vocab]
 """

@@ -6,8 +6,8 @@ from typing import Iterator
 
 import torch
 
-from tandem.errors import TandemError
-from ..execution.weights import FFNWeights, MoELayerWeights, extract_ffn_weights
+from tandem.core.errors import TandemError
+from tandem.core.ffn.weights import FFNWeights, MoELayerWeights, extract_ffn_weights
 from ..loading.checkpoint import Checkpoint
 from .decoder import DecoderModel
 

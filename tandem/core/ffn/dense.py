@@ -58,6 +58,21 @@ def combine_experts(x: torch.Tensor, routed: dict[int, tuple[torch.Tensor, torch
     return out
 
 
+def moe_forward(cfg: ModelConfig, moe: MoELayerWeights, x: torch.Tensor, expert_forward=None) -> torch.Tensor:
+    """A float MoE block: route, each selected expert on its tokens, combine, shared expert. ``expert_forward(e,
+    x_e)`` [n, d] -> [n, d] (default: expert e's float FFN)."""
+    if expert_forward is None:
+        def expert_forward(e: int, xs: torch.Tensor) -> torch.Tensor:
+            return ffn_down(moe.experts[e], ffn_hidden(cfg, moe.experts[e], xs))
+    expert_ids, weights, _ = route(cfg, moe, x)  # [T, k]
+    routed = tokens_by_expert(expert_ids)
+    results = {e: expert_forward(e, x[token_idx]) for e, (token_idx, _) in routed.items()}  # [n, d]
+    out = combine_experts(x, routed, results, weights)  # [T, d]
+    if moe.shared_expert is not None:
+        out = out + shared_expert_out(cfg, moe, x)
+    return out
+
+
 class DenseExecutor:
     """Computes every neuron and every selected expert exactly (float32)."""
 
@@ -76,14 +91,8 @@ class DenseExecutor:
         return ffn_down(w, ffn_hidden(self.cfg, w, x))
 
     def moe_forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        moe = self.layers[layer]
-        expert_ids, weights, _ = route(self.cfg, moe, x)  # [T, k]
-        routed = tokens_by_expert(expert_ids)
-        results = {e: self.expert_forward(layer, e, x[token_idx]) for e, (token_idx, _) in routed.items()}  # [n, d]
-        out = combine_experts(x, routed, results, weights)  # [T, d]
-        if moe.shared_expert is not None:
-            out = out + shared_expert_out(self.cfg, moe, x)
-        return out
+        return moe_forward(self.cfg, self.layers[layer], x,
+                           lambda e, xs: self.expert_forward(layer, e, xs))
 
     def output_logits(self, x: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, lm_head_weight)  # [T, vocab]
@@ -91,3 +100,12 @@ class DenseExecutor:
     @property
     def ffn_nbytes(self) -> int:
         return sum(w.nbytes for w in self.layers)
+
+    packed = False  # float32 torch math (the contract: tandem.core.ffn.contract.Executor)
+    head_nbytes = None  # reads the model's float head
+
+    def counters_snapshot(self) -> None:
+        return None
+
+    def run_stats(self, delta: dict, steps: int, forward_steps: int, elapsed_s: float) -> dict:
+        return {}

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from ..config import ModelConfig, freeze_mapping
 from .checkpoint import Checkpoint, RawQuantTensor
 from .gguf_header import GGUFHeader, read_gguf_header

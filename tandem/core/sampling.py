@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 
 @dataclass(frozen=True)

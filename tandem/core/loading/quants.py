@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 from .kquants import DECODERS as _KQUANT_DECODERS, KQUANT_LAYOUT
 

@@ -71,6 +71,8 @@ def token_loop(model, executor, cache: KVCache, prompt_ids: list[int], params: S
 
     ``decode_threads``: torch's thread count while decoding (1 when numba kernels do the parallel
     work: two OpenMP pools alternating on few cores stall each other); prefill keeps the default.
+
+    ``compiled``: the fused step, which also prefills short prompts (``prefill``).
     """
     prefill_threads = torch.get_num_threads()
     try:

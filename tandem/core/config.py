@@ -24,7 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 ARCHS = ("llama", "opt", "mixtral", "qwen2_moe", "qwen3", "gemma3")
 ACTIVATIONS = ("silu", "relu", "gelu", "gelu_tanh", "fatrelu", "drelu")

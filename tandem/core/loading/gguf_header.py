@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 
 # GGUF value type -> (struct format, numpy dtype); 8 = string, 9 = array
 _SCALARS = {0: ("<B", "<u1"), 1: ("<b", "<i1"), 2: ("<H", "<u2"), 3: ("<h", "<i2"), 4: ("<I", "<u4"),

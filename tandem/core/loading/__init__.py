@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.errors import TandemError
+from tandem.core.errors import TandemError
 from .checkpoint import Checkpoint, model_fingerprint
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.artifacts import fingerprint
+from tandem.core.artifacts import fingerprint
 from ..config import ModelConfig
 
 
@@ -45,7 +45,7 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]  # canonical names -> float32 tensors
     source_path: Path  # the resolved .gguf file or HF folder
     model_id: str  # short name for artifact folders, e.g. "SmolLM2-135M-Instruct.Q4_1"
-    tokenizer: Any = None  # online.loading.tokenizer.Tokenizer | None
+    tokenizer: Any = None  # tandem.core.loading.tokenizer.Tokenizer | None
     quant_types: dict[str, str] = field(default_factory=dict)  # canonical name -> on-disk type
     raw: dict[str, RawQuantTensor] = field(default_factory=dict)  # canonical name -> raw blocks
     # what artifacts are built for: computed once here, so emptying tensors later (build_model) cannot change it
