@@ -39,6 +39,11 @@ typedef struct {
     tdm_weight qkv, o, gate, up, down_t;        /* down_t: [n_ff, d], rows = neurons */
     double threshold;                           /* |h| > threshold is computed; < 0: all */
     const tdm_predictor *pred;                  /* NULL: no predictor (predict.h) */
+    /* Qwen3 / Gemma 3 (NULL / 0: absent, the Llama layout) */
+    const float *q_norm, *k_norm;               /* [head_dim]: RMSNorm of every q / k head before rope */
+    const float *attn_out_norm, *ffn_out_norm;  /* [d]: RMSNorm of the attention / FFN output (sandwich) */
+    const float *rope_cos, *rope_sin;           /* this layer's own rope table (Gemma's local layers) */
+    int64_t window;                             /* > 0: this layer's sliding window (else the model's) */
 } tdm_layer;
 
 typedef struct {
@@ -52,6 +57,8 @@ typedef struct {
     tdm_weight head;
     tdm_layer *layers;
     uint8_t *work;                      /* tdm_work_bytes(model) bytes, 64-byte aligned */
+    double embed_scale;                 /* embeddings times this (Gemma: sqrt(d)); 0: 1 */
+    double logit_softcap;               /* logits = cap * tanh(logits / cap); 0: none */
 } tdm_model;
 
 /* ---------------------------------------------------------------------------------------------
@@ -137,6 +144,58 @@ static void rms_norm(float *restrict out, const float *restrict x, const float *
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
+/* the same arithmetic as rms_norm, x overwritten (a q / k head, the sandwich norms) */
+static void rms_norm_in_place(float *x, const float *w, int64_t n, float eps) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] * r * w[i];
+}
+
+/* Per-layer pieces shared by the single- and multi-token steps (so both round alike). */
+static int64_t layer_window(const tdm_model *m, const tdm_layer *L) { return L->window > 0 ? L->window : m->window; }
+
+static int64_t window_start(const tdm_model *m, const tdm_layer *L, int64_t pos) {
+    int64_t w = layer_window(m, L);
+    return (w > 0 && pos + 1 > w) ? pos + 1 - w : 0;
+}
+
+/* head u of the q|k|v projection after bias: q/k norm (Qwen3, Gemma 3), then rope with the layer's table */
+static void qk_head(const tdm_model *m, const tdm_layer *L, int64_t u, int64_t pos, float *v) {
+    int64_t hd = m->head_dim;
+    if (u >= m->n_heads + m->n_kv) return;
+    const float *w = u < m->n_heads ? L->q_norm : L->k_norm;
+    if (w) rms_norm_in_place(v, w, hd, (float)m->norm_eps);
+    const float *c = L->rope_cos ? L->rope_cos : m->rope_cos, *s = L->rope_cos ? L->rope_sin : m->rope_sin;
+    if (c) rope_head(v, c + pos * hd, s + pos * hd, hd);
+}
+
+/* res += delta, or res += norm(delta) with a sandwich norm (tmp [d] scratch; may be delta itself) */
+static void add_output(const tdm_model *m, const float *norm, float *res, const float *delta, float *tmp) {
+    if (norm) {
+        if (tmp != delta) memcpy(tmp, delta, 4 * m->d);
+        rms_norm_in_place(tmp, norm, m->d, (float)m->norm_eps);
+        delta = tmp;
+    }
+    for (int64_t k = 0; k < m->d; k++) res[k] += delta[k];
+}
+
+static void embed_row(const tdm_model *m, int64_t token, float *res) {
+    const float *e = m->embed + token * m->d;
+    if (m->embed_scale == 0.0 || m->embed_scale == 1.0) {
+        memcpy(res, e, 4 * m->d);
+        return;
+    }
+    float s = (float)m->embed_scale;
+    for (int64_t k = 0; k < m->d; k++) res[k] = e[k] * s;
+}
+
+static void softcap(const tdm_model *m, float *logits, int64_t n) {
+    if (m->logit_softcap <= 0.0) return;
+    float cap = (float)m->logit_softcap;
+    for (int64_t i = 0; i < n; i++) logits[i] = tanhf(logits[i] / cap) * cap;
+}
+
 static float act_fn(int64_t act, float alpha, float g, float u) {
     switch (act) {
     case ACT_SILU: return g / (1.0f + expf(-g)) * u;
@@ -188,8 +247,7 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
         dot_rows(&L->qkv, u * hd, hd, &tb->x, v);
         if (L->qkv_bias)
             for (int64_t k = 0; k < hd; k++) v[k] += L->qkv_bias[u * hd + k];
-        if (u < m->n_heads + m->n_kv && m->rope_cos)
-            rope_head(v, m->rope_cos + pos * hd, m->rope_sin + pos * hd, hd);
+        qk_head(m, L, u, pos, v);
         if (u >= m->n_heads + m->n_kv)
             memcpy(L->v_cache + ((u - m->n_heads - m->n_kv) * m->capacity + pos) * hd, v, 4 * hd);
         else if (u >= m->n_heads)
@@ -197,7 +255,7 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
     }
 #pragma omp barrier
     chunk(m->n_heads, t, nt, &lo, &hi);
-    int64_t start = (m->window > 0 && pos + 1 > m->window) ? pos + 1 - m->window : 0;
+    int64_t start = window_start(m, L, pos);
     for (int64_t h = lo; h < hi; h++) {
         int64_t g = h / (m->n_heads / m->n_kv);
         attend_head(L->k_cache + g * m->capacity * hd, L->v_cache + g * m->capacity * hd, start, pos, hd,
@@ -211,7 +269,7 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
     if (L->o_bias)
         for (int64_t r = lo; r < hi; r++) sb->delta[r] += L->o_bias[r];
 #pragma omp barrier
-    for (int64_t k = 0; k < m->d; k++) tb->res[k] += sb->delta[k];
+    add_output(m, L->attn_out_norm, tb->res, sb->delta, tb->xn);
 }
 
 #define FFN_SLICE 32 /* neurons per slice; slices are dealt to threads in turn (sparsity is uneven) */
@@ -260,8 +318,9 @@ static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, t
     for (int64_t k = 0; k < d; k++) {
         float a = L->down_bias ? L->down_bias[k] : 0.0f;
         for (int j = 0; j < nt; j++) a += sb->partial[j * d + k];
-        tb->res[k] += a;
+        tb->xn[k] = a; /* the FFN output summed over the threads (xn is free again) */
     }
+    add_output(m, L->ffn_out_norm, tb->res, tb->xn, tb->xn);
 }
 
 int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_t pos, float *res, float *logits);
@@ -270,7 +329,7 @@ int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_
  * of FFN neurons computed (summed over layers). */
 int64_t tdm_decode(const tdm_model *m, int64_t token, int64_t pos, float *logits) {
     float res[m->d]; /* the token's residual stream: its embedding, then every layer (tdm_decode_range) */
-    memcpy(res, m->embed + token * m->d, 4 * m->d);
+    embed_row(m, token, res);
     return tdm_decode_range(m, 0, m->n_layers, pos, res, logits);
 }
 
@@ -316,6 +375,7 @@ int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_
             int64_t lo, hi;
             chunk(m->vocab, t, n, &lo, &hi);
             dot_rows(&m->head, lo, hi - lo, &tb.x, logits + lo);
+            softcap(m, logits + lo, hi - lo);
         }
     }
     int64_t total = 0;
