@@ -1,4 +1,6 @@
-/* One decode step (T = 1) of a Llama-family decoder, whole model in one call.
+/* One decode step (T = 1) of a Llama-family decoder, whole model in one call; with Qwen3's q/k head
+ * norms and Gemma 3's sandwich norms, scaled embeddings, softcapped logits and per-layer windows and
+ * rope tables (tdm_layer / tdm_model fields at their ends; NULL / 0 = the Llama layout).
  *
  * The Python side (online/execution/fused_decode.py) fills a tdm_model with pointers into the
  * tensors the modular runtime already holds (packed weights, norms, rope tables, the KV cache), so
@@ -203,14 +205,15 @@ static float act_fn(int64_t act, float alpha, float g, float u) {
     case ACT_FATRELU: return g > alpha ? g * u : 0.0f;
     case ACT_DRELU: return (g > 0.0f ? g : 0.0f) * (u > 0.0f ? u : 0.0f);
     case ACT_GELU: return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f)) * u;
-    default: {
+    default: { /* 0.5 (1 + tanh(a)) = 1 / (1 + e^(-2a)): the form activate's eight-wide loop computes */
         float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-        return 0.5f * g * (1.0f + tanhf(inner)) * u;
+        return g * u / (1.0f + expf(-2.0f * inner));
     }
     }
 }
 
-/* h[i] = act(g[i]) * u[i] (plain FFNs: act(u[i])); SiLU eight at a time where AVX2 is there */
+/* h[i] = act(g[i]) * u[i] (plain FFNs: act(u[i])); gated SiLU and GELU-tanh eight at a time where
+ * AVX2 is there (exp8: ~1 ulp from expf, so lanes and the scalar tail agree to rounding) */
 static void activate(int64_t act, float alpha, int64_t gated, const float *g, const float *u, float *h, int64_t n) {
     int64_t i = 0;
 #ifdef TDM_SIMD
@@ -219,6 +222,17 @@ static void activate(int64_t act, float alpha, int64_t gated, const float *g, co
         for (; i + 8 <= n; i += 8) {
             __m256 gv = _mm256_loadu_ps(g + i);
             __m256 e = exp8(_mm256_sub_ps(zero, gv));
+            _mm256_storeu_ps(h + i, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + i)), _mm256_add_ps(one, e)));
+        }
+    }
+    if (act == ACT_GELU_TANH && gated) {
+        const __m256 one = _mm256_set1_ps(1.0f), c = _mm256_set1_ps(0.7978845608028654f);
+        const __m256 k = _mm256_set1_ps(0.044715f), m2 = _mm256_set1_ps(-2.0f);
+        for (; i + 8 <= n; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(k, gv), gv), gv); /* as act_fn */
+            __m256 inner = _mm256_mul_ps(c, _mm256_add_ps(gv, cube));
+            __m256 e = exp8(_mm256_mul_ps(m2, inner));
             _mm256_storeu_ps(h + i, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + i)), _mm256_add_ps(one, e)));
         }
     }
