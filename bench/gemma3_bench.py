@@ -3,9 +3,13 @@
 Run from the repo root (needs bench/peers/venv for llama.cpp; plan from ``tandem prepare --model gemma3``)::
 
     python -m bench.gemma3_bench --plan profiles/gemma3/plan.json --runs 3
+    python -m bench.gemma3_bench --plan profiles/gemma3/plan-probed-0 --skip-perplexity --skip-dense --rounds 5
 
 Perplexity: the calibration corpus's held-out documents in 256-token windows, each scored from its
-first token by both systems (same token ids). Decode: bench/systems runners, medians of ``--runs``.
+first token by both systems (same token ids). Decode: bench/systems runners, medians of ``--runs``;
+``--rounds`` > 1 runs the systems in turn that many times and reports each system's median ratio to
+llama.cpp over the rounds (a busy machine slows neighbouring runs alike, so the ratio holds better
+than any one speed).
 """
 from __future__ import annotations
 
@@ -37,6 +41,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--skip-perplexity", action="store_true")
+    ap.add_argument("--skip-dense", action="store_true", help="no dense fp32 decode row (the slowest)")
+    ap.add_argument("--rounds", type=int, default=1, help="run every system this many times, in turn")
     args = ap.parse_args()
     from tandem.core.loading.resolve import resolve_model_path
     gguf = str(resolve_model_path("gemma3"))
@@ -67,18 +73,28 @@ def perplexity(gguf: str, args) -> None:
 
 def timings(gguf: str, args) -> None:
     timing = ["--threads", str(args.threads), "--runs", str(args.runs), "--decode-tokens", str(args.decode_tokens)]
+    tandem = [sys.executable, "-m", "bench.systems.tandem_dense", "--model", "gemma3"]
     rows = [("llama.cpp", [str(PEER_PYTHON), "bench/systems/llamacpp.py", "--gguf", gguf, *timing])]
-    rows.append(("tandem dense fp32", [sys.executable, "-m", "bench.systems.tandem_dense", "--model", "gemma3", *timing]))
+    if not args.skip_dense:
+        rows.append(("tandem dense fp32", [*tandem, *timing]))
     if args.plan:
-        rows.append(("tandem plan int8 sparse", [sys.executable, "-m", "bench.systems.tandem_dense", "--model", "gemma3",
-                                                 "--plan", args.plan, "--weight-format", "int8", *timing]))
-    base = None
-    for name, cmd in rows:
-        rec = bench_json(cmd)
-        decode = statistics.median(rec["decode_tok_s"])
-        base = base or decode
-        print(f"{name:28s} decode {decode:7.2f} tok/s ({decode / base:.2f}x llama.cpp)  "
-              f"prefill {statistics.median(rec['prefill_tok_s']):7.1f} tok/s  path {rec.get('decode_path', '-')}")
+        plan = [*tandem, "--plan", args.plan, "--weight-format", "int8", *timing]
+        rows.append(("tandem plan int8 sparse", plan))
+        rows.append(("tandem plan int8 sparse (modules)", [*plan, "--no-fused-decode"]))
+    ratios: dict[str, list[float]] = {name: [] for name, _ in rows}
+    for r in range(args.rounds):
+        base = None
+        for name, cmd in rows:
+            rec = bench_json(cmd)
+            decode = statistics.median(rec["decode_tok_s"])
+            base = base or decode
+            ratios[name].append(decode / base)
+            print(f"round {r + 1}: {name:36s} decode {decode:7.2f} tok/s ({decode / base:.2f}x llama.cpp)  "
+                  f"prefill {statistics.median(rec['prefill_tok_s']):7.1f} tok/s  path {rec.get('decode_path', '-')}",
+                  flush=True)
+    if args.rounds > 1:
+        for name, values in ratios.items():
+            print(f"median over {args.rounds} rounds: {name:36s} {statistics.median(values):.2f}x llama.cpp")
 
 
 if __name__ == "__main__":

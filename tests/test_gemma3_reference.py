@@ -92,3 +92,22 @@ def test_builtin_gemma_chat_template(gemma3_path):
                     "<start_of_turn>user\nName a planet.<end_of_turn>\n<start_of_turn>model\n")
     ids = tok.encode_chat(messages)
     assert ids[0] == 2 and ids.count(106) == 3  # <bos>, three <end_of_turn>
+
+
+
+def test_fused_decode_greedy_32_tokens_match_transformers(gemma3_path, hf_gemma3):
+    """The fused C step (default int8 activations) decodes the real file with its Q5_0 / Q8_0 blocks
+    read as int8 and fp32 down rows: greedy text equals transformers' over 32 tokens. (int4 re-packs
+    the Q5_0 q/k/v/gate/up blocks: that model, module path and fused step alike, leaves this text at
+    token 13.)"""
+    from online import Engine
+    model, tok = hf_gemma3
+    engine = Engine.load(str(gemma3_path), weight_format="int8", sparse=False, down_format="fp32")
+    assert engine.decode_path == "fused", engine.decode_path_reason
+    ids = tok("Here are three tips for learning a new language:").input_ids
+    ours = engine.generate(ids, max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    assert ours.stats["decode_path"] == "fused"
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                             pad_token_id=0)[0, len(ids):].tolist()
+    assert ours.token_ids == ref

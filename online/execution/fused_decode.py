@@ -82,9 +82,8 @@ def _check_model(model, executor) -> None:
         why = "the dense float32 executor (it is the reference)"
     elif cfg.num_heads % cfg.num_kv_heads:
         why = "head counts that do not group"
-    elif (cfg.qk_norm or cfg.sandwich_norms or cfg.embed_scale != 1.0 or cfg.attn_scale
-          or cfg.final_logit_softcap or cfg.layer_windows or cfg.rope_local_theta):
-        why = f"{cfg.arch} layers (q/k norms, output norms, windows: module path only so far)"
+    elif cfg.rope_local_theta and model.rope_local_cos is None:
+        why = "windowed layers without their rope table"
     if why is not None:
         raise FusedDecodeUnavailable(f"no fused decode for {why}")
     for i, split in enumerate(executor.splits):
@@ -104,6 +103,19 @@ def _check_model(model, executor) -> None:
         raise FusedDecodeUnavailable("no fused decode: the output layer is not packed")
     if getattr(model.embed_tokens, "on_tier", False):
         raise FusedDecodeUnavailable("no fused decode: the embeddings are on the GPU tier")
+
+
+def _gemma_arrays(model, block) -> dict:
+    """Qwen3 / Gemma 3 per-layer arrays of TdmLayer (q/k head norms, sandwich norms, the local
+    rope table); absent entries stay NULL in C (the Llama layout)."""
+    attn, out = block.self_attn, {}
+    if hasattr(attn, "q_norm"):
+        out.update(q_norm=_np(attn.q_norm.weight), k_norm=_np(attn.k_norm.weight))  # [hd]
+    if model.cfg.sandwich_norms:
+        out.update(attn_out_norm=_np(block.attn_output_norm.weight), ffn_out_norm=_np(block.ffn_output_norm.weight))
+    if attn.local_rope:
+        out.update(rope_cos=_np(model.rope_local_cos), rope_sin=_np(model.rope_local_sin))  # [P, hd]
+    return out
 
 
 class FusedDecodeStep:
@@ -157,8 +169,9 @@ class FusedDecodeStep:
                         down_t=describe(ffn.down_t, dot_input=False))
             arrays = dict(attn_norm=_np(block.input_layernorm.weight), ffn_norm=_np(block.post_attention_layernorm.weight),
                           qkv_bias=_bias(attn.qkv_proj.linear.bias), o_bias=_bias(attn.o_proj.linear.bias),
-                          down_bias=_np(split.down_bias) if split.down_bias is not None else _bias(ffn.down_bias))
-            layer = TdmLayer(threshold=float(split.threshold),
+                          down_bias=_np(split.down_bias) if split.down_bias is not None else _bias(ffn.down_bias),
+                          **_gemma_arrays(model, block))
+            layer = TdmLayer(threshold=float(split.threshold), window=int(attn.sliding_window),
                              **{k: r.desc for k, r in refs.items()}, **{k: addr(a) for k, a in arrays.items()})
             if split.predictor is not None:  # predict.h: only the predicted rows are read
                 pred = build_predictor(split.predictor, threads, native.lib, predictor_format)
@@ -169,6 +182,7 @@ class FusedDecodeStep:
         return layers, keep
 
     def _describe_model(self) -> TdmModel:
+        """The model descriptor; layers carry their own windows (``window`` 0 here when they differ)."""
         cfg, model, ex = self.cfg, self.model, self.executor
         head: WeightRef = describe(ex.head.weight)
         embed, final_norm = _np(model.embed_tokens.weight), _np(model.norm.weight)
@@ -177,9 +191,9 @@ class FusedDecodeStep:
         return TdmModel(
             n_layers=cfg.num_layers, d=cfg.hidden_size, n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads,
             head_dim=cfg.head_dim, n_ff=ex.splits[0].cpu.n_neurons, vocab=head.desc.rows, capacity=0,
-            window=cfg.sliding_window, act=ACT_IDS[cfg.hidden_act], gated=int(cfg.mlp_gated),
+            window=0 if cfg.layer_windows else cfg.sliding_window, act=ACT_IDS[cfg.hidden_act], gated=int(cfg.mlp_gated),
             threads=clamp_threads(ex.settings.threads), norm_eps=cfg.norm_eps, act_alpha=cfg.act_threshold,
-            attn_scale=1.0 / math.sqrt(cfg.head_dim),
+            attn_scale=cfg.softmax_scale, embed_scale=cfg.embed_scale, logit_softcap=cfg.final_logit_softcap,
             residual_ratio=self.residual_ratio, embed=addr(embed), final_norm=addr(final_norm),
             rope_cos=addr(cos), rope_sin=addr(sin), rope_positions=cos.shape[0], head=head.desc,
             layers=self._layers, work=None)

@@ -111,6 +111,7 @@ class _LayerView:
     """The model as ``_describe_layers`` sees it: only the CPU layers."""
     def __init__(self, model, first: int) -> None:
         self.layers, self.cfg = list(model.layers)[first:], model.cfg
+        self.rope_local_cos, self.rope_local_sin = model.rope_local_cos, model.rope_local_sin
 
 
 class _SplitView:
@@ -122,10 +123,13 @@ class _SplitView:
 def _check_model_range(model, executor, n_gpu_layers: int) -> None:
     """The fused step's checks, on the CPU layers only."""
     cpu_blocks = list(model.layers)[n_gpu_layers:]
+    if n_gpu_layers and (model.cfg.sandwich_norms or model.cfg.rope_local_theta):
+        raise FusedDecodeUnavailable("no fused decode: layer offload runs Gemma 3's tier layers through the modules")
 
     class _M:
         cfg, embed_tokens = model.cfg, model.embed_tokens
         layers = cpu_blocks
+        rope_local_cos = model.rope_local_cos
 
     class _E:
         splits = executor.splits[n_gpu_layers:]

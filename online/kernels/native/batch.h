@@ -166,8 +166,7 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
             int64_t pos = B->pos[i], row = sb->rowmap[i * span + pos];
             if (L->qkv_bias)
                 for (int64_t k = 0; k < hd; k++) v[k] += L->qkv_bias[u * hd + k];
-            if (u < m->n_heads + m->n_kv && m->rope_cos)
-                rope_head(v, m->rope_cos + pos * hd, m->rope_sin + pos * hd, hd);
+            qk_head(m, L, u, pos, v);
             if (u >= m->n_heads + m->n_kv)
                 memcpy(L->v_cache + ((u - m->n_heads - m->n_kv) * B->kv_rows + row) * hd, v, 4 * hd);
             else if (u >= m->n_heads)
@@ -179,7 +178,7 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
     for (int64_t e = lo; e < hi; e++) {
         int64_t i = e / m->n_heads, h = e % m->n_heads, pos = B->pos[i];
         int64_t g = h / (m->n_heads / m->n_kv);
-        int64_t start = (m->window > 0 && pos + 1 > m->window) ? pos + 1 - m->window : 0;
+        int64_t start = window_start(m, L, pos);
         attend_head_rows(L->k_cache + g * B->kv_rows * hd, L->v_cache + g * B->kv_rows * hd, sb->rowmap + i * span,
                          start, pos, hd, (float)m->attn_scale, sb->qkv + i * width + h * hd,
                          sb->attn + i * qn + h * hd, tb->scores);
@@ -195,8 +194,7 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
         for (int64_t i = 0; i < T; i++)
             for (int64_t r = lo; r < hi; r++) sb->delta[i * m->d + r] += L->o_bias[r];
 #pragma omp barrier
-    for (int64_t i = 0; i < T; i++)
-        for (int64_t k = 0; k < m->d; k++) tb->res[i * m->d + k] += sb->delta[i * m->d + k];
+    for (int64_t i = 0; i < T; i++) add_output(m, L->attn_out_norm, tb->res + i * m->d, sb->delta + i * m->d, tb->xn);
 }
 
 /* token i's |h| > threshold neurons appended to its list (branch-free compaction, as ffn_block) */
@@ -281,12 +279,14 @@ static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B
         axpy_rows(&L->down_t, tb->idx + i * m->n_ff, tb->h + i * m->n_ff, tb->n_act[i], part + i * d);
     for (int64_t i = 0; i < T; i++) sb->counts[t] += tb->n_act[i];
 #pragma omp barrier
-    for (int64_t i = 0; i < T; i++)
+    for (int64_t i = 0; i < T; i++) {
         for (int64_t k = 0; k < d; k++) {
             float a = L->down_bias ? L->down_bias[k] : 0.0f;
             for (int j = 0; j < nt; j++) a += sb->partial[(j * T + i) * d + k];
-            tb->res[i * d + k] += a;
+            tb->xn[k] = a; /* token i's FFN output (xn is free again) */
         }
+        add_output(m, L->ffn_out_norm, tb->res + i * d, tb->xn, tb->xn);
+    }
 }
 
 /* T tokens through the whole model (see the top of this file); logits of the wanted tokens in token
@@ -309,7 +309,7 @@ int64_t tdm_decode_batch(const tdm_model *m, const tdm_batch *B) {
             for (int64_t b = 0, p = 0; p <= B->pos[i]; b++) /* block by block: no division per position */
                 for (int64_t o = 0; o < bt && p <= B->pos[i]; o++, p++) map[p] = (int32_t)(table[b] * bt + o);
         }
-        for (int64_t i = 0; i < T; i++) memcpy(tb.res + i * d, m->embed + B->tokens[i] * d, 4 * d);
+        for (int64_t i = 0; i < T; i++) embed_row(m, B->tokens[i], tb.res + i * d);
 #pragma omp barrier
         for (int64_t l = 0; l < m->n_layers; l++) {
             batch_attention(m, &m->layers[l], B, &sb, &tb, t, n);
@@ -324,6 +324,7 @@ int64_t tdm_decode_batch(const tdm_model *m, const tdm_batch *B) {
                 }
             chunk(m->vocab, t, n, &lo, &hi);
             dot_rows_multi(&m->head, lo, hi - lo, tb.x, n_want, B->logits + lo, m->vocab);
+            for (int64_t i = 0; i < n_want; i++) softcap(m, B->logits + i * m->vocab + lo, hi - lo);
         }
     }
     int64_t total = 0;

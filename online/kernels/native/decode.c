@@ -1,4 +1,6 @@
-/* One decode step (T = 1) of a Llama-family decoder, whole model in one call.
+/* One decode step (T = 1) of a Llama-family decoder, whole model in one call; with Qwen3's q/k head
+ * norms and Gemma 3's sandwich norms, scaled embeddings, softcapped logits and per-layer windows and
+ * rope tables (tdm_layer / tdm_model fields at their ends; NULL / 0 = the Llama layout).
  *
  * The Python side (online/execution/fused_decode.py) fills a tdm_model with pointers into the
  * tensors the modular runtime already holds (packed weights, norms, rope tables, the KV cache), so
@@ -39,6 +41,11 @@ typedef struct {
     tdm_weight qkv, o, gate, up, down_t;        /* down_t: [n_ff, d], rows = neurons */
     double threshold;                           /* |h| > threshold is computed; < 0: all */
     const tdm_predictor *pred;                  /* NULL: no predictor (predict.h) */
+    /* Qwen3 / Gemma 3 (NULL / 0: absent, the Llama layout) */
+    const float *q_norm, *k_norm;               /* [head_dim]: RMSNorm of every q / k head before rope */
+    const float *attn_out_norm, *ffn_out_norm;  /* [d]: RMSNorm of the attention / FFN output (sandwich) */
+    const float *rope_cos, *rope_sin;           /* this layer's own rope table (Gemma's local layers) */
+    int64_t window;                             /* > 0: this layer's sliding window (else the model's) */
 } tdm_layer;
 
 typedef struct {
@@ -52,6 +59,8 @@ typedef struct {
     tdm_weight head;
     tdm_layer *layers;
     uint8_t *work;                      /* tdm_work_bytes(model) bytes, 64-byte aligned */
+    double embed_scale;                 /* embeddings times this (Gemma: sqrt(d)); 0: 1 */
+    double logit_softcap;               /* logits = cap * tanh(logits / cap); 0: none */
 } tdm_model;
 
 /* ---------------------------------------------------------------------------------------------
@@ -137,6 +146,8 @@ static void rms_norm(float *restrict out, const float *restrict x, const float *
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
+#include "arch.h" /* Qwen3 / Gemma 3 layer pieces (q/k norms, sandwich norms, windows, softcap) */
+
 static float act_fn(int64_t act, float alpha, float g, float u) {
     switch (act) {
     case ACT_SILU: return g / (1.0f + expf(-g)) * u;
@@ -144,14 +155,15 @@ static float act_fn(int64_t act, float alpha, float g, float u) {
     case ACT_FATRELU: return g > alpha ? g * u : 0.0f;
     case ACT_DRELU: return (g > 0.0f ? g : 0.0f) * (u > 0.0f ? u : 0.0f);
     case ACT_GELU: return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f)) * u;
-    default: {
+    default: { /* 0.5 (1 + tanh(a)) = 1 / (1 + e^(-2a)): the form activate's eight-wide loop computes */
         float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-        return 0.5f * g * (1.0f + tanhf(inner)) * u;
+        return g * u / (1.0f + expf(-2.0f * inner));
     }
     }
 }
 
-/* h[i] = act(g[i]) * u[i] (plain FFNs: act(u[i])); SiLU eight at a time where AVX2 is there */
+/* h[i] = act(g[i]) * u[i] (plain FFNs: act(u[i])); gated SiLU and GELU-tanh eight at a time where
+ * AVX2 is there (exp8: ~1 ulp from expf, so lanes and the scalar tail agree to rounding) */
 static void activate(int64_t act, float alpha, int64_t gated, const float *g, const float *u, float *h, int64_t n) {
     int64_t i = 0;
 #ifdef TDM_SIMD
@@ -160,6 +172,17 @@ static void activate(int64_t act, float alpha, int64_t gated, const float *g, co
         for (; i + 8 <= n; i += 8) {
             __m256 gv = _mm256_loadu_ps(g + i);
             __m256 e = exp8(_mm256_sub_ps(zero, gv));
+            _mm256_storeu_ps(h + i, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + i)), _mm256_add_ps(one, e)));
+        }
+    }
+    if (act == ACT_GELU_TANH && gated) {
+        const __m256 one = _mm256_set1_ps(1.0f), c = _mm256_set1_ps(0.7978845608028654f);
+        const __m256 k = _mm256_set1_ps(0.044715f), m2 = _mm256_set1_ps(-2.0f);
+        for (; i + 8 <= n; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(k, gv), gv), gv); /* as act_fn */
+            __m256 inner = _mm256_mul_ps(c, _mm256_add_ps(gv, cube));
+            __m256 e = exp8(_mm256_mul_ps(m2, inner));
             _mm256_storeu_ps(h + i, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + i)), _mm256_add_ps(one, e)));
         }
     }
@@ -188,8 +211,7 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
         dot_rows(&L->qkv, u * hd, hd, &tb->x, v);
         if (L->qkv_bias)
             for (int64_t k = 0; k < hd; k++) v[k] += L->qkv_bias[u * hd + k];
-        if (u < m->n_heads + m->n_kv && m->rope_cos)
-            rope_head(v, m->rope_cos + pos * hd, m->rope_sin + pos * hd, hd);
+        qk_head(m, L, u, pos, v);
         if (u >= m->n_heads + m->n_kv)
             memcpy(L->v_cache + ((u - m->n_heads - m->n_kv) * m->capacity + pos) * hd, v, 4 * hd);
         else if (u >= m->n_heads)
@@ -197,7 +219,7 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
     }
 #pragma omp barrier
     chunk(m->n_heads, t, nt, &lo, &hi);
-    int64_t start = (m->window > 0 && pos + 1 > m->window) ? pos + 1 - m->window : 0;
+    int64_t start = window_start(m, L, pos);
     for (int64_t h = lo; h < hi; h++) {
         int64_t g = h / (m->n_heads / m->n_kv);
         attend_head(L->k_cache + g * m->capacity * hd, L->v_cache + g * m->capacity * hd, start, pos, hd,
@@ -211,7 +233,7 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
     if (L->o_bias)
         for (int64_t r = lo; r < hi; r++) sb->delta[r] += L->o_bias[r];
 #pragma omp barrier
-    for (int64_t k = 0; k < m->d; k++) tb->res[k] += sb->delta[k];
+    add_output(m, L->attn_out_norm, tb->res, sb->delta, tb->xn);
 }
 
 #define FFN_SLICE 32 /* neurons per slice; slices are dealt to threads in turn (sparsity is uneven) */
@@ -260,8 +282,9 @@ static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, t
     for (int64_t k = 0; k < d; k++) {
         float a = L->down_bias ? L->down_bias[k] : 0.0f;
         for (int j = 0; j < nt; j++) a += sb->partial[j * d + k];
-        tb->res[k] += a;
+        tb->xn[k] = a; /* the FFN output summed over the threads (xn is free again) */
     }
+    add_output(m, L->ffn_out_norm, tb->res, tb->xn, tb->xn);
 }
 
 int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_t pos, float *res, float *logits);
@@ -270,7 +293,7 @@ int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_
  * of FFN neurons computed (summed over layers). */
 int64_t tdm_decode(const tdm_model *m, int64_t token, int64_t pos, float *logits) {
     float res[m->d]; /* the token's residual stream: its embedding, then every layer (tdm_decode_range) */
-    memcpy(res, m->embed + token * m->d, 4 * m->d);
+    embed_row(m, token, res);
     return tdm_decode_range(m, 0, m->n_layers, pos, res, logits);
 }
 
@@ -316,6 +339,7 @@ int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_
             int64_t lo, hi;
             chunk(m->vocab, t, n, &lo, &hi);
             dot_rows(&m->head, lo, hi - lo, &tb.x, logits + lo);
+            softcap(m, logits + lo, hi - lo);
         }
     }
     int64_t total = 0;

@@ -31,7 +31,11 @@ class TdmLayer(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("qkv_bias", _P), ("o_bias", _P), ("down_bias", _P),
                 ("k_cache", _P), ("v_cache", _P), ("qkv", TdmWeight), ("o", TdmWeight), ("gate", TdmWeight),
                 ("up", TdmWeight), ("down_t", TdmWeight), ("threshold", ctypes.c_double),
-                ("pred", ctypes.POINTER(TdmPredictor))]
+                ("pred", ctypes.POINTER(TdmPredictor)),
+                # Qwen3 / Gemma 3 (None / 0: the Llama layout): q/k head norms, sandwich output norms,
+                # the layer's own rope table and sliding window (> 0; else the model's)
+                ("q_norm", _P), ("k_norm", _P), ("attn_out_norm", _P), ("ffn_out_norm", _P),
+                ("rope_cos", _P), ("rope_sin", _P), ("window", _I)]
 
 
 class TdmModel(ctypes.Structure):
@@ -40,7 +44,8 @@ class TdmModel(ctypes.Structure):
         ("norm_eps", ctypes.c_double), ("act_alpha", ctypes.c_double), ("attn_scale", ctypes.c_double),
         ("residual_ratio", ctypes.c_double),
         ("embed", _P), ("final_norm", _P), ("rope_cos", _P), ("rope_sin", _P), ("rope_positions", _I),
-        ("head", TdmWeight), ("layers", ctypes.POINTER(TdmLayer)), ("work", _P)]
+        ("head", TdmWeight), ("layers", ctypes.POINTER(TdmLayer)), ("work", _P),
+        ("embed_scale", ctypes.c_double), ("logit_softcap", ctypes.c_double)]  # 0: none (Gemma: sqrt(d), cap)
 
 
 class TdmBatch(ctypes.Structure):  # batch.h: the multi-token step's tokens, positions and block tables
