@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from online.execution.fused_decode import FusedDecodeStep
-from online.generate import decode_one_token, prefill
-from online.kv_cache import KVCache
+from tandem.core.generate import decode_one_token, prefill
+from tandem.core.kv_cache import KVCache
 from test_fused_decode import PROMPT, packed
 from test_multi_token_step import CHUNKS, _singles_and_many
 
