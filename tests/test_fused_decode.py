@@ -128,7 +128,7 @@ def test_short_prompts_prefill_through_the_step_like_single_steps(tiny_model_dir
     """A prompt of at most FUSED_PREFILL_MAX_TOKENS tokens is prefilled in one fused call: its logits and
     every KV row equal feeding the prompt token by token through the single-token step. Longer prompts
     (and all-logits requests) go through the module graph."""
-    from online import generate
+    from tandem.core import generate
     folder, _ = tiny_model_dir("llama")
     model, executor = packed(folder, "int4")
     step = FusedDecodeStep.build(model, executor)
