@@ -1,0 +1,113 @@
+"""GGUF blocks read in place (f16 scales, Q8 down rows) against the float32-scale formats: SmolLM2 decode
+through the fused C step, interleaved A/B in one process.
+
+Variants over the same plan and the same tokens (positions 0..N of one text, fresh cache per round):
+- ``f32 scales, fp16 down``: the formats before native/blocks.h (every f16 scale widened to float32,
+  Q4_0 minimum -8d stored), i.e. what main read;
+- ``f16 scales, fp16 down``: GGUF's own scale bytes read in place (bit-identical logits);
+- ``f16 scales, q8 down``: the sparse down rows as Q8_0 rows (f16 scale per 32) instead of fp16.
+Bytes/token: qkv + o + gate + output layer, plus up and down rows in proportion to the measured active
+fraction (the fused step reads every gate row, up/down rows only of active neurons).
+
+    python -m bench.gguf_blocks_ab --rounds 7 --tokens 64
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import contextmanager
+
+import numpy as np
+
+PLAN = "profiles/SmolLM2-135M-Instruct.Q4_1/plan-probed-0"
+TEXT = ("Write a short story about a robot who learns to paint. Once upon a time there was a robot named "
+        "Echo who lived in a small town by the sea. Every morning Echo would walk along the beach and watch "
+        "the waves roll in, and every evening it tried to paint what it had seen.")
+
+
+def float_scale_twin(w):
+    """The same weights with float32 scales (the formats the kernels read before blocks.h)."""
+    from online.kernels.quantize import BlockInt8Weight, Int4Weight
+    from online.kernels.superblocks import Q4KWeight
+    if isinstance(w, BlockInt8Weight) and w.scale.dtype == np.float16:
+        return BlockInt8Weight(q=w.q, scale=w.scale.astype(np.float32))
+    if isinstance(w, (Int4Weight, Q4KWeight)) and (isinstance(w, Q4KWeight) or w.scale.dtype == np.float16
+                                                   or w.minimum is None):
+        scale, minimum = w.float_scales()
+        return Int4Weight(packed=w.packed, scale=scale, minimum=minimum, group_size=32)
+    return w
+
+
+@contextmanager
+def float_scales_described():
+    import online.execution.fused_decode as fd
+    original = fd.describe
+    fd.describe = lambda w, dot_input=True: original(float_scale_twin(w), dot_input)
+    try:
+        yield
+    finally:
+        fd.describe = original
+
+
+def bytes_per_token(engine, active: float) -> float:
+    ex, total = engine.executor, 0.0
+    for i, block in enumerate(engine.model.layers):
+        attn, ffn = block.self_attn, ex.splits[i].cpu
+        total += attn.qkv_proj.linear.weight.nbytes + attn.o_proj.linear.weight.nbytes
+        total += (ffn.gate.nbytes if ffn.gate is not None else 0) + active * (ffn.up.nbytes + ffn.down_t.nbytes)
+    return total + ex.head.weight.nbytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    from online import Engine
+    from online.execution.fused_decode import FusedDecodeStep
+
+    engines = {down: Engine.load("smollm2", plan=PLAN, threads=args.threads, down_format=down) for down in ("fp16", "int8b")}
+    with float_scales_described():
+        before = FusedDecodeStep.build(engines["fp16"].model, engines["fp16"].executor)
+    variants = {"f32 scales, fp16 down": (engines["fp16"], before),
+                "f16 scales, fp16 down": (engines["fp16"], engines["fp16"].compiled_decode),
+                "f16 scales, q8 down": (engines["int8b"], engines["int8b"].compiled_decode)}
+    ids = engines["fp16"].encode_prompt(TEXT)[: args.tokens]
+    times = {k: [] for k in variants}
+    logits, active = {}, {}
+    for r in range(args.rounds + 1):  # round 0: warm-up
+        for name, (eng, step) in variants.items():
+            cache = eng._kv_cache(len(ids) + 8)
+            c = eng.executor.counters
+            a0, t0c = c.ffn_neurons_active, c.ffn_neurons_total
+            t0 = time.perf_counter()
+            out = [step(t, pos, cache) for pos, t in enumerate(ids)]
+            dt = time.perf_counter() - t0
+            if r:
+                times[name].append(len(ids) / dt)
+            logits[name] = out[-1]
+            active[name] = (c.ffn_neurons_active - a0) / max(c.ffn_neurons_total - t0c, 1)
+    base = statistics.median(times["f32 scales, fp16 down"])
+    print(f"| variant | decode tok/s (median of {args.rounds}) | vs f32 scales | MB/token | max |logit diff| vs f32 scales |")
+    print("|---|---|---|---|---|")
+    for name, (eng, _) in variants.items():
+        med = statistics.median(times[name])
+        diff = float((logits[name] - logits["f32 scales, fp16 down"]).abs().max())
+        mb = (twin_bytes_per_token if name.startswith("f32") else bytes_per_token)(eng, active[name]) / 1e6
+        print(f"| {name} | {med:.1f} [{min(times[name]):.1f}-{max(times[name]):.1f}] | {med / base:.3f}x | {mb:.1f} | {diff:.3g} |")
+
+
+def twin_bytes_per_token(engine, active: float) -> float:
+    ex, total = engine.executor, 0.0
+    for i, block in enumerate(engine.model.layers):
+        attn, ffn = block.self_attn, ex.splits[i].cpu
+        total += float_scale_twin(attn.qkv_proj.linear.weight).nbytes + float_scale_twin(attn.o_proj.linear.weight).nbytes
+        total += (float_scale_twin(ffn.gate).nbytes if ffn.gate is not None else 0)
+        total += active * (float_scale_twin(ffn.up).nbytes + ffn.down_t.nbytes)
+    return total + float_scale_twin(ex.head.weight).nbytes
+
+
+if __name__ == "__main__":
+    main()

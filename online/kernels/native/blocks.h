@@ -1,0 +1,144 @@
+/* GGUF-block weight formats read in place (online/kernels/quantize.py, superblocks.py): int4 groups of
+ * 32 with float16 scale and minimum (Q4_1) or float16 scale only (Q4_0: w = d (q - 8)), int8 blocks
+ * of 32 with a float16 scale (Q8_0), and Q4_K super-blocks (256 weights: f16 d, dmin and twelve bytes
+ * of 6-bit sub-block scales and minimums, codes in the int4 group-32 nibble order). A kernel expands
+ * the scales of the rows it is about to read into float32 (exact: f16 -> f32, and Q4_K's d * sc and
+ * dmin * m fit float32's mantissa) and runs the float-scale kernel of rows.h on a "shadow" descriptor:
+ * the same products, so the same results as the float32-scale formats, from 0.5625-1.0625 B/weight.
+ * Included by rows.h only (after the descriptors). */
+#ifndef TANDEM_BLOCKS_H
+#define TANDEM_BLOCKS_H
+
+enum { KIND_I4H = 5, KIND_I8H = 6, KIND_Q4K = 7 };
+#define QK_K 256 /* weights per k-quant super-block */
+#define Q4K_SB_BYTES 16 /* per super-block: f16 d, f16 dmin, 12 bytes of 6-bit scales and minimums */
+
+static inline int packed_scales(int64_t kind) { return kind == KIND_I4H || kind == KIND_I8H || kind == KIND_Q4K; }
+
+static inline float f16_value(uint16_t v) {
+#ifdef TDM_SIMD
+    return _cvtsh_ss(v);
+#else
+    uint32_t sign = (uint32_t)(v >> 15) << 31, exp = (v >> 10) & 31, man = v & 1023, bits;
+    if (exp == 0) { /* zero or subnormal */
+        float f = ldexpf((float)man, -24);
+        return sign ? -f : f;
+    }
+    if (exp == 31) bits = sign | 0x7F800000u | (man << 13);
+    else bits = sign | ((exp + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline void f16_row(const uint16_t *h, int64_t n, float *out) {
+    int64_t i = 0;
+#ifdef TDM_SIMD
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) out[i] = f16_value(h[i]);
+}
+
+/* Q4_K: the eight sub-block scales d * sc and minimums -(dmin * m) of one super-block (ggml's get_scale_min_k4) */
+static inline void q4k_superblock(const uint8_t *sb, float *d, float *m) {
+    uint16_t hd, hm;
+    memcpy(&hd, sb, 2);
+    memcpy(&hm, sb + 2, 2);
+    float D = f16_value(hd), M = f16_value(hm);
+    const uint8_t *q = sb + 4;
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        if (j < 4) {
+            sc = q[j] & 63;
+            mn = q[j + 4] & 63;
+        } else {
+            sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+            mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        }
+        d[j] = D * (float)sc;
+        m[j] = -(M * (float)mn);
+    }
+}
+
+/* d, m [n][cols / 32]: the float32 per-32 scales and minimums of rows r .. r+n-1 (m unused for int8) */
+static void expand_scales(const tdm_weight *w, int64_t r, int64_t n, float *d, float *m) {
+    int64_t ng = w->cols / 32, ss = w->scale_stride;
+    for (int64_t k = 0; k < n; k++) {
+        float *dk = d + k * ng, *mk = m + k * ng;
+        if (w->kind == KIND_Q4K) {
+            const uint8_t *sb = (const uint8_t *)w->scale + (r + k) * ss;
+            for (int64_t s = 0; s < ng / 8; s++) q4k_superblock(sb + Q4K_SB_BYTES * s, dk + 8 * s, mk + 8 * s);
+            continue;
+        }
+        f16_row((const uint16_t *)w->scale + (r + k) * ss, ng, dk);
+        if (w->kind != KIND_I4H) continue;
+        if (w->minimum) f16_row((const uint16_t *)w->minimum + (r + k) * ss, ng, mk);
+        else for (int64_t g = 0; g < ng; g++) mk[g] = -8.0f * dk[g]; /* Q4_0: exact */
+    }
+}
+
+/* sh = rows r .. r+n-1 of w as the float-scale format (KIND_I4 / KIND_I8B) over the scales in d, m
+ * ([n][cols / 32] each, filled here); the codes are w's own bytes */
+static inline void shadow_rows(const tdm_weight *w, int64_t r, int64_t n, float *d, float *m, tdm_weight *sh) {
+    expand_scales(w, r, n, d, m);
+    *sh = *w;
+    sh->kind = w->kind == KIND_I8H ? KIND_I8B : KIND_I4;
+    sh->group = 32;
+    sh->rows = n;
+    sh->data = w->data + r * w->row_bytes;
+    sh->scale = d;
+    sh->minimum = w->kind == KIND_I8H ? NULL : m;
+    sh->scale_stride = w->cols / 32;
+}
+/* y [cols] += h * W[r] for a Q8_0 row with f16 scales (the sparse down projection's rows) */
+static void axpy_row_i8h(const tdm_weight *w, int64_t r, float h, float *restrict y) {
+    int64_t n = w->cols;
+    const int8_t *restrict q = (const int8_t *)(w->data + r * w->row_bytes);
+    const uint16_t *s = (const uint16_t *)w->scale + r * w->scale_stride;
+    for (int64_t b = 0; b < n / 32; b++) {
+        float a = h * f16_value(s[b]);
+#ifdef TDM_SIMD
+        __m256 av = _mm256_set1_ps(a);
+        for (int c = 0; c < 32; c += 8) {
+            float *yk = y + b * 32 + c;
+            __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + b * 32 + c))));
+            _mm256_storeu_ps(yk, _mm256_fmadd_ps(av, wv, _mm256_loadu_ps(yk)));
+        }
+#else
+        for (int k = 0; k < 32; k++) y[b * 32 + k] += a * (float)q[b * 32 + k];
+#endif
+    }
+}
+
+#ifdef TDM_SIMD
+/* y [d] += sum_k h[k] * W[idx[k]] for four Q8_0 rows with f16 scales (y loaded and stored once per
+ * four rows, the float32 operations of axpy_rows' fp16 kernel); fetches the rows at next[] meanwhile */
+static void axpy4_i8h(const tdm_weight *w, const int32_t *idx, const float *h, const int32_t *next, float *restrict y) {
+    int64_t rb = w->row_bytes, ss = w->scale_stride, nb = w->cols / 32;
+    const int8_t *q[4];
+    const uint16_t *s[4];
+    for (int k = 0; k < 4; k++) {
+        q[k] = (const int8_t *)(w->data + idx[k] * rb);
+        s[k] = (const uint16_t *)w->scale + idx[k] * ss;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        if (next && (b & 1) == 0)
+            for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(w->data + next[k] * rb) + 32 * b, _MM_HINT_T0);
+        __m256 a0 = _mm256_set1_ps(h[0] * f16_value(s[0][b])), a1 = _mm256_set1_ps(h[1] * f16_value(s[1][b]));
+        __m256 a2 = _mm256_set1_ps(h[2] * f16_value(s[2][b])), a3 = _mm256_set1_ps(h[3] * f16_value(s[3][b]));
+        for (int c = 0; c < 32; c += 8) {
+            int64_t k = b * 32 + c;
+#define TDM_Q8_LANE(r) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q[r] + k))))
+            __m256 a = _mm256_fmadd_ps(a0, TDM_Q8_LANE(0), _mm256_loadu_ps(y + k));
+            __m256 e = _mm256_mul_ps(a1, TDM_Q8_LANE(1));
+            a = _mm256_fmadd_ps(a2, TDM_Q8_LANE(2), a);
+            e = _mm256_fmadd_ps(a3, TDM_Q8_LANE(3), e);
+#undef TDM_Q8_LANE
+            _mm256_storeu_ps(y + k, _mm256_add_ps(a, e));
+        }
+    }
+}
+#endif
+
+#endif
