@@ -71,7 +71,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-device", choices=("cuda", "cpu"), default=None,
                    help="where the GPU tier runs (default: cuda when present, else cpu)")
     p.add_argument("--no-sparse", action="store_true", help="compute every FFN neuron (exact)")
-    p.add_argument("--down-format", choices=("fp16", "fp32", "int8b", "int8"), default=None,
+    p.add_argument("--down-format", choices=("fp16", "fp32", "int8b", "int8", "int4"), default=None,
                    help="storage of the sparse (transposed) down projection (default fp16)")
     p.add_argument("--no-fused-decode", action="store_true",
                    help="decode through the module graph instead of the one-call C step")

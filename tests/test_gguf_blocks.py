@@ -115,9 +115,11 @@ def test_quantizing_floats_stores_f16_scales_where_they_fit():
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama-relu"])
-def test_fused_step_on_f16_blocks_and_q8_down_rows_matches_reference_and_modules(tiny_model_dir, kind):
-    """int4 rows with f16 scales (KIND_I4H) and Q8_0 down rows (KIND_I8H), sparse: the fused step equals the
-    torch statement of its arithmetic and stays within float noise of the module path (numba kernels)."""
+@pytest.mark.parametrize("down", ["int8b", "int4"])
+def test_fused_step_on_f16_blocks_and_quantized_down_rows(tiny_model_dir, kind, down):
+    """int4 rows with f16 scales (KIND_I4H) and Q8_0 / Q4_1 down rows (KIND_I8H / KIND_I4H), sparse: the fused
+    step equals the torch statement of its arithmetic, stays within float noise of the module path (numba
+    kernels), and its multi-token form equals the single steps bit for bit."""
     from helpers_fused import reference_step
     from online.execution.fused_decode import FusedDecodeStep
     from online.generate import decode_one_token
@@ -126,11 +128,11 @@ def test_fused_step_on_f16_blocks_and_q8_down_rows_matches_reference_and_modules
 
     folder, _ = tiny_model_dir(kind)
     model, executor = packed(folder, "int4", thresholds=[0.0 if kind == "llama-relu" else 0.02] * 2,
-                             down_format="int8b")
+                             down_format=down)
     split = executor.splits[0].cpu
     assert split.down_t.scale.dtype == np.float16 and split.up.scale.dtype == np.float16
     step = FusedDecodeStep.build(model, executor, residual_ratio=0.0)
-    assert step._layers[0].down_t.kind == 6 and step._layers[0].up.kind == 5  # read in place
+    assert step._layers[0].down_t.kind == {"int8b": 6, "int4": 5}[down] and step._layers[0].up.kind == 5  # in place
     cache, ref_cache, module_cache = (KVCache(model.cfg, 32) for _ in range(3))
     for pos, tok in enumerate(PROMPT):
         got = step(tok, pos, cache)
@@ -138,3 +140,6 @@ def test_fused_step_on_f16_blocks_and_q8_down_rows_matches_reference_and_modules
         torch.testing.assert_close(got, ref.float(), rtol=1e-3, atol=1e-3)
         module = decode_one_token(model, executor, module_cache, tok, pos)
         torch.testing.assert_close(got, module, rtol=2e-2, atol=2e-2)
+    single, multi = KVCache(model.cfg, 32), KVCache(model.cfg, 32)
+    want = torch.stack([step(t, pos, single) for pos, t in enumerate(PROMPT)])
+    assert torch.equal(step.step_many(PROMPT, 0, multi), want)

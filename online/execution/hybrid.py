@@ -33,7 +33,7 @@ from .quantized_linear import EXACT_GGUF_TYPES
 from .weights import FFNWeights, MoELayerWeights
 
 WEIGHT_FORMATS = ("fp32", "int8", "int4")
-DOWN_FORMATS = ("fp32", "fp16", "int8b", "int8")
+DOWN_FORMATS = ("fp32", "fp16", "int8b", "int8", "int4")  # int8b / int4: Q8_0 / Q4_1 rows (f16 scales)
 PREDICTOR_MAX_TOKENS = 4  # longer batches (prefill) activate nearly every neuron: exact path there
 
 

@@ -141,4 +141,86 @@ static void axpy4_i8h(const tdm_weight *w, const int32_t *idx, const float *h, c
 }
 #endif
 
+
+/* The int4 row axpys (the sparse down projection as Q4_0 / Q4_1 rows, groups of 32 along d):
+ * y += (h d[g]) q + h m[g] per group. d, m: the row's float32 scales and minimums (expanded). */
+#ifdef TDM_SIMD
+static inline void q4_lanes(const uint8_t *p, __m256 out[4]) { /* 16 bytes -> the 32 codes as 4 x 8 floats, in order */
+    __m128i raw = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+#endif
+
+static void axpy_row_q4(const uint8_t *p, const float *d, const float *m, int64_t ng, float h, float *restrict y) {
+    for (int64_t g = 0; g < ng; g++) {
+        float a = h * d[g], c = h * m[g];
+#ifdef TDM_SIMD
+        __m256 q[4], av = _mm256_set1_ps(a), cv = _mm256_set1_ps(c);
+        q4_lanes(p + 16 * g, q);
+        for (int l = 0; l < 4; l++) {
+            float *yk = y + 32 * g + 8 * l;
+            _mm256_storeu_ps(yk, _mm256_add_ps(_mm256_loadu_ps(yk), _mm256_fmadd_ps(av, q[l], cv)));
+        }
+#else
+        for (int k = 0; k < 16; k++) {
+            y[32 * g + k] += a * (float)(p[16 * g + k] & 15) + c;
+            y[32 * g + 16 + k] += a * (float)(p[16 * g + k] >> 4) + c;
+        }
+#endif
+    }
+}
+
+/* y += h * W[r] for int4 rows of groups of 32 (KIND_I4 with group 32, KIND_I4H) */
+static void axpy_row_i4(const tdm_weight *w, int64_t r, float h, float *restrict y) {
+    int64_t ng = w->cols / 32;
+    const uint8_t *p = w->data + r * w->row_bytes;
+    if (w->kind == KIND_I4) {
+        axpy_row_q4(p, w->scale + r * w->scale_stride, w->minimum + r * w->scale_stride, ng, h, y);
+        return;
+    }
+    float d[ng], m[ng];
+    expand_scales(w, r, 1, d, m);
+    axpy_row_q4(p, d, m, ng, h, y);
+}
+
+#ifdef TDM_SIMD
+/* the same for four rows idx[0..3] (y loaded and stored once per four); fetches the rows at next[] */
+static void axpy4_i4(const tdm_weight *w, const int32_t *idx, const float *h, const int32_t *next, float *restrict y) {
+    int64_t ng = w->cols / 32, rb = w->row_bytes, ss = w->scale_stride;
+    float dx[4 * ng], mx[4 * ng];
+    const float *d[4], *m[4];
+    const uint8_t *p[4];
+    for (int k = 0; k < 4; k++) {
+        p[k] = w->data + idx[k] * rb;
+        if (w->kind == KIND_I4) {
+            d[k] = w->scale + idx[k] * ss;
+            m[k] = w->minimum + idx[k] * ss;
+        } else {
+            expand_scales(w, idx[k], 1, dx + k * ng, mx + k * ng);
+            d[k] = dx + k * ng;
+            m[k] = mx + k * ng;
+        }
+    }
+    for (int64_t g = 0; g < ng; g++) {
+        if (next && (g & 3) == 0)
+            for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(w->data + next[k] * rb) + 16 * g, _MM_HINT_T0);
+        __m256 q0[4], q1[4], q2[4], q3[4];
+        q4_lanes(p[0] + 16 * g, q0), q4_lanes(p[1] + 16 * g, q1), q4_lanes(p[2] + 16 * g, q2), q4_lanes(p[3] + 16 * g, q3);
+        __m256 a0 = _mm256_set1_ps(h[0] * d[0][g]), c0 = _mm256_set1_ps(h[0] * m[0][g]);
+        __m256 a1 = _mm256_set1_ps(h[1] * d[1][g]), c1 = _mm256_set1_ps(h[1] * m[1][g]);
+        __m256 a2 = _mm256_set1_ps(h[2] * d[2][g]), c2 = _mm256_set1_ps(h[2] * m[2][g]);
+        __m256 a3 = _mm256_set1_ps(h[3] * d[3][g]), c3 = _mm256_set1_ps(h[3] * m[3][g]);
+        for (int l = 0; l < 4; l++) {
+            float *yk = y + 32 * g + 8 * l;
+            __m256 s01 = _mm256_add_ps(_mm256_fmadd_ps(a0, q0[l], c0), _mm256_fmadd_ps(a1, q1[l], c1));
+            __m256 s23 = _mm256_add_ps(_mm256_fmadd_ps(a2, q2[l], c2), _mm256_fmadd_ps(a3, q3[l], c3));
+            _mm256_storeu_ps(yk, _mm256_add_ps(_mm256_loadu_ps(yk), _mm256_add_ps(s01, s23)));
+        }
+    }
+}
+#endif
 #endif

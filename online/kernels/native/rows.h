@@ -404,6 +404,8 @@ static void axpy_row(const tdm_weight *w, int64_t r, float h, float *restrict y)
 #endif
     } else if (w->kind == KIND_I8H) { /* Q8_0 rows, f16 scale per 32 (blocks.h) */
         axpy_row_i8h(w, r, h, y);
+    } else if (w->kind == KIND_I4H || w->kind == KIND_I4) { /* Q4_0 / Q4_1 rows, groups of 32 (blocks.h) */
+        axpy_row_i4(w, r, h, y);
     } else if (w->kind == KIND_I8) {
         const int8_t *restrict q = (const int8_t *)row;
         float a = h * w->scale[r * w->scale_stride];
@@ -462,6 +464,8 @@ static void axpy_rows(const tdm_weight *w, const int32_t *idx, const float *h, i
     }
     else if (w->kind == KIND_I8H)
         for (; j + 4 <= n; j += 4) axpy4_i8h(w, idx + j, h + j, j + 8 <= n ? idx + j + 4 : NULL, y);
+    else if (w->kind == KIND_I4H || w->kind == KIND_I4)
+        for (; j + 4 <= n; j += 4) axpy4_i4(w, idx + j, h + j, j + 8 <= n ? idx + j + 4 : NULL, y);
 #endif
     for (; j < n; j++) axpy_row(w, idx[j], h[j], y);
 }

@@ -106,8 +106,8 @@ def describe(w, dot_input: bool = True) -> WeightRef:
         return _ref(KIND_I8, 1, w.q, w.scale, None, 1)
     if isinstance(w, BlockInt8Weight):  # Q8_0: f16 scales read in place (blocks.h), or float32
         return _ref(KIND_I8H if w.scale.dtype == np.float16 else KIND_I8B, 32, w.q, w.scale, None, w.scale.shape[1])
-    if not dot_input and isinstance(w, (Int4Weight, Q4KWeight)):
-        raise TandemError("native kernels do not read int4 down-projection rows (fp32/fp16/int8 only)")
+    if not dot_input and (isinstance(w, Q4KWeight) or (isinstance(w, Int4Weight) and w.group_size != 32)):
+        raise TandemError("native kernels read int4 down-projection rows only in groups of 32 (Q4_0 / Q4_1)")
     if isinstance(w, Q4KWeight):  # super-block scale bytes in place (blocks.h)
         return _ref(KIND_Q4K, 32, w.packed, w.sb, None, w.sb.shape[1], cols=cols)
     if isinstance(w, Int4Weight):
