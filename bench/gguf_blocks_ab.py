@@ -5,11 +5,14 @@ Variants over the same plan and the same tokens (positions 0..N of one text, fre
 - ``f32 scales, fp16 down``: the formats before native/blocks.h (every f16 scale widened to float32,
   Q4_0 minimum -8d stored), i.e. what main read;
 - ``f16 scales, fp16 down``: GGUF's own scale bytes read in place (bit-identical logits);
-- ``f16 scales, q8 down``: the sparse down rows as Q8_0 rows (f16 scale per 32) instead of fp16.
+- ``f16 scales, q8 down`` / ``q4 down``: the sparse down rows as Q8_0 / Q4_1 rows (f16 scales per 32)
+  instead of fp16 (re-quantized: the GGUF down blocks run along n_ff).
 Bytes/token: qkv + o + gate + output layer, plus up and down rows in proportion to the measured active
-fraction (the fused step reads every gate row, up/down rows only of active neurons).
+fraction (the fused step reads every gate row, up/down rows only of active neurons; on layers with a
+predictor gate rows too are counted at the active fraction: a lower bound, predictors mark more rows).
 
     python -m bench.gguf_blocks_ab --rounds 7 --tokens 64
+    python -m bench.gguf_blocks_ab --model M.gguf --plan DIR --predictors DIR --downs fp16 int8b int4
 """
 from __future__ import annotations
 
@@ -55,7 +58,8 @@ def bytes_per_token(engine, active: float) -> float:
     for i, block in enumerate(engine.model.layers):
         attn, ffn = block.self_attn, ex.splits[i].cpu
         total += attn.qkv_proj.linear.weight.nbytes + attn.o_proj.linear.weight.nbytes
-        total += (ffn.gate.nbytes if ffn.gate is not None else 0) + active * (ffn.up.nbytes + ffn.down_t.nbytes)
+        gate = ffn.gate.nbytes if ffn.gate is not None else 0
+        total += gate * (active if ex.splits[i].predictor is not None else 1.0) + active * (ffn.up.nbytes + ffn.down_t.nbytes)
     return total + ex.head.weight.nbytes
 
 
@@ -64,17 +68,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--plan", default=PLAN)
+    ap.add_argument("--predictors", default=None)
+    ap.add_argument("--downs", nargs="+", default=["fp16", "int8b", "int4"], choices=("fp16", "int8b", "int4"))
     args = ap.parse_args()
     from online import Engine
     from online.execution.fused_decode import FusedDecodeStep
 
-    engines = {down: Engine.load("smollm2", plan=PLAN, threads=args.threads, down_format=down) for down in ("fp16", "int8b")}
+    downs = ["fp16"] + [d for d in args.downs if d != "fp16"]
+    engines = {down: Engine.load(args.model, plan=args.plan, predictors=args.predictors, threads=args.threads,
+                                 down_format=down) for down in downs}
     with float_scales_described():
         before = FusedDecodeStep.build(engines["fp16"].model, engines["fp16"].executor)
-    variants = {"f32 scales, fp16 down": (engines["fp16"], before),
-                "f16 scales, fp16 down": (engines["fp16"], engines["fp16"].compiled_decode),
-                "f16 scales, q8 down": (engines["int8b"], engines["int8b"].compiled_decode)}
-    ids = engines["fp16"].encode_prompt(TEXT)[: args.tokens]
+    label = {"fp16": "fp16 down", "int8b": "q8 down", "int4": "q4 down"}
+    variants = {"f32 scales, fp16 down": (engines["fp16"], before)}
+    variants.update({f"f16 scales, {label[d]}": (engines[d], engines[d].compiled_decode) for d in downs})
+    try:
+        ids = engines["fp16"].encode_prompt(TEXT)[: args.tokens]
+    except Exception:  # noqa: BLE001 - a synthetic GGUF may carry no usable tokenizer
+        ids = list(range(100, 100 + args.tokens))
     times = {k: [] for k in variants}
     logits, active = {}, {}
     for r in range(args.rounds + 1):  # round 0: warm-up
@@ -104,7 +117,8 @@ def twin_bytes_per_token(engine, active: float) -> float:
     for i, block in enumerate(engine.model.layers):
         attn, ffn = block.self_attn, ex.splits[i].cpu
         total += float_scale_twin(attn.qkv_proj.linear.weight).nbytes + float_scale_twin(attn.o_proj.linear.weight).nbytes
-        total += (float_scale_twin(ffn.gate).nbytes if ffn.gate is not None else 0)
+        gate = float_scale_twin(ffn.gate).nbytes if ffn.gate is not None else 0
+        total += gate * (active if ex.splits[i].predictor is not None else 1.0)
         total += active * (float_scale_twin(ffn.up).nbytes + ffn.down_t.nbytes)
     return total + float_scale_twin(ex.head.weight).nbytes
 

@@ -143,3 +143,16 @@ def test_fused_step_on_f16_blocks_and_quantized_down_rows(tiny_model_dir, kind, 
     single, multi = KVCache(model.cfg, 32), KVCache(model.cfg, 32)
     want = torch.stack([step(t, pos, single) for pos, t in enumerate(PROMPT)])
     assert torch.equal(step.step_many(PROMPT, 0, multi), want)
+
+
+def test_concat_rows_keeps_blocks_and_refuses_mixed_scale_types():
+    from online.kernels.quantize import concat_rows
+    from tandem.errors import TandemError
+
+    for qtype in ("Q4_0", "Q4_K", "Q8_0"):
+        a, b = (weight_from_gguf(_raw(qtype, s), qtype, (ROWS, COLS)) for s in (7, 8))
+        both = concat_rows([a, b])
+        assert type(both) is type(a) and np.array_equal(both.dequantize(), np.concatenate([a.dequantize(), b.dequantize()]))
+    q40 = weight_from_gguf(_raw("Q4_0", 7), "Q4_0", (ROWS, COLS))
+    with pytest.raises(TandemError, match="scale type"):
+        concat_rows([q40, _float_scale_twin(q40)])  # f16 scale without minimum + float32 scale and minimum
