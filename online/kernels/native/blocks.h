@@ -40,25 +40,35 @@ static inline void f16_row(const uint16_t *h, int64_t n, float *out) {
     for (; i < n; i++) out[i] = f16_value(h[i]);
 }
 
-/* Q4_K: the eight sub-block scales d * sc and minimums -(dmin * m) of one super-block (ggml's get_scale_min_k4) */
+/* Q4_K: the eight sub-block scales d * sc and minimums -(dmin * m) of one super-block. The twelve
+ * scale bytes hold sc, m for sub-blocks 0-3 in the low 6 bits of bytes 0-3 / 4-7, and for 4-7 the low /
+ * high nibbles of bytes 8-11 plus the top 2 bits of bytes 0-3 / 4-7 (ggml's get_scale_min_k4), here
+ * rearranged with 32-bit masks so bytes 0-7 are sc[0..7] and bytes 8-15 m[0..7]. */
 static inline void q4k_superblock(const uint8_t *sb, float *d, float *m) {
     uint16_t hd, hm;
+    uint32_t u[4];
     memcpy(&hd, sb, 2);
     memcpy(&hm, sb + 2, 2);
+    memcpy(u, sb + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
+    u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4); /* m[4..7] */
+    uint32_t m03 = u[1] & low6;                                  /* m[0..3] */
+    u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);         /* sc[4..7] */
+    u[2] = m03;
+    u[0] &= low6;                                                /* sc[0..3] */
+    const uint8_t *b = (const uint8_t *)u;
     float D = f16_value(hd), M = f16_value(hm);
-    const uint8_t *q = sb + 4;
+#ifdef TDM_SIMD
+    __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b)));
+    __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8))));
+    _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_set1_ps(D), sc));
+    _mm256_storeu_ps(m, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(M), mn), _mm256_set1_ps(-0.0f))); /* -(M mn) */
+#else
     for (int j = 0; j < 8; j++) {
-        int sc, mn;
-        if (j < 4) {
-            sc = q[j] & 63;
-            mn = q[j + 4] & 63;
-        } else {
-            sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
-            mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        }
-        d[j] = D * (float)sc;
-        m[j] = -(M * (float)mn);
+        d[j] = D * (float)b[j];
+        m[j] = -(M * (float)b[8 + j]);
     }
+#endif
 }
 
 /* d, m [n][cols / 32]: the float32 per-32 scales and minimums of rows r .. r+n-1 (m unused for int8) */

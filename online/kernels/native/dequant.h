@@ -65,4 +65,8 @@ void tdm_gemv_float(const tdm_weight *w, int64_t n_tokens, const float *x, float
         free(buf);
     }
 }
+/* Self-check and benchmark entry: y [cols] += sum_j h[j] * W[idx[j]] (the sparse down projection's axpy_rows) */
+void tdm_axpy_rows(const tdm_weight *w, const int32_t *idx, const float *h, int64_t n, float *y) {
+    axpy_rows(w, idx, h, n, y);
+}
 #endif

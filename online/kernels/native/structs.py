@@ -72,6 +72,8 @@ def bind_signatures(lib: ctypes.CDLL) -> None:
     lib.tdm_batch_work_bytes.restype = _I
     lib.tdm_dot_rows_multi.argtypes = [ctypes.POINTER(TdmWeight), _I, _I, _I, _P, ctypes.c_double, _P]
     lib.tdm_dot_rows_multi.restype = None
+    lib.tdm_axpy_rows.argtypes = [ctypes.POINTER(TdmWeight), _P, _P, _I, _P]
+    lib.tdm_axpy_rows.restype = None
 
 
 def addr(a: np.ndarray | None) -> int | None:
