@@ -20,7 +20,7 @@ from pathlib import Path
 from tandem.core.errors import TandemError
 
 WEIGHT_FORMATS = ("fp32", "int8", "int4")  # packed CPU weights of hybrid executors
-DOWN_FORMATS = ("fp32", "fp16", "int8b", "int8")  # storage of the sparse (transposed) down projection
+DOWN_FORMATS = ("fp32", "fp16", "int8b", "int8", "int4")  # sparse (transposed) down projection; int8b / int4: Q8_0 / Q4_1 rows (f16 scales)
 GPU_DEVICES = ("cuda", "cpu")
 
 

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from online.kernels.quantize import Int4Weight
 
 BLOCK = 32
 
@@ -37,12 +36,13 @@ def quantized_activation(x: torch.Tensor, residual_ratio: float) -> torch.Tensor
 
 def matvec(w, x: torch.Tensor, residual_ratio: float) -> torch.Tensor:
     xq = quantized_activation(x, residual_ratio)
-    if not isinstance(w, Int4Weight):
+    if not hasattr(w, "codes"):  # Int4Weight, superblocks.Q4KWeight: int4 codes, per-group scale and minimum
         return torch.from_numpy(np.ascontiguousarray(w.dequantize())) @ xq
     group = w.group_size
+    scale, minimum = w.float_scales()  # float32 [out, groups] (f16 / Q4_K scales expanded exactly)
     codes = torch.from_numpy(w.codes().astype(np.float32)).reshape(w.shape[0], -1, group)  # [out, groups, G]
-    scaled = (codes * torch.from_numpy(w.scale)[:, :, None]).reshape(w.shape[0], -1)  # [out, in]
-    return scaled @ xq + torch.from_numpy(w.minimum) @ x.reshape(-1, group).sum(1)
+    scaled = (codes * torch.from_numpy(scale)[:, :, None]).reshape(w.shape[0], -1)  # [out, in]
+    return scaled @ xq + torch.from_numpy(minimum) @ x.reshape(-1, group).sum(1)
 
 
 def _bias(b) -> torch.Tensor | float:

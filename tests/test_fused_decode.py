@@ -263,8 +263,8 @@ def test_widths_the_kernels_do_not_read_fall_back(tmp_path):
     engine = Engine.load(tmp_path, weight_format="int8")
     assert engine.decode_path == "modules" and "divisible by 32" in engine.decode_path_reason
     assert len(engine.generate([1, 2, 3], max_new_tokens=4, ignore_eos=True).token_ids) == 4
-    with pytest.raises(TandemError, match="int4 down-projection rows"):
-        describe(quantize(RNG.standard_normal((4, 64)).astype(np.float32), "int4"), dot_input=False)
+    with pytest.raises(TandemError, match="int4 down-projection rows only in groups of 32"):
+        describe(quantize(RNG.standard_normal((4, 64)).astype(np.float32), "int4", 64), dot_input=False)
 
 
 def test_unwritable_cache_folder_falls_back_to_the_temp_dir(tmp_path, monkeypatch):

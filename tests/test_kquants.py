@@ -79,7 +79,7 @@ def test_kquant_errors_name_the_problem():
         dequantize(np.zeros(100, np.uint8), "Q6_K", (1, 256))
 
 
-@pytest.mark.parametrize("qtype, kind", [("Q4_K", "Int4Weight"), ("Q5_0", "BlockInt8Weight"),
+@pytest.mark.parametrize("qtype, kind", [("Q4_K", "Q4KWeight"), ("Q5_0", "BlockInt8Weight"),
                                          ("IQ4_NL", "BlockInt8Weight"), ("Q6_K", "Fp32Weight"),
                                          ("Q5_K", "Fp32Weight"), ("Q2_K", "Fp32Weight")])
 def test_kernel_weights_from_kquants_are_exact(qtype, kind):

@@ -31,7 +31,8 @@ from ..kernels.quantize import Fp32Weight, Int4Weight, Int8Weight, quantize
 
 ALIGN_BYTES = 64
 EXPERT_FORMATS = ("fp32", "int8", "int4")
-_NP_TO_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.int8): torch.int8, np.dtype(np.uint8): torch.uint8}
+_NP_TO_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16, np.dtype(np.int8): torch.int8,
+                np.dtype(np.uint8): torch.uint8}  # float16: int4 scales (quantize.py keeps them as GGUF does)
 
 
 @dataclass(frozen=True)

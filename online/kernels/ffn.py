@@ -32,7 +32,8 @@ from .quantize import Fp32Weight, Weight, quantize, weight_from_gguf
 
 # Up to this many tokens the numba kernels beat dequantize-per-call + torch matmul (measured on
 # 1536x576, bench/kernels.md); fp32 weights need no dequantization, so torch wins from T = 2.
-_KERNEL_MAX_TOKENS = {"Fp32Weight": 1, "Fp16Weight": 1, "Int8Weight": 6, "BlockInt8Weight": 6, "Int4Weight": 3}
+_KERNEL_MAX_TOKENS = {"Fp32Weight": 1, "Fp16Weight": 1, "Int8Weight": 6, "BlockInt8Weight": 6, "Int4Weight": 3,
+                     "Q4KWeight": 3}
 KERNEL_MAX_TOKENS = max(_KERNEL_MAX_TOKENS.values())
 
 
@@ -44,7 +45,7 @@ _EMPTY = np.zeros(0, dtype=np.float32)
 
 def _weight_format(w: Weight) -> str:
     return {"Fp32Weight": "fp32", "Fp16Weight": "fp16", "Int8Weight": "int8", "BlockInt8Weight": "int8-block32",
-            "Int4Weight": f"int4-g{getattr(w, 'group_size', 32)}"}[type(w).__name__]
+            "Int4Weight": f"int4-g{getattr(w, 'group_size', 32)}", "Q4KWeight": "q4_k"}[type(w).__name__]
 
 
 def _as_2d(x: Any, features: int, what: str) -> tuple[np.ndarray, bool]:

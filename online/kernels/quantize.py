@@ -6,16 +6,18 @@ Every format is a frozen dataclass over numpy arrays, ``[out_features, in_featur
 - ``Fp16Weight``: float16 ``w`` (in_features divisible by 8): half the bytes of fp32, 11-bit mantissa
   (a GGUF Q4_1 value d*q+m with f16 d, m rounds by at most 2^-11 relative).
 - ``Int8Weight``: int8 ``q`` + float32 per-output-row ``scale`` (symmetric): w = scale[r] * q.
-- ``BlockInt8Weight``: int8 ``q`` + float32 ``scale [out, in/32]`` (GGUF Q8_0, kept exactly).
+- ``BlockInt8Weight``: int8 ``q`` + ``scale [out, in/32]`` float16 (GGUF Q8_0 as is) or float32.
 - ``Int4Weight``: groups of ``group_size`` (32 or 64) along the input dim; ``packed uint8 [out, in/2]``:
   inside group g, byte j holds element g*G + j in its low nibble and element g*G + G/2 + j in its
   high nibble (GGUF Q4_0/Q4_1 order for G = 32); w = scale[r, g] * q + minimum[r, g], q in 0..15.
+  scale and minimum are float16 (GGUF's own: 0.625 B/weight) or float32; ``minimum=None`` means
+  w = scale * (q - 8) (Q4_0: 0.5625 B/weight).
+- ``superblocks.Q4KWeight``: Q4_K super-blocks (0.5625 B/weight), codes in the group-32 order above.
 
-GGUF blocks convert without a float round trip: Q8_0 -> BlockInt8Weight, Q4_1 -> Int4Weight
-(d, m as scale, minimum), Q4_0 -> Int4Weight (minimum = -8 d); F32/F16/BF16 -> Fp32Weight.
-k-quants are packed exactly where a format holds them: Q4_K -> Int4Weight (each 32-weight sub-block's
-float32 d*sc and -dmin*m as scale, minimum), Q5_0 -> BlockInt8Weight (q - 16), IQ4_NL ->
-BlockInt8Weight (table value); others (Q2_K, Q3_K, Q5_K, Q6_K, Q5_1) decode exactly to Fp32Weight.
+GGUF blocks convert without a float round trip: Q8_0 -> BlockInt8Weight, Q4_1 / Q4_0 -> Int4Weight, Q4_K
+-> Q4KWeight, Q5_0 / IQ4_NL -> BlockInt8Weight (q - 16 / table value), all with GGUF's f16 scales; F32/F16/BF16
+and the other k-quants decode exactly to Fp32Weight. Quantized floats get f16 scales where they hold them.
+The C step reads the f16 and Q4_K forms in place (native/blocks.h); kernel_args() widens them for numba.
 
 Example::
 
@@ -36,6 +38,7 @@ from tandem.core.errors import TandemError
 # Kernel codes (cpu_numba and the native kernels dispatch on these; the C enums in kernels/native must
 # agree: tests/test_kernel_constants.py): weight formats and FFN activations.
 KIND_F32, KIND_I8, KIND_I8B, KIND_I4, KIND_F16 = 0, 1, 2, 3, 4
+KIND_I4H, KIND_I8H, KIND_Q4K = 5, 6, 7  # native only (blocks.h): f16-scaled int4 / int8, Q4_K super-blocks
 ACT_IDS = {"silu": 0, "relu": 1, "fatrelu": 2, "drelu": 3, "gelu": 4, "gelu_tanh": 5}
 F16_VECTOR = 8  # Fp16Weight rows are read 8 values at a time
 Q8_BLOCK = 32  # Q8_0 block size (BlockInt8Weight)
@@ -54,6 +57,22 @@ def _writable(a: np.ndarray) -> np.ndarray:
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise TandemError(msg)
+
+
+def _scale_array(a: Any, shape: tuple, name: str) -> None:
+    _check(isinstance(a, np.ndarray) and a.dtype in (np.float16, np.float32) and a.shape == shape
+           and a.flags.c_contiguous, f"{name} must be C-contiguous float16 or float32 {list(shape)}")
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32)  # float16 -> float32 is exact
+
+
+def _half_scales(*arrays: np.ndarray) -> tuple:
+    """float32 scale arrays as float16 when every value is 0 or a normal float16 (else unchanged),
+    so quantized floats keep GGUF's scale bytes without subnormal precision loss."""
+    fits = all(bool(((a == 0) | ((np.abs(a) >= 2.0 ** -14) & (np.abs(a) <= 65504.0))).all()) for a in arrays)
+    return tuple(a.astype(np.float16) if fits else a for a in arrays)
 
 
 def _f32_2d(a: Any, name: str) -> np.ndarray:
@@ -144,29 +163,28 @@ class Int8Weight(_Int8Codes):
 
 @dataclass(frozen=True, eq=False)
 class BlockInt8Weight(_Int8Codes):
-    scale: np.ndarray  # float32 [out, in / 32]
+    scale: np.ndarray  # float16 or float32 [out, in / 32]
 
     def __post_init__(self) -> None:
         super().__post_init__()
         rows, cols = self.q.shape
         _check(cols % Q8_BLOCK == 0, f"BlockInt8Weight needs in_features divisible by {Q8_BLOCK}, got {cols}")
-        _check(self.scale.dtype == np.float32 and self.scale.shape == (rows, cols // Q8_BLOCK)
-               and self.scale.flags.c_contiguous, f"BlockInt8Weight.scale must be float32 [{rows}, {cols // Q8_BLOCK}]")
+        _scale_array(self.scale, (rows, cols // Q8_BLOCK), "BlockInt8Weight.scale")
 
     def dequantize(self) -> np.ndarray:
         rows, cols = self.q.shape
-        w = self.q.reshape(rows, -1, Q8_BLOCK).astype(np.float32) * self.scale[:, :, None]
+        w = self.q.reshape(rows, -1, Q8_BLOCK).astype(np.float32) * _f32(self.scale)[:, :, None]
         return w.reshape(rows, cols)
 
     def kernel_args(self) -> tuple:
-        return (KIND_I8B, _writable(self.q).view(np.uint8), _writable(self.scale), _dummy(), Q8_BLOCK)
+        return (KIND_I8B, _writable(self.q).view(np.uint8), _writable(_f32(self.scale)), _dummy(), Q8_BLOCK)
 
 
 @dataclass(frozen=True, eq=False)
 class Int4Weight:
     packed: np.ndarray  # uint8 [out, in / 2], nibble order described in the module docstring
-    scale: np.ndarray  # float32 [out, in / group_size]
-    minimum: np.ndarray  # float32 [out, in / group_size]
+    scale: np.ndarray  # float16 or float32 [out, in / group_size]
+    minimum: np.ndarray | None  # like scale; None: w = scale * (q - 8) (Q4_0)
     group_size: int = 32
 
     def __post_init__(self) -> None:
@@ -176,10 +194,11 @@ class Int4Weight:
         rows, cols = self.packed.shape[0], self.packed.shape[1] * 2
         _check(cols % self.group_size == 0, f"Int4Weight needs in_features divisible by {self.group_size}, got {cols}")
         groups = (rows, cols // self.group_size)
-        for name in ("scale", "minimum"):
-            a = getattr(self, name)
-            _check(a.dtype == np.float32 and a.shape == groups and a.flags.c_contiguous,
-                   f"Int4Weight.{name} must be C-contiguous float32 {list(groups)}")
+        _scale_array(self.scale, groups, "Int4Weight.scale")
+        if self.minimum is not None:
+            _scale_array(self.minimum, groups, "Int4Weight.minimum")
+            _check(self.minimum.dtype == self.scale.dtype, "Int4Weight.scale and .minimum must have one dtype")
+        _check(self.scale.dtype == np.float32 or self.group_size == 32, "float16 int4 scales need groups of 32")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -187,7 +206,12 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scale.nbytes + self.minimum.nbytes
+        return self.packed.nbytes + self.scale.nbytes + (0 if self.minimum is None else self.minimum.nbytes)
+
+    def float_scales(self) -> tuple[np.ndarray, np.ndarray]:
+        """(scale, minimum) as float32 [out, groups] (exact; minimum = -8 scale without one)."""
+        scale = _f32(self.scale)
+        return scale, (-8.0 * scale).astype(np.float32) if self.minimum is None else _f32(self.minimum)
 
     def codes(self) -> np.ndarray:
         """The 4-bit values q as uint8 [out, in] in logical order."""
@@ -199,11 +223,13 @@ class Int4Weight:
     def dequantize(self) -> np.ndarray:
         rows, cols = self.shape
         q = self.codes().reshape(rows, -1, self.group_size).astype(np.float32)
-        w = q * self.scale[:, :, None] + self.minimum[:, :, None]  # [out, groups, G]
+        scale, minimum = self.float_scales()
+        w = q * scale[:, :, None] + minimum[:, :, None]  # [out, groups, G]
         return w.reshape(rows, cols)
 
     def kernel_args(self) -> tuple:
-        return (KIND_I4, _writable(self.packed), _writable(self.scale), _writable(self.minimum), self.group_size)
+        scale, minimum = self.float_scales()
+        return (KIND_I4, _writable(self.packed), _writable(scale), _writable(minimum), self.group_size)
 
 
 Weight = Union[Fp32Weight, Fp16Weight, Int8Weight, BlockInt8Weight, Int4Weight]
@@ -237,11 +263,14 @@ def quantize_int4(w: Any, group_size: int = 32) -> Int4Weight:
     _check(cols % group_size == 0, f"int4 needs in_features divisible by {group_size}, got {cols}")
     g = w.reshape(rows, cols // group_size, group_size)  # [out, groups, G]
     lo, hi = g.min(axis=-1), g.max(axis=-1)  # [out, groups]
-    scale = ((hi - lo) / 15.0).astype(np.float32)
-    inv = np.where(scale > 0, 1.0 / np.where(scale > 0, scale, 1.0), 0.0).astype(np.float32)
-    q = np.clip(np.rint((g - lo[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
-    return Int4Weight(packed=pack_int4(q.reshape(rows, cols), group_size), scale=scale,
-                      minimum=np.ascontiguousarray(lo, dtype=np.float32), group_size=group_size)
+    scale, lo = ((hi - lo) / 15.0).astype(np.float32), lo.astype(np.float32)
+    if group_size == 32:
+        scale, lo = _half_scales(scale, lo)  # the codes below are chosen against the stored (rounded) values
+    s32, lo32 = _f32(scale), _f32(lo)
+    inv = np.where(s32 > 0, 1.0 / np.where(s32 > 0, s32, 1.0), 0.0).astype(np.float32)
+    q = np.clip(np.rint((g - lo32[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
+    return Int4Weight(packed=pack_int4(q.reshape(rows, cols), group_size), scale=np.ascontiguousarray(scale),
+                      minimum=np.ascontiguousarray(lo), group_size=group_size)
 
 
 def quantize_int8_blocks(w: Any) -> BlockInt8Weight:
@@ -251,10 +280,11 @@ def quantize_int8_blocks(w: Any) -> BlockInt8Weight:
     rows, cols = w.shape
     _check(cols % Q8_BLOCK == 0, f"block int8 needs in_features divisible by {Q8_BLOCK}, got {cols}")
     blocks = w.reshape(rows, cols // Q8_BLOCK, Q8_BLOCK)  # [out, in/32, 32]
-    scale = np.abs(blocks).max(axis=2) / 127.0  # [out, in/32]
-    safe = np.where(scale > 0, scale, 1.0)
+    scale, = _half_scales((np.abs(blocks).max(axis=2) / 127.0).astype(np.float32))  # [out, in/32]
+    s32 = _f32(scale)
+    safe = np.where(s32 > 0, s32, 1.0)
     q = np.clip(np.rint(blocks / safe[:, :, None]), -127, 127).astype(np.int8).reshape(rows, cols)
-    return BlockInt8Weight(q=np.ascontiguousarray(q), scale=np.ascontiguousarray(scale, dtype=np.float32))
+    return BlockInt8Weight(q=np.ascontiguousarray(q), scale=np.ascontiguousarray(scale))
 
 
 def quantize(w: Any, fmt: str, group_size: int = 32) -> Weight:
@@ -282,7 +312,7 @@ def quantize(w: Any, fmt: str, group_size: int = 32) -> Weight:
 def _scales(a: Any, shape: tuple[int, int], name: str) -> np.ndarray:
     a = np.asarray(a)
     _check(a.shape == shape, f"{name} must have shape {list(shape)}, got {list(a.shape)}")
-    return np.ascontiguousarray(a, dtype=np.float32)  # float16 -> float32 is exact
+    return np.ascontiguousarray(a, dtype=np.float16 if a.dtype == np.float16 else np.float32)  # GGUF's f16 kept
 
 
 def int8_from_q8_0(d: Any, q: Any) -> BlockInt8Weight:
@@ -312,16 +342,18 @@ def int4_from_q4_0(d: Any, q: Any) -> Int4Weight:
     """GGUF Q4_0 fields (``d`` f16 [out, in/32], ``q`` uint8 0..15 [out, in]): w = d (q - 8), exactly."""
     q = _codes(q)
     scale = _scales(d, (q.shape[0], q.shape[1] // 32), "Q4_0 scales")
-    return Int4Weight(packed=pack_int4(q, 32), scale=scale, minimum=(-8.0 * scale).astype(np.float32), group_size=32)
+    return Int4Weight(packed=pack_int4(q, 32), scale=scale, minimum=None, group_size=32)
 
 
 def concat_rows(weights: list[Weight]) -> Weight:
     """Stack weights of one format along the output dim (e.g. q, k, v -> one projection, one call)."""
     _check(len(weights) > 0, "concat_rows needs at least one weight")
     first = weights[0]
-    same = all(type(w) is type(first) and w.shape[1] == first.shape[1]
-               and getattr(w, "group_size", 0) == getattr(first, "group_size", 0) for w in weights)
-    _check(same, "concat_rows needs weights of one format, group size and input width")
+    def layout(w: Weight) -> tuple:  # the format, group size, input width and every array's dtype (or None)
+        return (type(w), w.shape[1], getattr(w, "group_size", 0),
+                *(getattr(getattr(w, n), "dtype", None) for n in w.__dataclass_fields__))
+    _check(all(layout(w) == layout(first) for w in weights),
+           "concat_rows needs weights of one format, group size, input width and scale type")
     fields = {}
     for name in first.__dataclass_fields__:
         value = getattr(first, name)
@@ -349,16 +381,16 @@ def weight_from_gguf(data: np.ndarray, qtype: Any, shape: tuple[int, ...]) -> We
 
 
 def _from_kquant(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> Weight:
-    """Q4_K -> Int4Weight, Q5_0 / IQ4_NL -> BlockInt8Weight; every weight equal to gguf's decode."""
+    """Q4_K -> Q4KWeight, Q5_0 / IQ4_NL -> BlockInt8Weight; every weight equal to gguf's decode."""
     from tandem.core.loading import kquants, quants
+
+    from .superblocks import q4k_from_blocks
 
     rows, cols = shape
     blocks = quants._as_rows(data, qtype, shape).reshape(-1, quants.BLOCK_LAYOUT[qtype][1])  # [rows * nb, bytes]
     groups = (rows, cols // 32)
     if qtype == "Q4_K":
-        d, m, q = kquants.kquant_fields(blocks, "Q4_K")  # [rows * nb, 8] x2, [rows * nb, 256]
-        return Int4Weight(packed=pack_int4(q.reshape(rows, cols), 32), scale=d.reshape(groups),
-                          minimum=np.ascontiguousarray(-m.reshape(groups)), group_size=32)
+        return q4k_from_blocks(blocks, shape)
     d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).reshape(groups)
     if qtype == "Q5_0":
         q = kquants._q5_codes(blocks[:, 2:6], blocks[:, 6:22]).astype(np.int8) - np.int8(16)  # [rows * nb, 32]

@@ -28,7 +28,13 @@ static void dequant_i4_row(const tdm_weight *w, int64_t r, float *restrict out) 
 void tdm_dequantize_rows(const tdm_weight *w, int64_t r0, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i++) {
         float *o = out + i * w->cols;
-        if (w->kind == KIND_I4) {
+        if (packed_scales(w->kind)) { /* blocks.h: the row's scales expanded, then the float-scale format */
+            int64_t ng = w->cols / 32;
+            float d[ng], m[ng];
+            tdm_weight sh;
+            shadow_rows(w, r0 + i, 1, d, m, &sh);
+            tdm_dequantize_rows(&sh, 0, 1, o);
+        } else if (w->kind == KIND_I4) {
             dequant_i4_row(w, r0 + i, o);
         } else {
             memset(o, 0, (size_t)w->cols * sizeof(float));
@@ -58,5 +64,9 @@ void tdm_gemv_float(const tdm_weight *w, int64_t n_tokens, const float *x, float
         }
         free(buf);
     }
+}
+/* Self-check and benchmark entry: y [cols] += sum_j h[j] * W[idx[j]] (the sparse down projection's axpy_rows) */
+void tdm_axpy_rows(const tdm_weight *w, const int32_t *idx, const float *h, int64_t n, float *y) {
+    axpy_rows(w, idx, h, n, y);
 }
 #endif

@@ -54,20 +54,21 @@ static void predict_hidden(const tdm_predictor *P, const qvec *x, int t, int nt,
 #ifdef TDM_SIMD
 /* out[k] = W[rows[k]] . x for four arbitrary rows of int4 groups of 32 (dot4_i4g32 with gathered
  * rows); fetches the first lines of the four rows at next[] meanwhile (NULL: none). */
-static void dot4_i4g32_idx(const tdm_weight *w, const int32_t *rows, const int32_t *next, const qvec *x, float *out) {
+static void dot4_i4g32_idx(const tdm_weight *w, const int32_t *rows, const int32_t *next, const float *dx,
+                           const float *mx, const qvec *x, float *out) {
     int64_t rb = w->row_bytes, ss = w->scale_stride, ng = w->cols / 32;
     const uint8_t *p[4];
     const float *d[4], *m[4];
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < 4; k++) { /* dx, mx: the four rows' expanded scales ([4][ng], blocks.h), or NULL */
         p[k] = w->data + rows[k] * rb;
-        d[k] = w->scale + rows[k] * ss;
-        m[k] = w->minimum + rows[k] * ss;
+        d[k] = dx ? dx + k * ng : w->scale + rows[k] * ss;
+        m[k] = mx ? mx + k * ng : w->minimum + rows[k] * ss;
     }
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t g = 0; g < ng; g++) {
         if (next && (g & 3) == 0)
             for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(w->data + next[k] * rb + 16 * g), _MM_HINT_T0);
-        if (next && (g & 15) == 0)
+        if (next && !dx && (g & 15) == 0)
             for (int k = 0; k < 4; k++) {
                 _mm_prefetch((const char *)(w->scale + next[k] * ss + g), _MM_HINT_T0);
                 _mm_prefetch((const char *)(w->minimum + next[k] * ss + g), _MM_HINT_T0);
@@ -99,8 +100,15 @@ static void dot4_i4g32_idx(const tdm_weight *w, const int32_t *rows, const int32
 static void dot_rows_idx(const tdm_weight *w, const int32_t *rows, int64_t n, const qvec *x, float *out) {
     int64_t i = 0;
 #ifdef TDM_SIMD
-    if (w->kind == KIND_I4 && w->group == 32)
-        for (; i + 4 <= n; i += 4) dot4_i4g32_idx(w, rows + i, i + 8 <= n ? rows + i + 4 : NULL, x, out + i);
+    if (w->kind == KIND_I4H || w->kind == KIND_Q4K) {
+        int64_t ng = w->cols / 32;
+        float d[4 * ng], m[4 * ng];
+        for (; i + 4 <= n; i += 4) {
+            for (int k = 0; k < 4; k++) expand_scales(w, rows[i + k], 1, d + k * ng, m + k * ng);
+            dot4_i4g32_idx(w, rows + i, i + 8 <= n ? rows + i + 4 : NULL, d, m, x, out + i);
+        }
+    } else if (w->kind == KIND_I4 && w->group == 32)
+        for (; i + 4 <= n; i += 4) dot4_i4g32_idx(w, rows + i, i + 8 <= n ? rows + i + 4 : NULL, NULL, NULL, x, out + i);
 #endif
     for (; i < n; i++) out[i] = dot_row(w, rows[i], x);
 }

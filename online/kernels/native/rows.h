@@ -35,6 +35,8 @@ typedef struct {
     int64_t n_flagged;
 } qvec;
 
+#include "blocks.h"
+
 /* x [n] (n % 32 == 0) -> int8 codes per block of 32 (scale d = max|x| / 127) and exact block sums.
  * Blocks whose scale exceeds residual_ratio x the mean scale (outlier channels: SmolLM2's residual
  * stream has a few) also get their rounding residual quantized (scale d / 254): ~15 bits there.
@@ -346,6 +348,13 @@ static void dot4_i8(const tdm_weight *w, int64_t r, const qvec *x, float *out) {
 #endif
 
 static float dot_row(const tdm_weight *w, int64_t r, const qvec *x) {
+    if (packed_scales(w->kind)) { /* blocks.h: this row's scales expanded, then the float-scale kernel */
+        int64_t ng = w->cols / 32;
+        float d[ng], m[ng];
+        tdm_weight sh;
+        shadow_rows(w, r, 1, d, m, &sh);
+        return dot_row(&sh, 0, x);
+    }
     switch (w->kind) {
     case KIND_F32: return dot_f32((const float *)(w->data + r * w->row_bytes), x->f, w->cols);
     case KIND_I4: return dot_i4(w, r, x);
@@ -357,28 +366,22 @@ static float dot_row(const tdm_weight *w, int64_t r, const qvec *x) {
 static void dot_rows(const tdm_weight *w, int64_t r0, int64_t n, const qvec *x, float *out) {
     int64_t i = 0;
 #ifdef TDM_SIMD
-    if (w->kind == KIND_I4 && w->group == 32)
+    if (packed_scales(w->kind)) { /* blocks.h: four rows' scales expanded, then the float-scale kernel */
+        int64_t ng = w->cols / 32;
+        float d[4 * ng], m[4 * ng];
+        tdm_weight sh;
+        for (; i + 4 <= n; i += 4) {
+            shadow_rows(w, r0 + i, 4, d, m, &sh);
+            if (sh.kind == KIND_I4) dot4_i4g32(&sh, 0, x, out + i);
+            else dot4_i8(&sh, 0, x, out + i);
+        }
+    } else if (w->kind == KIND_I4 && w->group == 32)
         for (; i + 4 <= n; i += 4) dot4_i4g32(w, r0 + i, x, out + i);
     else if (w->kind == KIND_I8B || w->kind == KIND_I8)
         for (; i + 4 <= n; i += 4) dot4_i8(w, r0 + i, x, out + i);
 #endif
     for (; i < n; i++) out[i] = dot_row(w, r0 + i, x);
 }
-
-#ifndef TDM_SIMD
-static float half_to_float(uint16_t v) {
-    uint32_t sign = (uint32_t)(v >> 15) << 31, exp = (v >> 10) & 31, man = v & 1023, bits;
-    if (exp == 0) { /* zero or subnormal */
-        float f = ldexpf((float)man, -24);
-        return sign ? -f : f;
-    }
-    if (exp == 31) bits = sign | 0x7F800000u | (man << 13);
-    else bits = sign | ((exp + 112) << 23) | (man << 13);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-#endif
 
 /* y [d] += h * W[r] for the transposed down projection */
 static void axpy_row(const tdm_weight *w, int64_t r, float h, float *restrict y) {
@@ -397,8 +400,12 @@ static void axpy_row(const tdm_weight *w, int64_t r, float h, float *restrict y)
         }
 #else
         const uint16_t *v = (const uint16_t *)row;
-        for (int64_t k = 0; k < n; k++) y[k] += h * half_to_float(v[k]);
+        for (int64_t k = 0; k < n; k++) y[k] += h * f16_value(v[k]);
 #endif
+    } else if (w->kind == KIND_I8H) { /* Q8_0 rows, f16 scale per 32 (blocks.h) */
+        axpy_row_i8h(w, r, h, y);
+    } else if (w->kind == KIND_I4H || w->kind == KIND_I4) { /* Q4_0 / Q4_1 rows, groups of 32 (blocks.h) */
+        axpy_row_i4(w, r, h, y);
     } else if (w->kind == KIND_I8) {
         const int8_t *restrict q = (const int8_t *)row;
         float a = h * w->scale[r * w->scale_stride];
@@ -455,6 +462,10 @@ static void axpy_rows(const tdm_weight *w, const int32_t *idx, const float *h, i
             }
         }
     }
+    else if (w->kind == KIND_I8H)
+        for (; j + 4 <= n; j += 4) axpy4_i8h(w, idx + j, h + j, j + 8 <= n ? idx + j + 4 : NULL, y);
+    else if (w->kind == KIND_I4H || w->kind == KIND_I4)
+        for (; j + 4 <= n; j += 4) axpy4_i4(w, idx + j, h + j, j + 8 <= n ? idx + j + 4 : NULL, y);
 #endif
     for (; j < n; j++) axpy_row(w, idx[j], h[j], y);
 }

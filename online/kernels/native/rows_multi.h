@@ -171,7 +171,16 @@ static void dot_rows_multi(const tdm_weight *w, int64_t r0, int64_t n, const qve
         return;
     }
 #ifdef TDM_SIMD
-    if (w->kind == KIND_I4 && w->group == 32)
+    if (packed_scales(w->kind)) { /* blocks.h: as dot_rows, four rows' scales expanded once for all T */
+        int64_t ng = w->cols / 32;
+        float d[4 * ng], m[4 * ng];
+        tdm_weight sh;
+        for (; j + 4 <= n; j += 4) {
+            shadow_rows(w, r0 + j, 4, d, m, &sh);
+            if (sh.kind == KIND_I4) dot4_i4g32_multi(&sh, 0, x, T, out + j, os);
+            else dot4_i8_multi(&sh, 0, x, T, out + j, os);
+        }
+    } else if (w->kind == KIND_I4 && w->group == 32)
         for (; j + 4 <= n; j += 4) dot4_i4g32_multi(w, r0 + j, x, T, out + j, os);
     else if (w->kind == KIND_I8B || w->kind == KIND_I8)
         for (; j + 4 <= n; j += 4) dot4_i8_multi(w, r0 + j, x, T, out + j, os);

@@ -11,7 +11,8 @@ import numpy as np
 
 from tandem.core.errors import TandemError
 
-from ..quantize import KIND_F16, KIND_F32, KIND_I4, KIND_I8, KIND_I8B, BlockInt8Weight, Fp16Weight, Fp32Weight, Int4Weight, Int8Weight
+from ..quantize import KIND_F16, KIND_F32, KIND_I4, KIND_I8, KIND_I8B, KIND_I4H, KIND_I8H, KIND_Q4K, BlockInt8Weight, Fp16Weight, Fp32Weight, Int4Weight, Int8Weight
+from ..superblocks import Q4KWeight
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -76,6 +77,8 @@ def bind_signatures(lib: ctypes.CDLL) -> None:
     lib.tdm_batch_work_bytes.restype = _I
     lib.tdm_dot_rows_multi.argtypes = [ctypes.POINTER(TdmWeight), _I, _I, _I, _P, ctypes.c_double, _P]
     lib.tdm_dot_rows_multi.restype = None
+    lib.tdm_axpy_rows.argtypes = [ctypes.POINTER(TdmWeight), _P, _P, _I, _P]
+    lib.tdm_axpy_rows.restype = None
 
 
 def addr(a: np.ndarray | None) -> int | None:
@@ -108,12 +111,17 @@ def describe(w, dot_input: bool = True) -> WeightRef:
         return _ref(KIND_F16, 1, w.w, None, None, 0)
     if isinstance(w, Int8Weight):
         return _ref(KIND_I8, 1, w.q, w.scale, None, 1)
-    if isinstance(w, BlockInt8Weight):
-        return _ref(KIND_I8B, 32, w.q, w.scale, None, w.scale.shape[1])
+    if isinstance(w, BlockInt8Weight):  # Q8_0: f16 scales read in place (blocks.h), or float32
+        return _ref(KIND_I8H if w.scale.dtype == np.float16 else KIND_I8B, 32, w.q, w.scale, None, w.scale.shape[1])
+    if not dot_input and (isinstance(w, Q4KWeight) or (isinstance(w, Int4Weight) and w.group_size != 32)):
+        raise TandemError("native kernels read int4 down-projection rows only in groups of 32 (Q4_0 / Q4_1)")
+    if isinstance(w, Q4KWeight):  # super-block scale bytes in place (blocks.h)
+        return _ref(KIND_Q4K, 32, w.packed, w.sb, None, w.sb.shape[1], cols=cols)
     if isinstance(w, Int4Weight):
-        if not dot_input:
-            raise TandemError("native kernels do not read int4 down-projection rows (fp32/fp16/int8 only)")
-        return _ref(KIND_I4, w.group_size, w.packed, w.scale, w.minimum, w.scale.shape[1], cols=cols)
+        if w.scale.dtype == np.float16:  # GGUF's f16 scale (and minimum; none for Q4_0) in place (blocks.h)
+            return _ref(KIND_I4H, 32, w.packed, w.scale, w.minimum, w.scale.shape[1], cols=cols)
+        scale, minimum = w.float_scales()
+        return _ref(KIND_I4, w.group_size, w.packed, scale, minimum, w.scale.shape[1], cols=cols)
     raise TandemError(f"native kernels do not read {type(w).__name__}")
 
 
