@@ -116,3 +116,13 @@ def hf_smollm2(smollm2_path):
 def hf_smollm2_tokenizer(smollm2_path):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from threads, and on a busy machine threads waiting for each other cost
+    seconds: modules that use it set ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -17,12 +17,7 @@ from helpers_plans import tiny_plan
 PLACED_KINDS = ("ffn_neurons", "experts", "attention_and_kv", "output_head", "embeddings", "shared_experts")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("fmt,qtype", [("q8", "Q8_0"), ("q4", "Q4_0"), ("q4_1", "Q4_1")])

@@ -28,13 +28,7 @@ from tandem.core.errors import ArtifactError, TandemError
 WINDOW = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy machine threads waiting for each other cost seconds."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def random_docs(n_docs: int, doc_tokens: int, vocab: int = 128, seed: int = 0) -> list[list[int]]:

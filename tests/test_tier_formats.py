@@ -15,12 +15,7 @@ from test_gguf_loading import write_tiny_gguf
 GGUF_AS_TIER = {"Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4_1", "F32": "fp32", "F16": "fp16"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

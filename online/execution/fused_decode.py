@@ -236,13 +236,7 @@ class FusedDecodeStep:
 
             logits = step.step_many([t0, t1, t2], pos, cache)   # [3, vocab]; cache rows pos..pos+2 written
         """
-        token_ids = int_list(token_ids, "token_ids")
-        if not token_ids:
-            raise TandemError("step_many needs at least one token")
-        start_pos = int(start_pos)
-        end = start_pos + len(token_ids)
-        if start_pos < 0 or end > min(cache.capacity_tokens, self._desc.rope_positions):
-            raise TandemError(f"positions {start_pos}..{end - 1} are outside the KV cache ({cache.capacity_tokens} tokens)")
+        token_ids, start_pos, end = self._sequence_span(token_ids, start_pos, cache, "step_many")
         if not self._native_multi_token():
             return torch.stack([self(t, start_pos + i, cache) for i, t in enumerate(token_ids)])
         tables = np.zeros((len(token_ids), 1), dtype=np.int32)  # [T, 1]: the cache is one block
@@ -292,15 +286,20 @@ class FusedDecodeStep:
 
             logits = step.prefill_logits(prompt_ids, 0, cache)   # [vocab]
         """
+        token_ids, start_pos, end = self._sequence_span(token_ids, start_pos, cache, "prefill")
+        want = [False] * (len(token_ids) - 1) + [True]
+        return self.step_batch(token_ids, list(range(start_pos, end)), [[0]] * len(token_ids), cache, want)[0]
+
+    def _sequence_span(self, token_ids, start_pos: int, cache: KVCache, caller: str) -> tuple[list[int], int, int]:
+        """Checked (token ids, first position, end position) of consecutive tokens of one sequence."""
         token_ids = int_list(token_ids, "token_ids")
         if not token_ids:
-            raise TandemError("prefill needs at least one token")
+            raise TandemError(f"{caller} needs at least one token")
         start_pos = int(start_pos)
         end = start_pos + len(token_ids)
         if start_pos < 0 or end > min(cache.capacity_tokens, self._desc.rope_positions):
             raise TandemError(f"positions {start_pos}..{end - 1} are outside the KV cache ({cache.capacity_tokens} tokens)")
-        want = [False] * (len(token_ids) - 1) + [True]
-        return self.step_batch(token_ids, list(range(start_pos, end)), [[0]] * len(token_ids), cache, want)[0]
+        return token_ids, start_pos, end
 
     def _native_multi_token(self) -> bool:
         """False for subclasses with their own single-token step (LayerOffloadStep runs some layers
