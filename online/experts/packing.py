@@ -70,8 +70,10 @@ def _weight_arrays(prefix: str, w) -> list[tuple[str, np.ndarray]]:
         return [(f"{prefix}.w", w.w)]
     if isinstance(w, Int8Weight):
         return [(f"{prefix}.q", w.q), (f"{prefix}.scale", w.scale)]
-    if isinstance(w, Int4Weight):
-        return [(f"{prefix}.packed", w.packed), (f"{prefix}.scale", w.scale), (f"{prefix}.minimum", w.minimum)]
+    if isinstance(w, Int4Weight):  # float32 scale and minimum: the slot size the planner counts from shapes
+        scale = w.scale.astype(np.float32)  # (quantize_int4 keeps f16 only where every value is normal)
+        minimum = -8.0 * scale if w.minimum is None else w.minimum.astype(np.float32)
+        return [(f"{prefix}.packed", w.packed), (f"{prefix}.scale", scale), (f"{prefix}.minimum", minimum)]
     raise TandemError(f"expert weights of type {type(w).__name__} cannot be packed")
 
 
