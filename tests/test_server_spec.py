@@ -13,14 +13,8 @@ from online import Engine
 from online.server import create_app
 from online.server.batch_config import BatchConfig
 from online.speculative import SpeculationConfig
-from helpers_tiny import build_tiny_chat_model
-from test_batching import serve, single_step_greedy
+from test_batching import serve, single_step_greedy, tiny_dir  # noqa: F401 (tiny_dir: a fixture used here)
 from test_server import LiveServer, metric
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-serve-spec"), max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ def prefill(model, executor, cache: KVCache, token_ids: list[int], start_pos: in
     in one call (every KV row and the logits equal the single-token step's), unless all logits are asked for.
     """
     if (compiled is not None and not all_logits and len(token_ids) <= FUSED_PREFILL_MAX_TOKENS
-            and getattr(compiled, "prefills_natively", False)):
+            and compiled.prefills_natively):
         return compiled.prefill_logits(token_ids, start_pos, cache)
     outputs = []
     for begin in range(0, len(token_ids), PREFILL_CHUNK_TOKENS):
