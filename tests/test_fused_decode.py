@@ -187,10 +187,7 @@ def test_what_the_step_does_not_cover_falls_back_with_a_reason(tiny_model_dir):
     model, executor = packed(folder, "int4", hot=[torch.arange(8)] * 2)
     with pytest.raises(FusedDecodeUnavailable, match="GPU tier"):
         FusedDecodeStep.build(model, executor)
-    opt = Engine.load(tiny_model_dir("opt")[0], weight_format="int8")
-    assert opt.decode_path == "modules" and "LayerNorm" in opt.decode_path_reason
-    moe = Engine.load(tiny_model_dir("mixtral")[0], weight_format="int8")
-    assert moe.decode_path == "modules" and "MoE" in moe.decode_path_reason
+    # OPT and MoE models decode fused (test_fused_opt_moe.py); experts cached on a CUDA tier do not
 
 
 def test_step_rejects_positions_outside_the_cache(tiny_model_dir):

@@ -10,8 +10,7 @@ scheme); the modular path stays the reference and the prefill path.
 
 Layers with a predictor score their neurons first and read only the predicted gate/up/down rows
 (predict.h); ReLU-family layers skip the up rows their gate zeroes. Anything it does not cover
-(GPU-tier neurons, MoE, LayerNorm/learned positions, float32
-attention) makes ``FusedDecodeStep.build`` raise ``FusedDecodeUnavailable`` with the reason; the
+(GPU-tier neurons or experts, float32 attention) makes ``FusedDecodeStep.build`` raise ``FusedDecodeUnavailable`` with the reason; the
 engine then decodes through the modules.
 
 ``step_many`` (T tokens of one sequence: speculative verification) and ``step_batch`` (tokens of
@@ -42,6 +41,7 @@ from ..kernels.quantize import ACT_IDS
 from ..kernels.native import NativeUnavailable, load_native
 from ..kernels.native.structs import TdmBatch, TdmLayer, TdmModel, WeightRef, addr, describe
 from tandem.core.kv_cache import KVCache
+from .fused_arch import MoeRef, build_moe, check_moe, expert_width, layer_arrays, model_fields
 from .fused_predict import PredictorRef, build_predictor
 from .multi_token import int_list, kv_key, pack_tables, step_batch_by_token
 
@@ -72,13 +72,7 @@ def _bias(b) -> np.ndarray | None:
 def _check_model(model, executor) -> None:
     cfg = model.cfg
     why = None
-    if cfg.norm != "rms":
-        why = "LayerNorm models"
-    elif cfg.position != "rope":
-        why = "learned position embeddings"
-    elif cfg.is_moe:
-        why = "MoE layers"
-    elif not hasattr(executor, "splits"):
+    if not hasattr(executor, "splits"):
         why = "the dense float32 executor (it is the reference)"
     elif cfg.num_heads % cfg.num_kv_heads:
         why = "head counts that do not group"
@@ -86,13 +80,16 @@ def _check_model(model, executor) -> None:
         why = "windowed layers without their rope table"
     if why is not None:
         raise FusedDecodeUnavailable(f"no fused decode for {why}")
+    check_moe(model, executor, FusedDecodeUnavailable)  # MoE layers: experts in RAM (fused_arch.py)
     for i, split in enumerate(executor.splits):
+        if split is None and cfg.is_moe_layer(i):
+            continue
         if split is None or split.cpu is None or split.gpu is not None:
             raise FusedDecodeUnavailable(f"no fused decode: layer {i} has FFN neurons on the GPU tier")
         if split.predictor is not None and getattr(split.predictor, "module", None) is None:
             raise FusedDecodeUnavailable(f"no fused decode: layer {i}'s predictor is not an MLP scorer")
-        if split.cpu.up_bias.size or split.cpu.gate_bias.size:
-            raise FusedDecodeUnavailable("no fused decode for FFN biases on gate/up")
+        if split.cpu.gate_bias.size:
+            raise FusedDecodeUnavailable("no fused decode for FFN biases on the gate")
     for i, block in enumerate(model.layers):
         attn = block.self_attn
         if getattr(attn, "on_tier", False):
@@ -163,17 +160,23 @@ class FusedDecodeStep:
         threads = clamp_threads(executor.settings.threads)
         for i, block in enumerate(model.layers):
             attn, split = block.self_attn, executor.splits[i]
-            ffn = split.cpu
-            refs = dict(qkv=describe(attn.qkv_proj.linear.weight), o=describe(attn.o_proj.linear.weight),
-                        up=describe(ffn.up), gate=describe(ffn.gate if ffn.gate is not None else ffn.up),
-                        down_t=describe(ffn.down_t, dot_input=False))
+            refs = dict(qkv=describe(attn.qkv_proj.linear.weight), o=describe(attn.o_proj.linear.weight))
             arrays = dict(attn_norm=_np(block.input_layernorm.weight), ffn_norm=_np(block.post_attention_layernorm.weight),
                           qkv_bias=_bias(attn.qkv_proj.linear.bias), o_bias=_bias(attn.o_proj.linear.bias),
-                          down_bias=_np(split.down_bias) if split.down_bias is not None else _bias(ffn.down_bias),
-                          **_gemma_arrays(model, block))
-            layer = TdmLayer(threshold=float(split.threshold), window=int(attn.sliding_window),
+                          **_gemma_arrays(model, block), **layer_arrays(block, split))
+            if split is not None:  # a dense layer (MoE layers: fused_arch.build_moe)
+                ffn = split.cpu
+                refs.update(up=describe(ffn.up), gate=describe(ffn.gate if ffn.gate is not None else ffn.up),
+                            down_t=describe(ffn.down_t, dot_input=False))
+                arrays["down_bias"] = _np(split.down_bias) if split.down_bias is not None else _bias(ffn.down_bias)
+            layer = TdmLayer(threshold=float(split.threshold) if split is not None else -1.0,
+                             window=int(attn.sliding_window), n_ff=ffn.n_neurons if split is not None else 0,
                              **{k: r.desc for k, r in refs.items()}, **{k: addr(a) for k, a in arrays.items()})
-            if split.predictor is not None:  # predict.h: only the predicted rows are read
+            if split is None:
+                moe = build_moe(model.cfg, executor, i)
+                layer.moe, layer.n_ff = ctypes.pointer(moe.desc), expert_width(moe)
+                keep.append(moe)
+            elif split.predictor is not None:  # predict.h: only the predicted rows are read
                 pred = build_predictor(split.predictor, threads, native.lib, predictor_format)
                 layer.pred = ctypes.pointer(pred.desc)
                 keep.append(pred)
@@ -187,16 +190,20 @@ class FusedDecodeStep:
         head: WeightRef = describe(ex.head.weight)
         embed, final_norm = _np(model.embed_tokens.weight), _np(model.norm.weight)
         cos, sin = _np(model.rope_cos), _np(model.rope_sin)
-        self._keep += [head, embed, final_norm, cos, sin]
+        opt, opt_keep, positions = model_fields(model)  # LayerNorm, learned positions (fused_arch.py)
+        self._keep += [head, embed, final_norm, cos, sin] + opt_keep
+        widths = [self._layers[i].n_ff for i in range(cfg.num_layers)]
+        moe = [k.neurons for k in self._keep if isinstance(k, MoeRef)]  # MoE layers' neurons per token
+        self._neurons_per_token = sum(w for i, w in enumerate(widths) if not self._layers[i].moe) + sum(moe)
         return TdmModel(
             n_layers=cfg.num_layers, d=cfg.hidden_size, n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, n_ff=ex.splits[0].cpu.n_neurons, vocab=head.desc.rows, capacity=0,
+            head_dim=cfg.head_dim, n_ff=max(widths), vocab=head.desc.rows, capacity=0,
             window=0 if cfg.layer_windows else cfg.sliding_window, act=ACT_IDS[cfg.hidden_act], gated=int(cfg.mlp_gated),
             threads=clamp_threads(ex.settings.threads), norm_eps=cfg.norm_eps, act_alpha=cfg.act_threshold,
             attn_scale=cfg.softmax_scale, embed_scale=cfg.embed_scale, logit_softcap=cfg.final_logit_softcap,
             residual_ratio=self.residual_ratio, embed=addr(embed), final_norm=addr(final_norm),
-            rope_cos=addr(cos), rope_sin=addr(sin), rope_positions=cos.shape[0], head=head.desc,
-            layers=self._layers, work=None)
+            rope_cos=addr(cos), rope_sin=addr(sin), rope_positions=cos.shape[0] if cos is not None else positions,
+            head=head.desc, layers=self._layers, work=None, **opt)
 
     def _bind(self, cache: KVCache) -> None:
         """Point the layers at this cache's buffers and size the scratch for its capacity."""
@@ -223,7 +230,7 @@ class FusedDecodeStep:
         logits = torch.empty(self._desc.vocab, dtype=torch.float32)
         active = self.native.lib.tdm_decode(ctypes.byref(self._desc), token_id, pos, logits.data_ptr())
         counters = self.executor.counters
-        counters.ffn_neurons_total += self.cfg.num_layers * self._desc.n_ff
+        counters.ffn_neurons_total += self._neurons_per_token
         counters.ffn_neurons_active += int(active)
         return logits
 
@@ -339,7 +346,7 @@ class FusedDecodeStep:
         finally:
             self._desc.work = single_work
         counters = self.executor.counters
-        counters.ffn_neurons_total += cfg.num_layers * self._desc.n_ff * len(token_ids)
+        counters.ffn_neurons_total += self._neurons_per_token * len(token_ids)
         counters.ffn_neurons_active += active
         return out
 

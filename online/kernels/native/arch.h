@@ -1,6 +1,7 @@
-/* Per-layer pieces of Qwen3 and Gemma 3 shared by the single- and multi-token steps (so both round
+/* Per-layer pieces of Qwen3, Gemma 3 and OPT shared by the single- and multi-token steps (so both round
  * alike): q/k head norms, sandwich output norms, per-layer windows and rope tables, scaled embeddings,
- * softcapped logits. Included by decode.c after its structs and rms_norm. */
+ * softcapped logits; OPT's LayerNorm (mean and variance, weight and bias) and learned positions.
+ * Included by decode.c after its structs and rms_norm. */
 #ifndef TANDEM_ARCH_H
 #define TANDEM_ARCH_H
 
@@ -10,6 +11,34 @@ static void rms_norm_in_place(float *x, const float *w, int64_t n, float eps) {
     for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
     float r = 1.0f / sqrtf(ss / (float)n + eps);
     for (int64_t i = 0; i < n; i++) x[i] = x[i] * r * w[i];
+}
+
+enum { NORM_RMS = 0, NORM_LAYER = 1 };
+
+/* out = (x - mean) / sqrt(var + eps) * w + b (biased variance, as torch's layer_norm; b NULL: none) */
+static void layer_norm(float *restrict out, const float *restrict x, const float *restrict w, const float *b,
+                       int64_t n, float eps) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += x[i];
+    float mean = sum / (float)n, ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += (x[i] - mean) * (x[i] - mean);
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = (x[i] - mean) * r * w[i] + (b ? b[i] : 0.0f);
+}
+
+/* the model's norm of a residual stream: RMSNorm, or LayerNorm with its bias */
+static void model_norm(const tdm_model *m, float *out, const float *x, const float *w, const float *b) {
+    if (m->norm_kind == NORM_LAYER)
+        layer_norm(out, x, w, b, m->d, (float)m->norm_eps);
+    else
+        rms_norm(out, x, w, m->d, (float)m->norm_eps);
+}
+
+/* learned positions (OPT): res += pos_embed[pos] (the table starts at OPT's offset) */
+static void add_position(const tdm_model *m, int64_t pos, float *res) {
+    if (!m->pos_embed) return;
+    const float *p = m->pos_embed + pos * m->d;
+    for (int64_t k = 0; k < m->d; k++) res[k] += p[k];
 }
 
 static int64_t layer_window(const tdm_model *m, const tdm_layer *L) { return L->window > 0 ? L->window : m->window; }

@@ -53,7 +53,7 @@ static int64_t batch_thread_bytes(const tdm_model *m, int64_t T, int64_t span) {
 }
 
 int64_t tdm_batch_work_bytes(const tdm_model *m, int64_t T, int64_t span) {
-    return batch_shared_bytes(m, T, span) + m->threads * batch_thread_bytes(m, T, span);
+    return batch_shared_bytes(m, T, span) + m->threads * batch_thread_bytes(m, T, span) + moe_bytes(m);
 }
 
 static batch_shared batch_get_shared(const tdm_model *m, int64_t T, int64_t span) {
@@ -147,8 +147,9 @@ static void attend_head_rows(const float *K, const float *V, const int32_t *rows
     for (int64_t k = 0; k < hd; k++) out[k] *= inv;
 }
 
-static void batch_norm_quantize(const tdm_model *m, const float *x, const float *w, float *xn, qvec *v) {
-    rms_norm(xn, x, w, m->d, (float)m->norm_eps);
+static void batch_norm_quantize(const tdm_model *m, const float *x, const float *w, const float *b, float *xn,
+                                qvec *v) {
+    model_norm(m, xn, x, w, b);
     v->f = xn;
     quantize_q8(xn, m->d, v, (float)m->residual_ratio);
 }
@@ -157,7 +158,7 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
                             batch_thread *tb, int t, int nt) {
     int64_t T = B->n_tokens, hd = m->head_dim, qn = m->n_heads * hd, width = qn + 2 * m->n_kv * hd, lo, hi;
     int64_t n = max_in(m), span = B->span;
-    for (int64_t i = 0; i < T; i++) batch_norm_quantize(m, tb->res + i * m->d, L->attn_norm, tb->xn + i * n, tb->x + i);
+    for (int64_t i = 0; i < T; i++) batch_norm_quantize(m, tb->res + i * m->d, L->attn_norm, L->attn_norm_bias, tb->xn + i * n, tb->x + i);
     chunk(m->n_heads + 2 * m->n_kv, t, nt, &lo, &hi);
     for (int64_t u = lo; u < hi; u++) { /* q heads, then k heads, then v heads */
         dot_rows_multi(&L->qkv, u * hd, hd, tb->x, T, sb->qkv + u * hd, width);
@@ -211,21 +212,39 @@ static void batch_keep(batch_thread *tb, const tdm_model *m, int64_t i, const fl
     tb->n_act[i] = k;
 }
 
-static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B, batch_shared *sb,
+/* a MoE layer token by token (moe.h), each as the single-token step computes it */
+static void batch_moe(const tdm_model *m, const tdm_layer *L, const tdm_batch *B, batch_shared *sb,
                       batch_thread *tb, int t, int nt) {
     int64_t T = B->n_tokens, d = m->d, n_in = max_in(m);
-    float alpha = (float)m->act_alpha, thr = (float)L->threshold;
+    moe_bufs mb = moe_get(m, m->work + batch_shared_bytes(m, T, B->span) + m->threads * batch_thread_bytes(m, T, B->span), t);
+    int parity = 0;
     for (int64_t i = 0; i < T; i++) {
-        batch_norm_quantize(m, tb->res + i * d, L->ffn_norm, tb->xn + i * n_in, tb->x + i);
+        batch_norm_quantize(m, tb->res + i * d, L->ffn_norm, L->ffn_norm_bias, tb->xn + i * n_in, tb->x + i);
+        moe_token(m, L, tb->x + i, tb->xn + i * n_in, tb->res + i * d, tb->h, tb->idx, sb->partial, &mb, &parity,
+                  &sb->counts[t], t, nt);
+    }
+}
+
+static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B, batch_shared *sb,
+                      batch_thread *tb, int t, int nt) {
+    if (L->moe) {
+        batch_moe(m, L, B, sb, tb, t, nt);
+        return;
+    }
+    int64_t T = B->n_tokens, d = m->d, n_in = max_in(m), nf = L->n_ff > 0 ? L->n_ff : m->n_ff; /* rows; stride m->n_ff */
+    float alpha = (float)m->act_alpha, thr = (float)L->threshold;
+    const float *ub = L->up_bias;
+    for (int64_t i = 0; i < T; i++) {
+        batch_norm_quantize(m, tb->res + i * d, L->ffn_norm, L->ffn_norm_bias, tb->xn + i * n_in, tb->x + i);
         tb->n_act[i] = 0;
     }
     const tdm_predictor *P = L->pred && L->pred->rank > 0 ? L->pred : NULL;
     int zero_act = m->act == ACT_RELU || m->act == ACT_FATRELU || m->act == ACT_DRELU;
     int gate_cut = m->gated && zero_act && thr >= 0.0f;
-    for (int64_t b0 = t * SPARSE_SLICE; !P && gate_cut && b0 < m->n_ff; b0 += nt * SPARSE_SLICE) {
+    for (int64_t b0 = t * SPARSE_SLICE; !P && gate_cut && b0 < nf; b0 += nt * SPARSE_SLICE) {
         /* the gate cut without a predictor: every gate row for all T tokens at once, then each
          * token's up rows where its gate passes (sparse_rows with P = NULL, token by token) */
-        int64_t n = b0 + SPARSE_SLICE < m->n_ff ? SPARSE_SLICE : m->n_ff - b0;
+        int64_t n = b0 + SPARSE_SLICE < nf ? SPARSE_SLICE : nf - b0;
         float cut = m->act == ACT_FATRELU ? alpha : 0.0f, gs[T * SPARSE_SLICE];
         dot_rows_multi(&L->gate, b0, n, tb->x, T, gs, SPARSE_SLICE);
         for (int64_t i = 0; i < T; i++) {
@@ -238,6 +257,8 @@ static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B
                 k += g[k] > cut;
             }
             dot_rows_idx(&L->up, rows, k, tb->x + i, u);
+            if (ub)
+                for (int64_t j = 0; j < k; j++) u[j] += ub[rows[j]];
             activate(m->act, alpha, m->gated, g, u, h, k);
             batch_keep(tb, m, i, h, rows, b0, k, thr);
         }
@@ -245,12 +266,14 @@ static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B
     for (int64_t i = 0; P && i < T; i++) { /* predicted rows: token by token */
         qvec zq;
         if (P) predict_hidden(P, tb->x + i, t, nt, (float)m->residual_ratio, &zq);
-        for (int64_t b0 = t * SPARSE_SLICE; b0 < m->n_ff; b0 += nt * SPARSE_SLICE) {
+        for (int64_t b0 = t * SPARSE_SLICE; b0 < nf; b0 += nt * SPARSE_SLICE) {
             float g[SPARSE_SLICE], u[SPARSE_SLICE], h[SPARSE_SLICE];
             int32_t rows[SPARSE_SLICE];
-            int64_t n = b0 + SPARSE_SLICE < m->n_ff ? SPARSE_SLICE : m->n_ff - b0;
+            int64_t n = b0 + SPARSE_SLICE < nf ? SPARSE_SLICE : nf - b0;
             n = sparse_rows(P, &L->gate, &L->up, m->gated, gate_cut, m->act == ACT_FATRELU ? alpha : 0.0f, b0, n, &zq,
                             tb->x + i, rows, g, u, t);
+            if (ub)
+                for (int64_t j = 0; j < n; j++) u[j] += ub[rows[j]];
             activate(m->act, alpha, m->gated, g, u, h, n);
             batch_keep(tb, m, i, h, rows, b0, n, thr);
         }
@@ -258,10 +281,13 @@ static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B
 #pragma omp barrier /* P->z is the next token's */
         }
     }
-    for (int64_t b0 = t * FFN_SLICE; !(P || gate_cut) && b0 < m->n_ff; b0 += nt * FFN_SLICE) {
-        int64_t n = b0 + FFN_SLICE < m->n_ff ? FFN_SLICE : m->n_ff - b0;
+    for (int64_t b0 = t * FFN_SLICE; !(P || gate_cut) && b0 < nf; b0 += nt * FFN_SLICE) {
+        int64_t n = b0 + FFN_SLICE < nf ? FFN_SLICE : nf - b0;
         float g[T * FFN_SLICE], u[T * FFN_SLICE], h[FFN_SLICE];
         dot_rows_multi(&L->up, b0, n, tb->x, T, u, FFN_SLICE);
+        if (ub)
+            for (int64_t i = 0; i < T; i++)
+                for (int64_t j = 0; j < n; j++) u[i * FFN_SLICE + j] += ub[b0 + j];
         if (m->gated) dot_rows_multi(&L->gate, b0, n, tb->x, T, g, FFN_SLICE);
         for (int64_t i = 0; i < T; i++) {
             activate(m->act, alpha, m->gated, g + i * FFN_SLICE, u + i * FFN_SLICE, h, n);
@@ -309,7 +335,10 @@ int64_t tdm_decode_batch(const tdm_model *m, const tdm_batch *B) {
             for (int64_t b = 0, p = 0; p <= B->pos[i]; b++) /* block by block: no division per position */
                 for (int64_t o = 0; o < bt && p <= B->pos[i]; o++, p++) map[p] = (int32_t)(table[b] * bt + o);
         }
-        for (int64_t i = 0; i < T; i++) embed_row(m, B->tokens[i], tb.res + i * d);
+        for (int64_t i = 0; i < T; i++) {
+            embed_row(m, B->tokens[i], tb.res + i * d);
+            add_position(m, B->pos[i], tb.res + i * d);
+        }
 #pragma omp barrier
         for (int64_t l = 0; l < m->n_layers; l++) {
             batch_attention(m, &m->layers[l], B, &sb, &tb, t, n);
@@ -319,7 +348,7 @@ int64_t tdm_decode_batch(const tdm_model *m, const tdm_batch *B) {
             int64_t w = 0, lo, hi;
             for (int64_t i = 0; i < T; i++) /* the wanted tokens' final norms, packed to the front */
                 if (B->want[i]) {
-                    batch_norm_quantize(m, tb.res + i * d, m->final_norm, tb.xn + w * n_in, tb.x + w);
+                    batch_norm_quantize(m, tb.res + i * d, m->final_norm, m->final_norm_bias, tb.xn + w * n_in, tb.x + w);
                     w++;
                 }
             chunk(m->vocab, t, n, &lo, &hi);

@@ -46,6 +46,10 @@ typedef struct {
     const float *attn_out_norm, *ffn_out_norm;  /* [d]: RMSNorm of the attention / FFN output (sandwich) */
     const float *rope_cos, *rope_sin;           /* this layer's own rope table (Gemma's local layers) */
     int64_t window;                             /* > 0: this layer's sliding window (else the model's) */
+    /* OPT (NULL: absent): LayerNorm biases of the attention / FFN input norms, the up projection's bias */
+    const float *attn_norm_bias, *ffn_norm_bias, *up_bias; /* [d], [d], [n_ff] */
+    int64_t n_ff;                               /* this layer's FFN width (0: the model's n_ff) */
+    const struct tdm_moe *moe;                  /* non-NULL: a MoE layer (moe.h); gate/up/down_t unused */
 } tdm_layer;
 
 typedef struct {
@@ -61,6 +65,10 @@ typedef struct {
     uint8_t *work;                      /* tdm_work_bytes(model) bytes, 64-byte aligned */
     double embed_scale;                 /* embeddings times this (Gemma: sqrt(d)); 0: 1 */
     double logit_softcap;               /* logits = cap * tanh(logits / cap); 0: none */
+    /* OPT (0 / NULL: RMSNorm, rope): the norm kind (arch.h), the final norm's bias, learned positions */
+    int64_t norm_kind;                  /* NORM_RMS / NORM_LAYER */
+    const float *final_norm_bias;       /* [d] */
+    const float *pos_embed;             /* [rope_positions, d]: position p's row (OPT's offset applied) */
 } tdm_model;
 
 /* ---------------------------------------------------------------------------------------------
@@ -98,7 +106,9 @@ static int64_t thread_bytes(const tdm_model *m) {
            + align64(4 * m->capacity) + 2 * align64(n);
 }
 
-int64_t tdm_work_bytes(const tdm_model *m) { return shared_bytes(m) + m->threads * thread_bytes(m); }
+static int64_t moe_bytes(const tdm_model *m); /* moe.h: MoE scratch after the step's own */
+
+int64_t tdm_work_bytes(const tdm_model *m) { return shared_bytes(m) + m->threads * thread_bytes(m) + moe_bytes(m); }
 
 static shared_bufs get_shared(const tdm_model *m) {
     int64_t q = m->n_heads * m->head_dim, kv = m->n_kv * m->head_dim;
@@ -146,7 +156,7 @@ static void rms_norm(float *restrict out, const float *restrict x, const float *
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
-#include "arch.h" /* Qwen3 / Gemma 3 layer pieces (q/k norms, sandwich norms, windows, softcap) */
+#include "arch.h" /* Qwen3 / Gemma 3 / OPT layer pieces (q/k norms, sandwich norms, windows, softcap, LayerNorm) */
 
 static float act_fn(int64_t act, float alpha, float g, float u) {
     switch (act) {
@@ -193,8 +203,8 @@ static void activate(int64_t act, float alpha, int64_t gated, const float *g, co
 /* ---------------------------------------------------------------------------------------------
  * The step */
 
-static void norm_and_quantize(const tdm_model *m, const float *x, const float *w, thread_bufs *tb) {
-    rms_norm(tb->xn, x, w, m->d, (float)m->norm_eps);
+static void norm_and_quantize(const tdm_model *m, const float *x, const float *w, const float *b, thread_bufs *tb) {
+    model_norm(m, tb->xn, x, w, b);
     tb->x.f = tb->xn;
     quantize_q8(tb->xn, m->d, &tb->x, (float)m->residual_ratio);
 }
@@ -204,7 +214,7 @@ static void norm_and_quantize(const tdm_model *m, const float *x, const float *w
 static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos, shared_bufs *sb,
                             thread_bufs *tb, int t, int nt) {
     int64_t hd = m->head_dim, qn = m->n_heads * hd, lo, hi;
-    norm_and_quantize(m, tb->res, L->attn_norm, tb);
+    norm_and_quantize(m, tb->res, L->attn_norm, L->attn_norm_bias, tb);
     chunk(m->n_heads + 2 * m->n_kv, t, nt, &lo, &hi);
     for (int64_t u = lo; u < hi; u++) { /* q heads, then k heads, then v heads */
         float *v = sb->qkv + u * hd;
@@ -238,46 +248,80 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
 
 #define FFN_SLICE 32 /* neurons per slice; slices are dealt to threads in turn (sparsity is uneven) */
 
-static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int t, int nt) {
-    int64_t n_act = 0, d = m->d;
-    float alpha = (float)m->act_alpha, thr = (float)L->threshold;
-    float *part = sb->partial + t * d;
-    norm_and_quantize(m, tb->res, L->ffn_norm, tb);
+/* One FFN's rows: a dense layer's (its predictor and threshold) or a MoE expert's (moe.h). */
+typedef struct {
+    const tdm_weight *gate, *up, *down_t;
+    const float *up_bias; /* [n_ff] or NULL */
+    int64_t n_ff;
+    float threshold;      /* |h| > threshold is computed; < 0: all */
+    const tdm_predictor *pred;
+} ffn_view;
+
+static ffn_view layer_ffn(const tdm_model *m, const tdm_layer *L) {
+    ffn_view f = {&L->gate, &L->up, &L->down_t, L->up_bias, L->n_ff > 0 ? L->n_ff : m->n_ff, (float)L->threshold,
+                  L->pred && L->pred->rank > 0 ? L->pred : NULL};
+    return f;
+}
+
+/* This thread's share of one FFN on the quantized input x: its slices' kept neurons (h, idx: [n_ff]
+ * scratch), their down rows summed into part [d] (zeroed here). Returns the neurons kept. */
+static int64_t ffn_rows(const tdm_model *m, const ffn_view *F, const qvec *x, float *hbuf, int32_t *idx,
+                        float *part, int t, int nt) {
+    int64_t n_act = 0, n_ff = F->n_ff;
+    float alpha = (float)m->act_alpha, thr = F->threshold;
     /* predicted rows (predict.h); exact-zero activations also skip up rows their gate zeroes */
-    const tdm_predictor *P = L->pred && L->pred->rank > 0 ? L->pred : NULL;
+    const tdm_predictor *P = F->pred;
     int zero_act = m->act == ACT_RELU || m->act == ACT_FATRELU || m->act == ACT_DRELU;
     int gate_cut = m->gated && zero_act && thr >= 0.0f;
     qvec zq;
-    if (P) predict_hidden(P, &tb->x, t, nt, (float)m->residual_ratio, &zq);
-    for (int64_t b0 = t * SPARSE_SLICE; (P || gate_cut) && b0 < m->n_ff; b0 += nt * SPARSE_SLICE) {
+    if (P) predict_hidden(P, x, t, nt, (float)m->residual_ratio, &zq);
+    for (int64_t b0 = t * SPARSE_SLICE; (P || gate_cut) && b0 < n_ff; b0 += nt * SPARSE_SLICE) {
         float g[SPARSE_SLICE], u[SPARSE_SLICE], h[SPARSE_SLICE];
         int32_t rows[SPARSE_SLICE];
-        int64_t n = b0 + SPARSE_SLICE < m->n_ff ? SPARSE_SLICE : m->n_ff - b0;
-        n = sparse_rows(P, &L->gate, &L->up, m->gated, gate_cut, m->act == ACT_FATRELU ? alpha : 0.0f, b0, n, &zq,
-                        &tb->x, rows, g, u, t);
+        int64_t n = b0 + SPARSE_SLICE < n_ff ? SPARSE_SLICE : n_ff - b0;
+        n = sparse_rows(P, F->gate, F->up, m->gated, gate_cut, m->act == ACT_FATRELU ? alpha : 0.0f, b0, n, &zq,
+                        x, rows, g, u, t);
+        if (F->up_bias)
+            for (int64_t i = 0; i < n; i++) u[i] += F->up_bias[rows[i]];
         activate(m->act, alpha, m->gated, g, u, h, n);
         for (int64_t i = 0; i < n; i++) {
-            tb->h[n_act] = h[i];
-            tb->idx[n_act] = rows[i];
+            hbuf[n_act] = h[i];
+            idx[n_act] = rows[i];
             n_act += fabsf(h[i]) > thr;
         }
     }
-    for (int64_t b0 = t * FFN_SLICE; !(P || gate_cut) && b0 < m->n_ff; b0 += nt * FFN_SLICE) {
-        int64_t b1 = b0 + FFN_SLICE < m->n_ff ? b0 + FFN_SLICE : m->n_ff;
+    for (int64_t b0 = t * FFN_SLICE; !(P || gate_cut) && b0 < n_ff; b0 += nt * FFN_SLICE) {
+        int64_t b1 = b0 + FFN_SLICE < n_ff ? b0 + FFN_SLICE : n_ff;
         float g[FFN_SLICE], u[FFN_SLICE], h[FFN_SLICE];
         int64_t n = b1 - b0;
-        dot_rows(&L->up, b0, n, &tb->x, u);
-        if (m->gated) dot_rows(&L->gate, b0, n, &tb->x, g);
+        dot_rows(F->up, b0, n, x, u);
+        if (F->up_bias)
+            for (int64_t i = 0; i < n; i++) u[i] += F->up_bias[b0 + i];
+        if (m->gated) dot_rows(F->gate, b0, n, x, g);
         activate(m->act, alpha, m->gated, g, u, h, n);
         for (int64_t i = 0; i < n; i++) {
-            tb->h[n_act] = h[i]; /* kept when it passes the threshold (branch-free compaction) */
-            tb->idx[n_act] = (int32_t)(b0 + i);
+            hbuf[n_act] = h[i]; /* kept when it passes the threshold (branch-free compaction) */
+            idx[n_act] = (int32_t)(b0 + i);
             n_act += fabsf(h[i]) > thr;
         }
     }
-    for (int64_t k = 0; k < d; k++) part[k] = 0.0f;
-    axpy_rows(&L->down_t, tb->idx, tb->h, n_act, part);
-    sb->counts[t] += n_act;
+    for (int64_t k = 0; k < m->d; k++) part[k] = 0.0f;
+    axpy_rows(F->down_t, idx, hbuf, n_act, part);
+    return n_act;
+}
+
+static void moe_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int t, int nt);
+
+static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int t, int nt) {
+    if (L->moe) {
+        moe_block(m, L, sb, tb, t, nt);
+        return;
+    }
+    int64_t d = m->d;
+    float *part = sb->partial + t * d;
+    norm_and_quantize(m, tb->res, L->ffn_norm, L->ffn_norm_bias, tb);
+    ffn_view F = layer_ffn(m, L);
+    sb->counts[t] += ffn_rows(m, &F, &tb->x, tb->h, tb->idx, part, t, nt);
 #pragma omp barrier
     for (int64_t k = 0; k < d; k++) {
         float a = L->down_bias ? L->down_bias[k] : 0.0f;
@@ -294,6 +338,7 @@ int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_
 int64_t tdm_decode(const tdm_model *m, int64_t token, int64_t pos, float *logits) {
     float res[m->d]; /* the token's residual stream: its embedding, then every layer (tdm_decode_range) */
     embed_row(m, token, res);
+    add_position(m, pos, res);
     return tdm_decode_range(m, 0, m->n_layers, pos, res, logits);
 }
 
@@ -335,7 +380,7 @@ int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_
 #pragma omp barrier
         if (t == 0) memcpy(res, tb.res, 4 * m->d); /* every thread's copy is bit-identical */
         if (logits) {
-            norm_and_quantize(m, tb.res, m->final_norm, &tb);
+            norm_and_quantize(m, tb.res, m->final_norm, m->final_norm_bias, &tb);
             int64_t lo, hi;
             chunk(m->vocab, t, n, &lo, &hi);
             dot_rows(&m->head, lo, hi - lo, &tb.x, logits + lo);
@@ -346,6 +391,8 @@ int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_
     for (int j = 0; j < nt; j++) total += sb.counts[j];
     return total;
 }
+
+#include "moe.h" /* MoE layers: router, top-k, experts through ffn_rows, shared expert */
 
 /* The multi-token step (T tokens of one or several sequences, one region): batch.h */
 #include "batch.h"

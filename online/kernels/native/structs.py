@@ -28,6 +28,17 @@ class TdmPredictor(ctypes.Structure):  # predict.h
                 ("threshold", ctypes.c_double), ("z", _P), ("scratch", _P), ("predicted", _P), ("computed", _P)]
 
 
+class TdmExpert(ctypes.Structure):  # moe.h: one expert or the shared expert
+    _fields_ = [("gate", TdmWeight), ("up", TdmWeight), ("down_t", TdmWeight), ("up_bias", _P), ("down_bias", _P),
+                ("n_ff", _I)]
+
+
+class TdmMoe(ctypes.Structure):  # moe.h: a MoE layer
+    _fields_ = [("n_experts", _I), ("top_k", _I), ("norm_topk", _I), ("router", _P),
+                ("experts", ctypes.POINTER(TdmExpert)), ("shared", ctypes.POINTER(TdmExpert)), ("shared_gate", _P),
+                ("threshold", ctypes.c_double)]
+
+
 class TdmLayer(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("qkv_bias", _P), ("o_bias", _P), ("down_bias", _P),
                 ("k_cache", _P), ("v_cache", _P), ("qkv", TdmWeight), ("o", TdmWeight), ("gate", TdmWeight),
@@ -36,7 +47,11 @@ class TdmLayer(ctypes.Structure):
                 # Qwen3 / Gemma 3 (None / 0: the Llama layout): q/k head norms, sandwich output norms,
                 # the layer's own rope table and sliding window (> 0; else the model's)
                 ("q_norm", _P), ("k_norm", _P), ("attn_out_norm", _P), ("ffn_out_norm", _P),
-                ("rope_cos", _P), ("rope_sin", _P), ("window", _I)]
+                ("rope_cos", _P), ("rope_sin", _P), ("window", _I),
+                # OPT (None: absent): LayerNorm biases of the input norms, the up projection's bias; the
+                # layer's FFN width (0: the model's); a MoE layer's router and experts (moe.h)
+                ("attn_norm_bias", _P), ("ffn_norm_bias", _P), ("up_bias", _P), ("n_ff", _I),
+                ("moe", ctypes.POINTER(TdmMoe))]
 
 
 class TdmModel(ctypes.Structure):
@@ -46,7 +61,8 @@ class TdmModel(ctypes.Structure):
         ("residual_ratio", ctypes.c_double),
         ("embed", _P), ("final_norm", _P), ("rope_cos", _P), ("rope_sin", _P), ("rope_positions", _I),
         ("head", TdmWeight), ("layers", ctypes.POINTER(TdmLayer)), ("work", _P),
-        ("embed_scale", ctypes.c_double), ("logit_softcap", ctypes.c_double)]  # 0: none (Gemma: sqrt(d), cap)
+        ("embed_scale", ctypes.c_double), ("logit_softcap", ctypes.c_double),  # 0: none (Gemma: sqrt(d), cap)
+        ("norm_kind", _I), ("final_norm_bias", _P), ("pos_embed", _P)]  # OPT: 1 = LayerNorm; [positions, d]
 
 
 class TdmBatch(ctypes.Structure):  # batch.h: the multi-token step's tokens, positions and block tables
