@@ -83,7 +83,7 @@ def run_generate(args) -> int:
     if args.prompt_ids is not None and args.chat:
         raise TandemError("--chat needs --prompt text, not --prompt-ids")
     prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
-    from tandem.core.sampling import SamplingParams
+    from tandem.core.sampling_params import SamplingParams
     SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()))  # validate before loading
     grammar = cli_grammar(args)

@@ -17,28 +17,24 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
-
 from tandem.core.errors import TandemError
 from tandem.core.config import ModelConfig
-from tandem.core.generate import LoopTimings, decode_one_token, prefill, token_loop
-from tandem.core.kv_cache import KVCache
-from tandem.core.loading import load_checkpoint
-from tandem.core.model.build import build_model
-from tandem.core.sampling import DecodeOptions, SamplingParams, TokenChoice
+from tandem.core.sampling_params import DecodeOptions, SamplingParams, TokenChoice
+from tandem.core.step_loop import LoopTimings
 
 from .engine_args import EngineArgs
-from .engine_build import build_executor
-from .results import GenerationResult, TextStream, sliding_window_perplexity
+from .engine_lazy import LazyModules, load_fast
+from .engine_scoring import Scoring
+from .results import GenerationResult, TextStream
 
 KV_CAPACITY_ROUND_TOKENS = 256
 
 
-class Engine:
+class Engine(LazyModules, Scoring):
     def __init__(self, model, executor, tokenizer, cfg: ModelConfig, model_path: Path, model_id: str,
                  model_fingerprint: str, threads: int | None, context_length: int | None = None) -> None:
-        self.model = model
-        self.executor = executor
+        self._model, self._executor = model, executor
+        self._native_step = None  # NativeStep: plain requests of an engine loaded from its step cache (engine_lazy)
         self.tokenizer = tokenizer
         self.config = cfg
         self.model_path = model_path
@@ -50,13 +46,13 @@ class Engine:
         if tokenizer is not None:
             eos |= set(tokenizer.eos_token_ids)
         self.eos_token_ids = eos
-        self._cache: KVCache | None = None
-        self.plan_info = None
+        self._cache = None  # KVCache (the module graph) or ArrayKVCache (the cached step)
+        self._plan_info = None
         self.args: EngineArgs | None = None  # what from_args was given
-        self.layer_offload_gpu_layers: int | None = None
+        self._layer_offload_gpu_layers: int | None = None
         # numba kernels parallelise decode themselves; torch then runs its small ops on one thread
-        self.decode_threads = 1 if executor.packed else None
-        self.compiled_decode = None  # online.execution.fused_decode.FusedDecodeStep when available
+        self._decode_threads = 1 if executor is not None and executor.packed else None
+        self._compiled_decode = None  # online.execution.fused_decode.FusedDecodeStep when available
         self.decode_path = "modules"
         self.decode_path_reason = ""
         self._draft_step = None  # the sparse drafter's step (online/speculative/setup.py), built on first use
@@ -88,7 +84,18 @@ class Engine:
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "Engine":
-        """The engine ``args`` describes (Engine.load builds the EngineArgs from keywords)."""
+        """The engine ``args`` describes (Engine.load builds the EngineArgs from keywords). A plan that runs
+        on the fused CPU step loads from its prepared-step cache (online/engine_cache.py: no torch
+        until something needs the module graph), written by the first load that lacks it."""
+        return load_fast(cls, args)
+
+    @classmethod
+    def _load_modules(cls, args: EngineArgs) -> "Engine":
+        """The engine built from the checkpoint: the torch model, its executor and decode step."""
+        import torch
+        from tandem.core.loading import load_checkpoint
+        from tandem.core.model.build import build_model
+        from .engine_build import build_executor
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         ckpt = load_checkpoint(args.model)
@@ -99,8 +106,8 @@ class Engine:
         engine = cls(net, built.executor, ckpt.tokenizer, ckpt.config, ckpt.source_path, ckpt.model_id,
                      ckpt.fingerprint, args.threads, args.context_length)
         engine.args = args
-        engine.plan_info = built.plan_info
-        engine.layer_offload_gpu_layers = built.gpu_layers
+        engine._plan_info = built.plan_info
+        engine._layer_offload_gpu_layers = built.gpu_layers
         if built.gpu_layers is not None:
             if args.fused_decode:
                 engine._use_layer_offload_step(built.gpu_layers)
@@ -128,7 +135,7 @@ class Engine:
     def _use_fused_decode(self) -> None:
         from .execution.fused_decode import FusedDecodeStep, FusedDecodeUnavailable
         try:
-            self.compiled_decode = FusedDecodeStep.build(self.model, self.executor)
+            self._compiled_decode = FusedDecodeStep.build(self.model, self.executor)
             self.decode_path, self.decode_path_reason = "fused", ""
         except FusedDecodeUnavailable as exc:
             self.decode_path_reason = str(exc)
@@ -137,7 +144,7 @@ class Engine:
         from .execution.fused_decode import FusedDecodeUnavailable
         from .execution.layer_offload import LayerOffloadStep
         try:
-            self.compiled_decode = LayerOffloadStep.build_offload(self.model, self.executor, n_gpu_layers)
+            self._compiled_decode = LayerOffloadStep.build_offload(self.model, self.executor, n_gpu_layers)
             self.decode_path, self.decode_path_reason = "layer-offload", ""
         except FusedDecodeUnavailable as exc:
             self.decode_path_reason = str(exc)
@@ -176,11 +183,20 @@ class Engine:
             raise TandemError(f"model {self.model_id} has no tokenizer; pass token ids instead of text")
         return self.tokenizer
 
-    def _kv_cache(self, n_tokens: int) -> KVCache:
+    def _kv_cache(self, n_tokens: int, arrays: bool = False):
+        """A KVCache (torch, the module graph) or with ``arrays`` an ArrayKVCache (the cached step) of
+        at least ``n_tokens`` rows, reused while it is big enough and of that kind."""
         needed = min(self.max_context, math.ceil(n_tokens / KV_CAPACITY_ROUND_TOKENS) * KV_CAPACITY_ROUND_TOKENS)
-        if self._cache is None or self._cache.capacity_tokens < needed:
+        from .execution.native_step import ArrayKVCache
+        if (self._cache is None or self._cache.capacity_tokens < needed
+                or isinstance(self._cache, ArrayKVCache) != arrays):
             self._cache = None
-            self._cache = KVCache(self.config, needed)
+            cfg = self.config
+            if arrays:
+                self._cache = ArrayKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, needed)
+            else:
+                from tandem.core.kv_cache import KVCache
+                self._cache = KVCache(cfg, needed)
         return self._cache
 
     # --- generation ------------------------------------------------------------------------
@@ -210,7 +226,7 @@ class Engine:
         ``speculate``: off (default) | lookup | sparse | auto, exact speculative decoding
         (online/speculative; off, with ``speculate_reason``, when logprobs or a grammar are asked
         for); ``draft_tokens``: the most tokens drafted per verify step."""
-        from .speculative import SpeculationConfig
+        from .speculative.config import SpeculationConfig
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed, stop=tuple(stop or ()))
         options = self.decode_options(logprobs, top_logprobs, grammar)
@@ -235,7 +251,7 @@ class Engine:
             constraint = GrammarConstraint(grammar_tokenizer(self), grammar)
         return DecodeOptions(logprobs=bool(logprobs or top_logprobs), top_logprobs=top_logprobs, constraint=constraint)
 
-    def _events(self, cache: KVCache, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int],
+    def _events(self, cache, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int],
                 timings: LoopTimings, speculation, options: DecodeOptions | None):
         """The token events: the speculative loop when it runs, else the plain one."""
         if speculation is not None and speculation.active:
@@ -243,11 +259,12 @@ class Engine:
             return speculative_token_loop(self.model, self.executor, cache, prompt_ids, params, eos_ids,
                                           self.max_context, timings, speculation.step, speculation.drafters,
                                           speculation.policy, speculation.stats, decode_threads=self.decode_threads)
+        from tandem.core.generate import token_loop
         return token_loop(self.model, self.executor, cache, prompt_ids, params, eos_ids, self.max_context, timings,
                           decode_threads=self.decode_threads, compiled=self.compiled_decode, options=options)
 
-    def _pieces(self, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int], holder: dict,
-                options: DecodeOptions | None = None, spec=None) -> Iterator[str]:
+    def _speculation(self, spec, params: SamplingParams, options: DecodeOptions | None):
+        """The request's speculation (online/speculative/setup.py), with its stats; None without a config."""
         from .speculative.loop import SpecStats
         from .speculative.setup import speculation_for
         speculation = None
@@ -258,15 +275,28 @@ class Engine:
             speculation = speculation_for(self, spec, params)
         if speculation is not None:
             speculation.stats = SpecStats(spec.mode if speculation.active else "off")
-        cache = self._kv_cache(len(prompt_ids) + params.max_new_tokens)
+        return speculation
+
+    def _pieces(self, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int], holder: dict,
+                options: DecodeOptions | None = None, spec=None) -> Iterator[str]:
+        speculation, fast = None, self._native_step is not None and options is None and not (spec and spec.enabled)
         timings = LoopTimings()
-        before = self.executor.counters_snapshot()
+        if fast:  # the cached C step alone (engine_lazy): no torch
+            from tandem.core.step_loop import step_token_loop
+            cache = self._kv_cache(len(prompt_ids) + params.max_new_tokens, arrays=True)
+            before = self._native_counters()
+            events = step_token_loop(self._native_step, cache, prompt_ids, params, eos_ids, self.max_context, timings)
+        else:
+            speculation = self._speculation(spec, params, options)
+            cache = self._kv_cache(len(prompt_ids) + params.max_new_tokens)
+            before = self.executor.counters_snapshot()
+            events = self._events(cache, prompt_ids, params, eos_ids, timings, speculation, options)
         generated: list[int] = []
         choices: list[TokenChoice] = holder.setdefault("choices", [])
         emitted = 0
         text, finish = "", "length"
         hold_back = max((len(s) for s in params.stop), default=1) - 1
-        for event in self._events(cache, prompt_ids, params, eos_ids, timings, speculation, options):
+        for event in events:
             if event.finish_reason == "stop":
                 finish = "stop"
                 break
@@ -294,7 +324,10 @@ class Engine:
             timings.end_s = time.perf_counter()
         if len(text) > emitted:
             yield text[emitted:]
-        stats = self._stats(prompt_ids, generated, timings, before)
+        stats = self._stats(prompt_ids, generated, timings, before, fast)
+        if fast and spec is not None:
+            from .speculative.config import SpecStats
+            stats.update(SpecStats("off").as_dict())
         if speculation is not None:
             stats.update(speculation.stats.as_dict())
             if speculation.reason:
@@ -303,7 +336,7 @@ class Engine:
                                             finish_reason=finish, stats=stats, choices=choices)
 
     def _stats(self, prompt_ids: list[int], generated: list[int], t: LoopTimings,
-               before: dict | None = None) -> dict[str, Any]:
+               before: dict | None = None, fast: bool = False) -> dict[str, Any]:
         first = t.first_token_s or t.end_s
         decode_s = max(t.end_s - first, 1e-9)
         stats = {
@@ -314,10 +347,15 @@ class Engine:
             "decode_tokens_per_s": round(t.decode_steps / decode_s, 3) if t.decode_steps else 0.0,
             "total_s": round(t.end_s - t.start_s, 6),
             "bytes_moved_per_token": 0,
-            "weight_bytes_per_token": self.weight_bytes_per_token,
-            "threads": torch.get_num_threads(),
+            "weight_bytes_per_token": (self._cached_facts["weight_bytes_per_token"] if fast
+                                       else self.weight_bytes_per_token),
+            "threads": self._stat_threads(),
             "decode_path": self.decode_path,
         }
+        if fast:
+            now = self._native_counters()
+            stats.update(self._native_run_stats({k: now[k] - before[k] for k in now}))
+            return stats
         if before is not None:
             now = self.executor.counters_snapshot()
             delta = {k: now[k] - before[k] for k in now}
@@ -339,48 +377,3 @@ class Engine:
         head = self.model.lm_head.weight
         head_bytes = self.executor.head_nbytes or head.numel() * head.element_size()
         return attn + self.executor.ffn_nbytes + head_bytes
-
-    # --- scoring ---------------------------------------------------------------------------
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """float32 logits [T, vocab] for a 1-D list of token ids (a fresh context)."""
-        ids = self.encode_prompt(list(token_ids)) if token_ids else self.encode_prompt([])
-        cache = self._kv_cache(len(ids))
-        return prefill(self.model, self.executor, cache, ids, all_logits=True).float()
-
-    def step_logits(self, token_ids: list[int], tokens_per_step: int = 1) -> torch.Tensor:
-        """Logits [T, vocab] computed one token at a time through the decode path generation uses
-        (the fused C step where it applies): what sampling sees, unlike ``logits`` (batched prefill).
-        ``tokens_per_step`` > 1: that many tokens per multi-token step (``step_many``, the speculative
-        verify step: bit-identical to single steps; needs the fused step)."""
-        ids = [int(t) for t in token_ids]
-        if not ids:
-            raise TandemError("no tokens to score")
-        if len(ids) > self.max_context:
-            raise TandemError(f"{len(ids)} tokens exceed the context length ({self.max_context})")
-        cache = self._kv_cache(len(ids))
-        threads = torch.get_num_threads()
-        if self.decode_threads is not None:
-            torch.set_num_threads(self.decode_threads)
-        try:
-            if tokens_per_step > 1:
-                from .speculative.setup import verifier_step
-                step = verifier_step(self)
-                with torch.inference_mode():
-                    return torch.cat([step.step_many(ids[i:i + tokens_per_step], i, cache)
-                                      for i in range(0, len(ids), tokens_per_step)]).float()
-            rows = [decode_one_token(self.model, self.executor, cache, t, pos, self.compiled_decode)
-                    for pos, t in enumerate(ids)]
-        finally:
-            torch.set_num_threads(threads)
-        return torch.stack(rows).float()
-
-    def perplexity(self, token_ids: list[int], window_tokens: int = 512, stride_tokens: int = 256,
-                   decode_steps: bool = False, tokens_per_step: int = 1) -> tuple[float, int]:
-        """Sliding-window perplexity; returns (perplexity, number of scored tokens). ``decode_steps``
-        scores one token at a time through the decode path (``step_logits``: what generation
-        computes, the fused step included) instead of batched prefill; ``tokens_per_step`` > 1
-        scores the known text that many tokens per multi-token step (same numbers, fewer weight reads)."""
-        return sliding_window_perplexity(
-            token_ids, window_tokens=min(window_tokens, self.max_context - 1), stride_tokens=stride_tokens,
-            window_logits=lambda window: (self.step_logits(window, tokens_per_step)
-                                          if decode_steps or tokens_per_step > 1 else self.logits(window)))

@@ -59,6 +59,9 @@ class EngineArgs:
         "--no-prefetch", "MoE: no speculative prefetch of the next layer's experts"))
     layer_offload: bool = field(default=False, metadata=_flag(
         "--layer-offload", "llama.cpp -ngl policy: whole layers on the GPU tier in order until --gpu-budget is spent"))
+    step_cache: bool = field(default=True, metadata=_flag(
+        "--no-step-cache", "load the model and pack it at every start instead of using (and writing) the plan's "
+        "prepared-step cache (plans on the fused CPU step; TANDEM_STEP_CACHE=0 does the same)"))
 
     def __post_init__(self) -> None:
         for name in ("model", "plan", "profile", "predictors"):  # paths may come as Path
@@ -77,7 +80,7 @@ class EngineArgs:
                               ("gpu_device", GPU_DEVICES)):
             if getattr(self, name) is not None and getattr(self, name) not in allowed:
                 raise TandemError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        for name in ("sparse", "fused_decode", "prefetch", "layer_offload"):
+        for name in ("sparse", "fused_decode", "prefetch", "layer_offload", "step_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise TandemError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self._check_combination()

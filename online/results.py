@@ -13,11 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-import torch
-import torch.nn.functional as F
-
 from tandem.core.errors import TandemError
-from tandem.core.sampling import TokenChoice
+from tandem.core.sampling_params import TokenChoice
 
 
 @dataclass
@@ -57,11 +54,13 @@ class TextStream:
 
 
 def sliding_window_perplexity(token_ids: list[int], window_tokens: int, stride_tokens: int,
-                              window_logits: Callable[[list[int]], torch.Tensor]) -> tuple[float, int]:
+                              window_logits: Callable[[list[int]], "torch.Tensor"]) -> tuple[float, int]:
     """(perplexity, scored tokens) over windows of ``window_tokens`` started every ``stride_tokens``;
     ``window_logits(window)`` -> [W, vocab]. Each token is scored once, with the longest context its window gives."""
     if len(token_ids) < 2:
         raise TandemError("need at least 2 tokens to compute perplexity")
+    import torch
+    import torch.nn.functional as F
     stride_tokens = min(stride_tokens, window_tokens)
     nll, scored, prev_end = 0.0, 0, 0
     for begin in range(0, len(token_ids), stride_tokens):

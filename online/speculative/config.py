@@ -50,3 +50,23 @@ class SpeculationConfig:
     @property
     def max_draft_tokens(self) -> int:
         return self.draft_tokens
+
+
+@dataclass
+class SpecStats:
+    """Counters of one generation; ``as_dict`` gives the result.stats entries."""
+    mode: str
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    plain_steps: int = 0
+    verify_tokens: int = 0  # tokens the verify steps produced (accepted drafts + the verifier's own)
+    draft_s: float = 0.0
+    decode_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"speculate": self.mode, "draft_tokens": self.drafted,
+                "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+                "tokens_per_verify_step": round(self.verify_tokens / self.verify_steps, 4) if self.verify_steps else 0.0,
+                "verify_steps": self.verify_steps, "plain_steps": self.plain_steps,
+                "draft_time_share": round(self.draft_s / self.decode_s, 4) if self.decode_s > 0 else 0.0}

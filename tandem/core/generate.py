@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from .kv_cache import KVCache
-from .sampling import DecodeOptions, SamplingParams, TokenChoice, choose_token, make_generator
+from .sampling import DecodeOptions, SamplingParams, choose_token, make_generator
+from .step_loop import LoopTimings, TokenEvent
+
+__all__ = ["FUSED_PREFILL_MAX_TOKENS", "LoopTimings", "TokenEvent", "decode_one_token", "prefill", "token_loop"]
 
 PREFILL_CHUNK_TOKENS = 512
 # Prompts up to this many tokens are prefilled through the fused C step (``compiled.prefill_logits``):
@@ -43,21 +45,6 @@ def decode_one_token(model, executor, cache: KVCache, token_id: int, pos: int, c
     if compiled is not None:
         return compiled(token_id, pos, cache)
     return model(torch.tensor([token_id], dtype=torch.long), pos, cache, executor)[-1]
-
-
-@dataclass
-class TokenEvent:
-    token_id: int
-    finish_reason: str | None  # None while running; "stop" (EOS) | "length"
-    choice: TokenChoice | None = None  # with its logprobs when DecodeOptions asked for them
-
-
-@dataclass
-class LoopTimings:
-    start_s: float = 0.0
-    first_token_s: float = 0.0
-    end_s: float = 0.0
-    decode_steps: int = 0
 
 
 def token_loop(model, executor, cache: KVCache, prompt_ids: list[int], params: SamplingParams,

@@ -4,7 +4,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from tandem.core.errors import TandemError
-from .checkpoint import Checkpoint, model_fingerprint
 
 
 def load_checkpoint(model: str | Path) -> Checkpoint:
@@ -25,3 +24,11 @@ def load_checkpoint(model: str | Path) -> Checkpoint:
 
 
 __all__ = ["Checkpoint", "TandemError", "load_checkpoint", "model_fingerprint"]
+
+
+def __getattr__(name: str):
+    """Checkpoint / model_fingerprint on first use (they import torch; the tokenizer does not)."""
+    if name in ("Checkpoint", "model_fingerprint"):
+        from . import checkpoint
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,200 @@
+"""The fused C decode step rebuilt from its cache file (online/execution/step_cache.py), without torch.
+
+The same C calls as FusedDecodeStep (``tdm_decode`` for one token, ``tdm_decode_batch`` for a
+prompt in pieces of at most MAX_BATCH_TOKENS tokens: bit-identical to single steps), on the same
+packed arrays, read in place from the mapped cache file; logits and the KV cache are numpy arrays.
+This is what a plain ``tandem generate --plan`` runs: no torch, no GGUF dequantization, no packing.
+
+Example::
+
+    description, arrays = read_cache(path)
+    step = NativeStep.from_cache(description, arrays, threads=2)
+    cache = ArrayKVCache(n_layers, n_kv, head_dim, capacity_tokens=256)
+    logits = step.prefill_logits(prompt_ids, 0, cache)        # [vocab] float32
+    logits = step(token_id, len(prompt_ids), cache)           # [vocab] float32
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+
+from tandem.core.errors import TandemError
+
+from ..kernels.native import load_native
+from ..kernels.native.structs import TdmBatch, TdmLayer, TdmModel, TdmPredictor, addr
+from .step_cache import RUNTIME_POINTERS, StepCacheError
+
+MAX_BATCH_TOKENS = 64  # as FusedDecodeStep: tokens per C call of the multi-token step
+
+
+class ArrayKVCache:
+    """One sequence's keys/values, float32 [L, KV, C, hd] numpy arrays (the KVCache layout)."""
+
+    def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity_tokens: int) -> None:
+        self.capacity_tokens = capacity_tokens
+        self.keys = np.zeros((n_layers, n_kv, capacity_tokens, head_dim), dtype=np.float32)  # [L, KV, C, hd]
+        self.values = np.zeros_like(self.keys)
+
+    @property
+    def block_tokens(self) -> int:
+        return self.capacity_tokens
+
+
+def default_threads() -> int:
+    """NUMBA_NUM_THREADS / OMP_NUM_THREADS when set, else the CPU count (what the kernels clamp to)."""
+    for name in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        if os.environ.get(name, "").isdigit() and int(os.environ[name]) > 0:
+            return int(os.environ[name])
+    return os.cpu_count() or 1
+
+
+class NativeStep:
+    """The whole-model C step over cached arrays; ``ffn_neurons_total``/``ffn_neurons_active`` count
+    FFN rows as the executor's counters do."""
+
+    def __init__(self, desc: TdmModel, layers, keep: list, native, vocab_size: int) -> None:
+        self._desc, self._layers, self._keep, self.native = desc, layers, keep, native
+        self.vocab_size = vocab_size
+        self.ffn_neurons_total = self.ffn_neurons_active = 0
+        self._work: np.ndarray | None = None
+        self._batch_work: np.ndarray | None = None
+        self._bound: ArrayKVCache | None = None
+
+    @classmethod
+    def from_cache(cls, description: dict, arrays: dict[str, np.ndarray], threads: int, vocab_size: int) -> "NativeStep":
+        native = load_native()
+        keep: list = []
+        threads = max(1, int(threads))
+        try:
+            desc = _build(TdmModel, description, arrays, keep, threads, native)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise StepCacheError(f"the cached step description does not fit this code ({type(exc).__name__}: {exc})") from None
+        desc.threads = threads
+        _check_model(desc, arrays, description)
+        return cls(desc, keep[0], keep + [arrays], native, vocab_size)  # the descriptors point into ``arrays``
+
+    def _bind(self, cache: ArrayKVCache) -> None:
+        for i in range(self._desc.n_layers):
+            self._layers[i].k_cache = addr(cache.keys[i])
+            self._layers[i].v_cache = addr(cache.values[i])
+        self._desc.capacity = cache.capacity_tokens
+        n_bytes = self.native.lib.tdm_work_bytes(ctypes.byref(self._desc))
+        if self._work is None or self._work.nbytes < n_bytes + 64:
+            self._work = np.zeros(n_bytes + 64, dtype=np.uint8)
+        self._desc.work = (self._work.ctypes.data + 63) & ~63
+        self._bound = cache
+
+    def _check(self, token_ids: list[int], start: int, cache: ArrayKVCache) -> None:
+        end = start + len(token_ids)
+        if not token_ids or start < 0 or end > min(cache.capacity_tokens, self._desc.rope_positions):
+            raise TandemError(f"positions {start}..{end - 1} are outside the KV cache ({cache.capacity_tokens} tokens)")
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise TandemError(f"a token id is outside the vocabulary ({self.vocab_size})")
+
+    def __call__(self, token_id: int, pos: int, cache: ArrayKVCache) -> np.ndarray:
+        """Logits [vocab] for ``token_id`` at ``pos``; writes its keys/values into ``cache``."""
+        self._check([token_id], pos, cache)
+        if self._bound is not cache:
+            self._bind(cache)
+        logits = np.empty(self._desc.vocab, dtype=np.float32)
+        active = self.native.lib.tdm_decode(ctypes.byref(self._desc), token_id, pos, logits.ctypes.data)
+        self.ffn_neurons_total += self._desc.n_layers * self._desc.n_ff
+        self.ffn_neurons_active += int(active)
+        return logits
+
+    def prefill_logits(self, token_ids: list[int], start_pos: int, cache: ArrayKVCache) -> np.ndarray:
+        """Logits [vocab] of the last of ``token_ids`` at ``start_pos..``; every KV row written."""
+        token_ids = [int(t) for t in token_ids]
+        self._check(token_ids, start_pos, cache)
+        if self._bound is not cache:
+            self._bind(cache)
+        logits = np.empty(self._desc.vocab, dtype=np.float32)
+        single_work = self._desc.work
+        try:
+            for a in range(0, len(token_ids), MAX_BATCH_TOKENS):
+                b = min(a + MAX_BATCH_TOKENS, len(token_ids))
+                self._call_batch(token_ids[a:b], start_pos + a, cache, logits if b == len(token_ids) else None)
+        finally:
+            self._desc.work = single_work
+        return logits
+
+    def _call_batch(self, token_ids: list[int], start: int, cache: ArrayKVCache, logits) -> None:
+        n = len(token_ids)
+        span = start + n
+        n_bytes = self.native.lib.tdm_batch_work_bytes(ctypes.byref(self._desc), n, span)
+        if self._batch_work is None or self._batch_work.nbytes < n_bytes + 64:
+            self._batch_work = np.zeros(n_bytes + 64, dtype=np.uint8)
+        self._desc.work = (self._batch_work.ctypes.data + 63) & ~63
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        pos = np.arange(start, span, dtype=np.int64)
+        tables = np.zeros((n, 1), dtype=np.int32)  # [T, 1]: the cache is one block
+        want = np.zeros(n, dtype=np.uint8)
+        want[-1] = logits is not None
+        batch = TdmBatch(n_tokens=n, tokens=addr(tokens), pos=addr(pos), tables=addr(tables), table_stride=1,
+                         block_tokens=cache.capacity_tokens, kv_rows=cache.capacity_tokens, span=span,
+                         want=addr(want), logits=logits.ctypes.data if logits is not None else None)
+        active = int(self.native.lib.tdm_decode_batch(ctypes.byref(self._desc), ctypes.byref(batch)))
+        self.ffn_neurons_total += self._desc.n_layers * self._desc.n_ff * n
+        self.ffn_neurons_active += active
+
+
+def _build(s_type, d: dict, arrays: dict, keep: list, threads: int, native):
+    """The ctypes struct ``d`` describes (step_cache.describe_step's walk, run backwards)."""
+    s = s_type()
+    runtime = RUNTIME_POINTERS.get(s_type.__name__, ())
+    for field, ctype in s_type._fields_:
+        value = d[field]
+        if ctype is ctypes.c_void_p:
+            if field not in runtime and value["array"] is not None:
+                setattr(s, field, addr(arrays[value["array"]]))
+        elif isinstance(ctype, type) and issubclass(ctype, ctypes.Structure):
+            setattr(s, field, _build(ctype, value, arrays, keep, threads, native))
+            _check_weight(getattr(s, field), value, arrays)
+        elif hasattr(ctype, "_type_") and isinstance(ctype._type_, type) and issubclass(ctype._type_, ctypes.Structure):
+            if value is None:
+                continue
+            items = [_build(ctype._type_, v, arrays, keep, threads, native) for v in value]
+            if ctype._type_ is TdmLayer:
+                block = (TdmLayer * len(items))(*items)
+                keep.insert(0, block)
+                setattr(s, field, block)
+            else:
+                keep.append(items[0])
+                setattr(s, field, ctypes.pointer(items[0]))
+        else:
+            setattr(s, field, value)
+    if s_type is TdmPredictor:
+        _predictor_runtime(s, keep, threads, native)
+    return s
+
+
+def _predictor_runtime(pred: TdmPredictor, keep: list, threads: int, native) -> None:
+    """A predictor's per-process scratch and per-thread counters (as fused_predict.build_predictor)."""
+    z = np.zeros(pred.rank, dtype=np.float32)
+    scratch = np.zeros(int(native.lib.tdm_pred_scratch_bytes(pred.rank, threads)), dtype=np.uint8)
+    predicted, computed = np.zeros(threads, dtype=np.int64), np.zeros(threads, dtype=np.int64)
+    pred.z, pred.scratch, pred.predicted, pred.computed = addr(z), addr(scratch), addr(predicted), addr(computed)
+    keep += [z, scratch, predicted, computed]
+
+
+def _check_weight(w, d: dict, arrays: dict) -> None:
+    """A weight descriptor's rows must lie inside its arrays (a corrupt file must not make C read past them)."""
+    if not all(k in d for k in ("data", "rows", "row_bytes")):
+        return
+    data = d["data"]["array"]
+    if data is None or w.rows < 0 or w.row_bytes < 0 or arrays[data].nbytes < w.rows * w.row_bytes:
+        raise StepCacheError("a cached weight's rows lie outside its array")
+    scale = d.get("scale", {}).get("array")
+    if scale is not None and arrays[scale].size < w.rows * max(int(w.scale_stride), 1):
+        raise StepCacheError("a cached weight's scales lie outside their array")
+
+
+def _check_model(desc: TdmModel, arrays: dict, d: dict) -> None:
+    def size(name: str) -> int:
+        ref = d[name]["array"]
+        return 0 if ref is None else arrays[ref].size
+    if (size("embed") < desc.vocab * desc.d or size("final_norm") < desc.d
+            or desc.head.rows != desc.vocab or desc.head.cols != desc.d):
+        raise StepCacheError("the cached model's embeddings or output layer do not match its sizes")
