@@ -156,13 +156,9 @@ def _build(s_type, d: dict, arrays: dict, keep: list, threads: int, native):
             if value is None:
                 continue
             items = [_build(ctype._type_, v, arrays, keep, threads, native) for v in value]
-            if ctype._type_ is TdmLayer:
-                block = (TdmLayer * len(items))(*items)
-                keep.insert(0, block)
-                setattr(s, field, block)
-            else:
-                keep.append(items[0])
-                setattr(s, field, ctypes.pointer(items[0]))
+            block = (ctype._type_ * len(items))(*items)  # the layers, a MoE layer's experts, or one struct
+            keep.insert(0, block)
+            setattr(s, field, block)
         else:
             setattr(s, field, value)
     if s_type is TdmPredictor:
@@ -184,6 +180,8 @@ def _check_weight(w, d: dict, arrays: dict) -> None:
     if not all(k in d for k in ("data", "rows", "row_bytes")):
         return
     data = d["data"]["array"]
+    if data is None and w.rows == 0:
+        return  # an unused weight (a MoE layer's dense gate/up/down)
     if data is None or w.rows < 0 or w.row_bytes < 0 or arrays[data].nbytes < w.rows * w.row_bytes:
         raise StepCacheError("a cached weight's rows lie outside its array")
     scale = d.get("scale", {}).get("array")

@@ -86,13 +86,23 @@ def describe_step(step) -> tuple[dict, dict[str, np.ndarray]]:
             elif isinstance(ctype, type) and issubclass(ctype, ctypes.Structure):
                 out[field] = walk(value, n_layers)
             elif hasattr(ctype, "_type_") and isinstance(ctype._type_, type) and issubclass(ctype._type_, ctypes.Structure):
-                count = n_layers if field == "layers" else 1
+                count = struct_count(s, field, n_layers)
                 out[field] = None if not value else [walk(value[i], n_layers) for i in range(count)]
             else:
                 out[field] = value
         return out
 
     return walk(step._desc, int(step._desc.n_layers)), arrays
+
+
+def struct_count(owner: ctypes.Structure, field: str, n_layers: int) -> int:
+    """How many structs a pointer field of ``owner`` points to: the model's layers, a MoE layer's
+    experts, else one."""
+    if field == "layers":
+        return n_layers
+    if field == "experts":
+        return int(owner.n_experts)
+    return 1
 
 
 def write_cache(path: Path, description: dict, arrays: dict[str, np.ndarray],
