@@ -165,8 +165,10 @@ class FusedDecodeStep:
             attn, split = block.self_attn, executor.splits[i]
             ffn = split.cpu
             refs = dict(qkv=describe(attn.qkv_proj.linear.weight), o=describe(attn.o_proj.linear.weight),
-                        up=describe(ffn.up), gate=describe(ffn.gate if ffn.gate is not None else ffn.up),
-                        down_t=describe(ffn.down_t, dot_input=False))
+                        up=describe(ffn.up), gate=describe(ffn.gate if ffn.gate is not None else ffn.up))
+            dense = getattr(ffn, "down", None)  # [d, n_ff] GGUF blocks read dense in place (decode.c dense_down)
+            refs["down" if dense is not None else "down_t"] = (describe(dense) if dense is not None
+                                                               else describe(ffn.down_t, dot_input=False))
             arrays = dict(attn_norm=_np(block.input_layernorm.weight), ffn_norm=_np(block.post_attention_layernorm.weight),
                           qkv_bias=_bias(attn.qkv_proj.linear.bias), o_bias=_bias(attn.o_proj.linear.bias),
                           down_bias=_np(split.down_bias) if split.down_bias is not None else _bias(ffn.down_bias),

@@ -39,6 +39,7 @@ from tandem.core.errors import TandemError
 # agree: tests/test_kernel_constants.py): weight formats and FFN activations.
 KIND_F32, KIND_I8, KIND_I8B, KIND_I4, KIND_F16 = 0, 1, 2, 3, 4
 KIND_I4H, KIND_I8H, KIND_Q4K = 5, 6, 7  # native only (blocks.h): f16-scaled int4 / int8, Q4_K super-blocks
+KIND_Q50, KIND_Q6K, KIND_Q5K = 8, 9, 10  # native only (kquants.h): GGUF Q5_0 / Q6_K / Q5_K blocks in place
 ACT_IDS = {"silu": 0, "relu": 1, "fatrelu": 2, "drelu": 3, "gelu": 4, "gelu_tanh": 5}
 F16_VECTOR = 8  # Fp16Weight rows are read 8 values at a time
 Q8_BLOCK = 32  # Q8_0 block size (BlockInt8Weight)
@@ -350,7 +351,7 @@ def concat_rows(weights: list[Weight]) -> Weight:
     _check(len(weights) > 0, "concat_rows needs at least one weight")
     first = weights[0]
     def layout(w: Weight) -> tuple:  # the format, group size, input width and every array's dtype (or None)
-        return (type(w), w.shape[1], getattr(w, "group_size", 0),
+        return (type(w), w.shape[1], getattr(w, "group_size", 0), getattr(w, "qtype", None),
                 *(getattr(getattr(w, n), "dtype", None) for n in w.__dataclass_fields__))
     _check(all(layout(w) == layout(first) for w in weights),
            "concat_rows needs weights of one format, group size, input width and scale type")
@@ -375,7 +376,10 @@ def weight_from_gguf(data: np.ndarray, qtype: Any, shape: tuple[int, ...]) -> We
         return int4_from_q4_1(*quants.split_q4_1(data, shape))
     if qtype == "Q4_0":
         return int4_from_q4_0(*quants.split_q4_0(data, shape))
-    if qtype in ("Q4_K", "Q5_0", "IQ4_NL"):
+    if qtype in ("Q5_0", "Q6_K", "Q5_K"):
+        from .superblocks import blocks_from_gguf
+        return blocks_from_gguf(data, qtype, shape)
+    if qtype in ("Q4_K", "IQ4_NL"):
         return _from_kquant(data, qtype, shape)
     return Fp32Weight(quants.dequantize(data, qtype, shape))
 

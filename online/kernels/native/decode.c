@@ -46,6 +46,7 @@ typedef struct {
     const float *attn_out_norm, *ffn_out_norm;  /* [d]: RMSNorm of the attention / FFN output (sandwich) */
     const float *rope_cos, *rope_sin;           /* this layer's own rope table (Gemma's local layers) */
     int64_t window;                             /* > 0: this layer's sliding window (else the model's) */
+    tdm_weight down;                            /* [d, n_ff] dense down (data NULL: the sparse down_t rows) */
 } tdm_layer;
 
 typedef struct {
@@ -69,6 +70,7 @@ typedef struct {
 typedef struct {
     float *delta, *qkv, *attn, *partial; /* shared: o-proj output [d], [q+2kv], [q], [threads, d] */
     int64_t *counts;                     /* [threads] */
+    float *hfull;                        /* [n_ff] the dense down's input (zero between layers) */
 } shared_bufs;
 
 /* Every thread keeps its own copy of the residual stream, updated from the shared pieces in the
@@ -89,7 +91,7 @@ static int64_t max_in(const tdm_model *m) {
 static int64_t shared_bytes(const tdm_model *m) {
     int64_t q = m->n_heads * m->head_dim, kv = m->n_kv * m->head_dim;
     return align64(4 * m->d) + align64(4 * (q + 2 * kv)) + align64(4 * q) + align64(4 * m->threads * m->d)
-           + align64(8 * m->threads);
+           + align64(8 * m->threads) + align64(4 * m->n_ff);
 }
 
 static int64_t thread_bytes(const tdm_model *m) {
@@ -108,7 +110,8 @@ static shared_bufs get_shared(const tdm_model *m) {
     s.qkv = (float *)p; p += align64(4 * (q + 2 * kv));
     s.attn = (float *)p; p += align64(4 * q);
     s.partial = (float *)p; p += align64(4 * m->threads * m->d);
-    s.counts = (int64_t *)p;
+    s.counts = (int64_t *)p; p += align64(8 * m->threads);
+    s.hfull = (float *)p;
     return s;
 }
 
@@ -238,6 +241,24 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
 
 #define FFN_SLICE 32 /* neurons per slice; slices are dealt to threads in turn (sparsity is uneven) */
 
+/* The down projection as one GEMV over its d rows, GGUF blocks read in place (kquants.h): the kept h
+ * of every neuron (0 elsewhere: the neurons the sparse rows would add) quantized like any input.
+ * Reads fewer bytes than the sparse fp16 rows where sparsity is low (GELU). */
+static void dense_down(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int t, int nt,
+                       int64_t n_act) {
+    int64_t d = m->d, lo, hi;
+    for (int64_t i = 0; i < n_act; i++) sb->hfull[tb->idx[i]] = tb->h[i];
+    sb->counts[t] += n_act;
+#pragma omp barrier
+    quantize_q8(sb->hfull, m->n_ff, &tb->x, (float)m->residual_ratio);
+    chunk(d, t, nt, &lo, &hi);
+    dot_rows(&L->down, lo, hi - lo, &tb->x, sb->delta + lo);
+#pragma omp barrier
+    for (int64_t i = 0; i < n_act; i++) sb->hfull[tb->idx[i]] = 0.0f; /* every thread read it: zero again */
+    for (int64_t k = 0; k < d; k++) tb->xn[k] = sb->delta[k] + (L->down_bias ? L->down_bias[k] : 0.0f);
+    add_output(m, L->ffn_out_norm, tb->res, tb->xn, tb->xn);
+}
+
 static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int t, int nt) {
     int64_t n_act = 0, d = m->d;
     float alpha = (float)m->act_alpha, thr = (float)L->threshold;
@@ -274,6 +295,10 @@ static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, t
             tb->idx[n_act] = (int32_t)(b0 + i);
             n_act += fabsf(h[i]) > thr;
         }
+    }
+    if (L->down.data) {
+        dense_down(m, L, sb, tb, t, nt, n_act);
+        return;
     }
     for (int64_t k = 0; k < d; k++) part[k] = 0.0f;
     axpy_rows(&L->down_t, tb->idx, tb->h, n_act, part);
@@ -323,6 +348,7 @@ int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_
     shared_bufs sb = get_shared(m);
     int nt = (int)m->threads;
     for (int j = 0; j < nt; j++) sb.counts[j] = 0;
+    memset(sb.hfull, 0, 4 * (size_t)m->n_ff);
 #pragma omp parallel num_threads(nt)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
