@@ -36,6 +36,9 @@ def quantized_activation(x: torch.Tensor, residual_ratio: float) -> torch.Tensor
 
 def matvec(w, x: torch.Tensor, residual_ratio: float) -> torch.Tensor:
     xq = quantized_activation(x, residual_ratio)
+    if getattr(w, "qtype", None) == "Q5_K":  # scale x code on the int8 activation, minimum on exact block sums
+        scaled, minimum = q5k_parts(w.blocks, w.shape)
+        return torch.from_numpy(scaled) @ xq + torch.from_numpy(minimum) @ x.reshape(-1, 32).sum(1)
     if not hasattr(w, "codes"):  # Int4Weight, superblocks.Q4KWeight: int4 codes, per-group scale and minimum
         return torch.from_numpy(np.ascontiguousarray(w.dequantize())) @ xq
     group = w.group_size
@@ -43,6 +46,20 @@ def matvec(w, x: torch.Tensor, residual_ratio: float) -> torch.Tensor:
     codes = torch.from_numpy(w.codes().astype(np.float32)).reshape(w.shape[0], -1, group)  # [out, groups, G]
     scaled = (codes * torch.from_numpy(scale)[:, :, None]).reshape(w.shape[0], -1)  # [out, in]
     return scaled @ xq + torch.from_numpy(minimum) @ x.reshape(-1, group).sum(1)
+
+
+def q5k_parts(blocks: np.ndarray, shape) -> tuple[np.ndarray, np.ndarray]:
+    """Q5_K blocks -> ((d sc) q [out, in], -(dmin m) [out, in / 32]) through gguf's decoder (dmin or the
+    codes set to zero)."""
+    import gguf
+
+    rows, cols = shape
+    b = blocks.reshape(-1, 176).copy()
+    no_min = b.copy()
+    no_min[:, 2:4] = 0
+    b[:, 16:] = 0  # every code 0: each weight is -(dmin m)
+    dq = lambda a: gguf.quants.dequantize(a, gguf.GGMLQuantizationType.Q5_K).reshape(rows, cols)
+    return dq(no_min), np.ascontiguousarray(dq(b)[:, ::32])
 
 
 def _bias(b) -> torch.Tensor | float:
@@ -91,8 +108,11 @@ def reference_step(model, executor, cache, token: int, pos: int, residual_ratio:
         h = _act(cfg.hidden_act, matvec(ffn.gate, xn, residual_ratio), u) if cfg.mlp_gated else _act(cfg.hidden_act, u, 1.0)
         keep = h.abs() > split.threshold
         used += int(keep.sum())
-        down_t = torch.from_numpy(np.ascontiguousarray(ffn.down_t.dequantize()))  # [n_ff, d]
-        x = x + torch.where(keep, h, torch.zeros_like(h)) @ down_t
+        if getattr(ffn, "down", None) is not None:  # dense down (GGUF blocks): the kept h quantized like any input
+            x = x + matvec(ffn.down, torch.where(keep, h, torch.zeros_like(h)), residual_ratio)
+        else:
+            down_t = torch.from_numpy(np.ascontiguousarray(ffn.down_t.dequantize()))  # [n_ff, d]
+            x = x + torch.where(keep, h, torch.zeros_like(h)) @ down_t
         if split.down_bias is not None:
             x = x + split.down_bias
     xn = F.rms_norm(x, (cfg.hidden_size,), model.norm.weight, cfg.norm_eps)

@@ -79,9 +79,9 @@ def test_kquant_errors_name_the_problem():
         dequantize(np.zeros(100, np.uint8), "Q6_K", (1, 256))
 
 
-@pytest.mark.parametrize("qtype, kind", [("Q4_K", "Q4KWeight"), ("Q5_0", "BlockInt8Weight"),
-                                         ("IQ4_NL", "BlockInt8Weight"), ("Q6_K", "Fp32Weight"),
-                                         ("Q5_K", "Fp32Weight"), ("Q2_K", "Fp32Weight")])
+@pytest.mark.parametrize("qtype, kind", [("Q4_K", "Q4KWeight"), ("Q5_0", "GGUFBlockWeight"),
+                                         ("IQ4_NL", "BlockInt8Weight"), ("Q6_K", "GGUFBlockWeight"),
+                                         ("Q5_K", "GGUFBlockWeight"), ("Q2_K", "Fp32Weight")])
 def test_kernel_weights_from_kquants_are_exact(qtype, kind):
     """Packed kernel formats hold every weight exactly as gguf decodes it, and the gemv agrees."""
     import torch

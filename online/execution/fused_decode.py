@@ -166,8 +166,10 @@ class FusedDecodeStep:
                           **_gemma_arrays(model, block), **layer_arrays(block, split))
             if split is not None:  # a dense layer (MoE layers: fused_arch.build_moe)
                 ffn = split.cpu
-                refs.update(up=describe(ffn.up), gate=describe(ffn.gate if ffn.gate is not None else ffn.up),
-                            down_t=describe(ffn.down_t, dot_input=False))
+                refs.update(up=describe(ffn.up), gate=describe(ffn.gate if ffn.gate is not None else ffn.up))
+                dense = getattr(ffn, "down", None)  # [d, n_ff] GGUF blocks read dense in place (decode.c dense_down)
+                refs["down" if dense is not None else "down_t"] = (describe(dense) if dense is not None
+                                                                   else describe(ffn.down_t, dot_input=False))
                 arrays["down_bias"] = _np(split.down_bias) if split.down_bias is not None else _bias(ffn.down_bias)
             layer = TdmLayer(threshold=float(split.threshold) if split is not None else -1.0,
                              window=int(attn.sliding_window), n_ff=ffn.n_neurons if split is not None else 0,

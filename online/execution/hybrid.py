@@ -33,7 +33,7 @@ from .gpu_tier import GpuTier
 from tandem.core.tier_format import TIER_FORMATS
 from .tier_matrix import TierMatrix
 from .tier_units import tier_ffn_kernel
-from .quantized_linear import EXACT_GGUF_TYPES
+from .quantized_linear import EXACT_GGUF_TYPES, IN_PLACE_GGUF_TYPES, dense_down_wanted
 from tandem.core.ffn.weights import FFNWeights, MoELayerWeights
 
 PREDICTOR_MAX_TOKENS = 4  # longer batches (prefill) activate nearly every neuron: exact path there
@@ -363,10 +363,12 @@ def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor,
         prefix = f"model.layers.{layer}.mlp"
         up_raw, gate_raw, down_raw = (raw.get(f"{prefix}.{n}_proj.weight") for n in ("up", "gate", "down"))
         all_cold = cold.numel() == n_ff
-        if (all_cold and settings.weight_format == "int4" and up_raw is not None and down_raw is not None
-                and up_raw.qtype in EXACT_GGUF_TYPES["int4"] and w.up_bias is None and w.gate_bias is None
-                and (gate_raw is None or gate_raw.qtype in EXACT_GGUF_TYPES["int4"])):
-            cpu = QuantizedFFN.from_gguf(up_raw, down_raw, gate_raw, down_fmt=settings.down_format, **kw)
+        exact = EXACT_GGUF_TYPES["int4"] if settings.weight_format == "int4" else IN_PLACE_GGUF_TYPES
+        if (all_cold and settings.weight_format in ("int4", "int8") and up_raw is not None and down_raw is not None
+                and up_raw.qtype in exact and w.up_bias is None and w.gate_bias is None
+                and (gate_raw is None or gate_raw.qtype in exact)):
+            cpu = QuantizedFFN.from_gguf(up_raw, down_raw, gate_raw, down_fmt=settings.down_format,
+                                         dense_down=dense_down_wanted(cfg.hidden_act, down_raw, settings.down_format), **kw)
         else:
             cpu = QuantizedFFN.from_float(
                 up=w.up[cold], down=w.down[:, cold], gate=None if w.gate is None else w.gate[cold],

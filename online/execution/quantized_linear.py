@@ -55,7 +55,7 @@ def quantize_attention(model, fmt: str, threads: int, raw: dict | None = None) -
         attn.o_proj = QuantizedLinearModule(packed["o_proj"])
         qkv = [packed[n] for n in ("q_proj", "k_proj", "v_proj")]
         try:  # one fused projection (one kernel call) when the three share a format
-            weight = concat_rows([p.weight for p in qkv])
+            weight = _concat_qkv([p.weight for p in qkv])
             bias = None
             if any(p.bias.size for p in qkv):
                 bias = np.concatenate([p.bias if p.bias.size else np.zeros(p.out_features, np.float32) for p in qkv])
@@ -72,8 +72,51 @@ def _np(bias):
     return None if bias is None else bias.detach().float().numpy()
 
 
-EXACT_GGUF_TYPES = {"int8": ("Q8_0", "Q5_0", "IQ4_NL"), "int4": ("Q4_0", "Q4_1", "Q4_K")}  # packed as is
+# GGUF block types packed as they are (no float round trip) for each requested format. k-quant files
+# mix precisions per tensor on purpose: their Q4_K / Q5_0 / Q5_K / Q6_K blocks are read in place by
+# either format (exact, and fewer bytes than int8); Q4_0 / Q4_1 tensors of int8 plans are re-quantized.
+IN_PLACE_GGUF_TYPES = ("Q4_K", "Q5_0", "Q5_K", "Q6_K")
+EXACT_GGUF_TYPES = {"int8": ("Q8_0", "IQ4_NL", *IN_PLACE_GGUF_TYPES), "int4": ("Q4_0", "Q4_1", *IN_PLACE_GGUF_TYPES)}
 
 
 def _matches(qtype: str, fmt: str) -> bool:
     return qtype in EXACT_GGUF_TYPES.get(fmt, ())
+
+
+def _concat_qkv(weights: list):
+    """q, k, v stacked; where their formats differ (Gemma's Q5_0 q/k with a Q8_0 v), Q5_0 blocks widened
+    to int8 codes with their f16 scales (exact) so the three still stack."""
+    from online.kernels.superblocks import GGUFBlockWeight
+    from online.kernels.quantize import int8_from_q8_0
+
+    try:
+        return concat_rows(weights)
+    except TandemError:
+        if not any(isinstance(w, GGUFBlockWeight) and w.qtype == "Q5_0" for w in weights):
+            raise
+    widened = []
+    for w in weights:
+        if isinstance(w, GGUFBlockWeight) and w.qtype == "Q5_0":
+            q, d = w.int8_codes()
+            w = int8_from_q8_0(d, q)
+        widened.append(w)
+    return concat_rows(widened)
+
+
+# bytes per weight of the sparse down rows (ExecutionSettings.down_format) and the share of them a
+# token is assumed to read where activations are not exactly zero (SiLU / GELU magnitude thresholds
+# keep most neurons: Gemma 3's plan ~79%); ReLU-family layers keep the sparse rows
+_DOWN_ROW_BYTES = {"fp16": 2.0, "fp32": 4.0, "int8b": 34 / 32, "int8": 1.0, "int4": 0.625}
+_DENSE_SHARE_BOUND = 0.5
+
+
+def dense_down_wanted(act: str, down_raw, down_format: str) -> bool:
+    """Read the down projection dense in its GGUF blocks (in place) rather than as sparse rows when it
+    reads fewer bytes: blocks <= 0.5 x the rows' bytes, for k-quant blocks of non-ReLU layers."""
+    if down_raw.qtype not in IN_PLACE_GGUF_TYPES or act in ("relu", "fatrelu", "drelu"):
+        return False
+    rows, cols = down_raw.shape
+    if cols % 32:
+        return False
+    dense = np.asarray(down_raw.data).nbytes
+    return dense <= _DENSE_SHARE_BOUND * rows * cols * _DOWN_ROW_BYTES.get(down_format, 2.0)

@@ -33,7 +33,7 @@ from .quantize import Fp32Weight, Weight, quantize, weight_from_gguf
 # Up to this many tokens the numba kernels beat dequantize-per-call + torch matmul (measured on
 # 1536x576, bench/kernels.md); fp32 weights need no dequantization, so torch wins from T = 2.
 _KERNEL_MAX_TOKENS = {"Fp32Weight": 1, "Fp16Weight": 1, "Int8Weight": 6, "BlockInt8Weight": 6, "Int4Weight": 3,
-                     "Q4KWeight": 3}
+                     "Q4KWeight": 3, "GGUFBlockWeight": 3}
 KERNEL_MAX_TOKENS = max(_KERNEL_MAX_TOKENS.values())
 
 
@@ -45,7 +45,8 @@ _EMPTY = np.zeros(0, dtype=np.float32)
 
 def _weight_format(w: Weight) -> str:
     return {"Fp32Weight": "fp32", "Fp16Weight": "fp16", "Int8Weight": "int8", "BlockInt8Weight": "int8-block32",
-            "Int4Weight": f"int4-g{getattr(w, 'group_size', 32)}", "Q4KWeight": "q4_k"}[type(w).__name__]
+            "Int4Weight": f"int4-g{getattr(w, 'group_size', 32)}", "Q4KWeight": "q4_k",
+            "GGUFBlockWeight": getattr(w, "qtype", "").lower()}[type(w).__name__]
 
 
 def _as_2d(x: Any, features: int, what: str) -> tuple[np.ndarray, bool]:
@@ -213,17 +214,22 @@ class QuantizedFFN:
 
     ``down_t`` is the transposed down projection [n_ff, d]. ``forward_sparse`` computes gate/up in
     full and then only the down rows whose |h| > threshold; ``forward_predicted`` computes gate/up
-    only for the given neurons and all their down rows.
+    only for the given neurons and all their down rows. ``down`` (with ``down_t`` None): the down
+    projection [d, n_ff] as the GGUF file stores it, one dense product over the kept h instead
+    (fewer bytes than the sparse rows where sparsity is low; the fused step reads it in place).
     """
 
-    def __init__(self, up: Weight, down_t: Weight, gate: Weight | None = None, act: str = "silu",
+    def __init__(self, up: Weight, down_t: Weight | None, gate: Weight | None = None, act: str = "silu",
                  act_threshold: float = 0.0, up_bias: Any = None, gate_bias: Any = None,
-                 down_bias: Any = None, threads: int = 2):
+                 down_bias: Any = None, threads: int = 2, down: Weight | None = None):
         if act not in K.ACT_IDS:
             raise TandemError(f"unsupported activation {act!r} (supported: {', '.join(K.ACT_IDS)})")
         self.n_neurons, self.d_model = up.shape
-        if down_t.shape != (self.n_neurons, self.d_model) or (gate is not None and gate.shape != up.shape):
-            raise TandemError(f"FFN shapes disagree: up {list(up.shape)}, down^T {list(down_t.shape)}"
+        self.down = down
+        if (down_t is None) == (down is None) or (down is not None and down.shape != (self.d_model, self.n_neurons)):
+            raise TandemError("QuantizedFFN needs either down_t [n_ff, d] or down [d, n_ff]")
+        if (down_t or _Transposed(down)).shape != (self.n_neurons, self.d_model) or (gate is not None and gate.shape != up.shape):
+            raise TandemError(f"FFN shapes disagree: up {list(up.shape)}, down^T {list((down_t or _Transposed(down)).shape)}"
                               + (f", gate {list(gate.shape)}" if gate is not None else ""))
         if act == "drelu" and gate is None:
             raise TandemError("dReLU needs a gated FFN")
@@ -234,14 +240,16 @@ class QuantizedFFN:
         self.gate_bias = _bias(gate_bias, self.n_neurons, "gate bias")
         self.down_bias = _bias(down_bias, self.d_model, "down bias")
         self.threads = K.clamp_threads(threads)
-        self._up, self._down = up.kernel_args(), down_t.kernel_args()
+        self._up = up.kernel_args()
+        self._down = down_t.kernel_args() if down_t is not None else None
         self._gate = gate.kernel_args() if gate is not None else self._up
         self._all_rows = np.arange(self.n_neurons, dtype=np.int64)
         self._max_tokens = kernel_max_tokens(up)
         # prefill path (T > _max_tokens): the same packed weights, dequantized per call
         self._lin_up = QuantizedLinear(up, None, threads)
         self._lin_gate = QuantizedLinear(gate, None, threads) if gate is not None else None
-        self._lin_down_t = QuantizedLinear(down_t, None, threads)
+        self._lin_down_t = QuantizedLinear(down_t, None, threads) if down_t is not None else None
+        self._lin_down = QuantizedLinear(down, None, threads) if down is not None else None
 
     @classmethod
     def from_float(cls, up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor | None = None,
@@ -255,23 +263,27 @@ class QuantizedFFN:
 
     @classmethod
     def from_gguf(cls, up: Any, down: Any, gate: Any = None, down_fmt: str = "int8",
-                  group_size: int = 32, **kw: Any) -> "QuantizedFFN":
+                  group_size: int = 32, dense_down: bool = False, **kw: Any) -> "QuantizedFFN":
         """From raw GGUF tensors (RawQuantTensor-like). gate/up keep their blocks exactly (Q4_1 ->
         int4, Q8_0 -> block int8); the down projection is decoded and re-packed transposed in
-        ``down_fmt`` (its GGUF blocks run along n_ff, the wrong axis for the sparse row form)."""
+        ``down_fmt`` (its GGUF blocks run along n_ff, the wrong axis for the sparse row form), or with
+        ``dense_down`` kept as it is for one dense product (``down``; see the class docstring)."""
         down_w = _raw(down)
+        if dense_down:
+            return cls(_raw(up), None, _raw(gate) if gate is not None else None, down=down_w, **kw)
         down_t = np.ascontiguousarray(down_w.dequantize().T)  # [n_ff, d]
         return cls(_raw(up), quantize(down_t, down_fmt, group_size),
                    _raw(gate) if gate is not None else None, **kw)
 
     @property
     def nbytes(self) -> int:
-        ws = (self.up, self.down_t, self.gate)
+        ws = (self.up, self.down_t, self.gate, self.down)
         return sum(w.nbytes for w in ws if w is not None) + self.up_bias.nbytes + self.gate_bias.nbytes + self.down_bias.nbytes
 
     @property
     def fmt(self) -> str:
-        return f"{_weight_format(self.up)}/down {_weight_format(self.down_t)}"
+        down = self.down_t if self.down is None else self.down
+        return f"{_weight_format(self.up)}/down {_weight_format(down)}{'' if self.down is None else ' dense'}"
 
     def forward_numpy(self, xn: np.ndarray, threshold: float = -1.0,
                       rows: np.ndarray | None = None) -> tuple[np.ndarray, int]:
@@ -279,6 +291,9 @@ class QuantizedFFN:
         threshold < 0: dense; >= 0: down rows only where |h| > threshold. ``rows`` (int64) limits
         gate/up to those neurons (predictor-gated; always on the numba kernels)."""
         _check_np(xn, self.d_model, "QuantizedFFN.forward_numpy")
+        if self.down is not None and (rows is not None or xn.shape[0] <= self._max_tokens):
+            from .dense_down import forward_dense_down
+            return forward_dense_down(self, xn, threshold, rows)
         if rows is not None:
             rows = _rows(rows, self.n_neurons)
         elif xn.shape[0] > self._max_tokens:
@@ -312,7 +327,7 @@ class QuantizedFFN:
         return _activate(self.act, g, self.act_threshold) * u
 
     def _torch_down(self, h: torch.Tensor) -> torch.Tensor:
-        y = h @ self._lin_down_t.dequantize()  # [T, d]
+        y = h @ (self._lin_down_t.dequantize() if self.down is None else self._lin_down.dequantize().T)  # [T, d]
         if self.down_bias.size:
             y += torch.from_numpy(self.down_bias)
         return y
@@ -348,3 +363,8 @@ def _activate(act: str, g: torch.Tensor, alpha: float) -> torch.Tensor:
     if act == "gelu":
         return F.gelu(g)
     return F.gelu(g, approximate="tanh")
+
+
+class _Transposed:  # the shape a dense down [d, n_ff] has as down_t
+    def __init__(self, w: Weight) -> None:
+        self.shape = (w.shape[1], w.shape[0])

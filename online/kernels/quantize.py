@@ -15,8 +15,8 @@ Every format is a frozen dataclass over numpy arrays, ``[out_features, in_featur
 - ``superblocks.Q4KWeight``: Q4_K super-blocks (0.5625 B/weight), codes in the group-32 order above.
 
 GGUF blocks convert without a float round trip: Q8_0 -> BlockInt8Weight, Q4_1 / Q4_0 -> Int4Weight, Q4_K
--> Q4KWeight, Q5_0 / IQ4_NL -> BlockInt8Weight (q - 16 / table value), all with GGUF's f16 scales; F32/F16/BF16
-and the other k-quants decode exactly to Fp32Weight. Quantized floats get f16 scales where they hold them.
+-> Q4KWeight, Q5_0 / Q5_K / Q6_K -> superblocks.GGUFBlockWeight (the file's blocks), IQ4_NL -> BlockInt8Weight
+(table values), all with GGUF's f16 scales; F32/F16/BF16, Q2_K, Q3_K, Q5_1 decode exactly to Fp32Weight. Quantized floats get f16 scales where they hold them.
 The C step reads the f16 and Q4_K forms in place (native/blocks.h); kernel_args() widens them for numba.
 
 Example::
@@ -39,6 +39,7 @@ from tandem.core.errors import TandemError
 # agree: tests/test_kernel_constants.py): weight formats and FFN activations.
 KIND_F32, KIND_I8, KIND_I8B, KIND_I4, KIND_F16 = 0, 1, 2, 3, 4
 KIND_I4H, KIND_I8H, KIND_Q4K = 5, 6, 7  # native only (blocks.h): f16-scaled int4 / int8, Q4_K super-blocks
+KIND_Q50, KIND_Q6K, KIND_Q5K = 8, 9, 10  # native only (kquants.h): GGUF Q5_0 / Q6_K / Q5_K blocks
 ACT_IDS = {"silu": 0, "relu": 1, "fatrelu": 2, "drelu": 3, "gelu": 4, "gelu_tanh": 5}
 F16_VECTOR = 8  # Fp16Weight rows are read 8 values at a time
 Q8_BLOCK = 32  # Q8_0 block size (BlockInt8Weight)
@@ -52,7 +53,6 @@ def _dummy() -> np.ndarray:
 
 def _writable(a: np.ndarray) -> np.ndarray:
     return a if a.flags.writeable else a.copy()
-
 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
@@ -350,7 +350,7 @@ def concat_rows(weights: list[Weight]) -> Weight:
     _check(len(weights) > 0, "concat_rows needs at least one weight")
     first = weights[0]
     def layout(w: Weight) -> tuple:  # the format, group size, input width and every array's dtype (or None)
-        return (type(w), w.shape[1], getattr(w, "group_size", 0),
+        return (type(w), w.shape[1], getattr(w, "group_size", 0), getattr(w, "qtype", None),
                 *(getattr(getattr(w, n), "dtype", None) for n in w.__dataclass_fields__))
     _check(all(layout(w) == layout(first) for w in weights),
            "concat_rows needs weights of one format, group size, input width and scale type")
@@ -363,7 +363,7 @@ def concat_rows(weights: list[Weight]) -> Weight:
 
 
 def weight_from_gguf(data: np.ndarray, qtype: Any, shape: tuple[int, ...]) -> Weight:
-    """A GGUF tensor's raw bytes -> packed weight without a float round trip (Q8_0/Q4_0/Q4_1)."""
+    """A GGUF tensor's raw bytes -> packed weight without a float round trip (module docstring)."""
     from tandem.core.loading import quants
 
     qtype = quants.qtype_name(qtype)
@@ -375,13 +375,16 @@ def weight_from_gguf(data: np.ndarray, qtype: Any, shape: tuple[int, ...]) -> We
         return int4_from_q4_1(*quants.split_q4_1(data, shape))
     if qtype == "Q4_0":
         return int4_from_q4_0(*quants.split_q4_0(data, shape))
-    if qtype in ("Q4_K", "Q5_0", "IQ4_NL"):
+    if qtype in ("Q5_0", "Q6_K", "Q5_K"):
+        from .superblocks import blocks_from_gguf
+        return blocks_from_gguf(data, qtype, shape)
+    if qtype in ("Q4_K", "IQ4_NL"):
         return _from_kquant(data, qtype, shape)
     return Fp32Weight(quants.dequantize(data, qtype, shape))
 
 
 def _from_kquant(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> Weight:
-    """Q4_K -> Q4KWeight, Q5_0 / IQ4_NL -> BlockInt8Weight; every weight equal to gguf's decode."""
+    """Q4_K -> Q4KWeight, IQ4_NL -> BlockInt8Weight; every weight equal to gguf's decode."""
     from tandem.core.loading import kquants, quants
 
     from .superblocks import q4k_from_blocks
@@ -392,9 +395,6 @@ def _from_kquant(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> Weight
     if qtype == "Q4_K":
         return q4k_from_blocks(blocks, shape)
     d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).reshape(groups)
-    if qtype == "Q5_0":
-        q = kquants._q5_codes(blocks[:, 2:6], blocks[:, 6:22]).astype(np.int8) - np.int8(16)  # [rows * nb, 32]
-    else:
-        qs = blocks[:, 2:18]
-        q = kquants.IQ4_NL_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=1)]  # [rows * nb, 32]
+    qs = blocks[:, 2:18]  # IQ4_NL: table values
+    q = kquants.IQ4_NL_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=1)]  # [rows * nb, 32]
     return int8_from_q8_0(d, q.reshape(rows, cols))

@@ -1,4 +1,10 @@
-"""GGUF Q4_K super-blocks as a packed weight the fused C step reads in place (native/blocks.h).
+"""GGUF Q4_K super-blocks (and Q5_0 / Q5_K / Q6_K blocks) as packed weights the fused C step reads
+in place (native/blocks.h, native/kquants.h).
+
+``GGUFBlockWeight`` keeps a Q5_0 (22 B / 32), Q6_K (210 B / 256) or Q5_K (176 B / 256) tensor's
+blocks exactly as the file stores them, [out, blocks per row x block bytes]; the C row-dot kernels
+decode the codes in registers. The numba module kernels read it widened once at load, exactly:
+Q5_0 as int8 codes with float32 scales, Q5_K / Q6_K as float32 (module path only).
 
 ``Q4KWeight`` keeps a Q4_K tensor's 144 bytes per 256 weights (0.5625 B/weight): the 128 code bytes
 re-ordered into int4's group-32 nibble order (quantize.Int4Weight: byte j of group g holds element
@@ -20,7 +26,7 @@ import numpy as np
 
 from tandem.core.errors import TandemError
 
-from .quantize import KIND_I4, pack_int4
+from .quantize import KIND_F32, KIND_I4, KIND_I8B, KIND_Q50, KIND_Q5K, KIND_Q6K, pack_int4
 
 QK_K = 256
 SB_BYTES = 16  # per super-block: f16 d, f16 dmin, 12 bytes of 6-bit scales and minimums
@@ -97,3 +103,71 @@ def q4k_from_blocks(blocks: np.ndarray, shape: tuple[int, int]) -> Q4KWeight:
     q = _q4k_codes(blocks[:, SB_BYTES:])  # [n, 256] logical order
     sb = np.ascontiguousarray(blocks[:, :SB_BYTES]).reshape(rows, cols // QK_K * SB_BYTES)
     return Q4KWeight(packed=pack_int4(q.reshape(rows, cols), 32), sb=sb)
+
+
+IN_PLACE_BLOCKS = {"Q5_0": (32, 22, KIND_Q50), "Q6_K": (256, 210, KIND_Q6K), "Q5_K": (256, 176, KIND_Q5K)}
+
+
+@dataclass(frozen=True, eq=False)
+class GGUFBlockWeight:
+    blocks: np.ndarray  # uint8 [out, in / block_weights * block_bytes]: the file's blocks, row by row
+    qtype: str  # "Q5_0" | "Q6_K" | "Q5_K"
+
+    def __post_init__(self) -> None:
+        _check(self.qtype in IN_PLACE_BLOCKS, f"GGUFBlockWeight reads {', '.join(IN_PLACE_BLOCKS)}, not {self.qtype}")
+        b = self.blocks
+        _check(isinstance(b, np.ndarray) and b.dtype == np.uint8 and b.ndim == 2 and b.flags.c_contiguous,
+               "GGUFBlockWeight.blocks must be C-contiguous uint8 [out, row bytes]")
+        _check(b.shape[1] % IN_PLACE_BLOCKS[self.qtype][1] == 0,
+               f"{self.qtype} rows must be whole blocks of {IN_PLACE_BLOCKS[self.qtype][1]} bytes")
+
+    @property
+    def kind(self) -> int:
+        return IN_PLACE_BLOCKS[self.qtype][2]
+
+    @property
+    def group_size(self) -> int:
+        return IN_PLACE_BLOCKS[self.qtype][0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        per, nbytes, _ = IN_PLACE_BLOCKS[self.qtype]
+        return self.blocks.shape[0], self.blocks.shape[1] // nbytes * per
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+    def dequantize(self) -> np.ndarray:
+        from tandem.core.loading import quants
+
+        return quants.dequantize(self.blocks, self.qtype, self.shape)  # float32 [out, in], gguf's decode
+
+    def int8_codes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Q5_0 only: (q - 16 as int8 [out, in], d float16 [out, in / 32]): w = d (q - 16) exactly."""
+        from tandem.core.loading import kquants
+
+        _check(self.qtype == "Q5_0", f"{self.qtype} has no int8 form with one scale per 32")
+        rows, cols = self.shape
+        b = self.blocks.reshape(-1, 22)  # [rows * nb, 22]
+        q = kquants._q5_codes(b[:, 2:6], b[:, 6:22]).astype(np.int8) - np.int8(16)  # [rows * nb, 32]
+        d = np.ascontiguousarray(b[:, 0:2]).view(np.float16).reshape(rows, cols // 32)
+        return np.ascontiguousarray(q.reshape(rows, cols)), np.ascontiguousarray(d)
+
+    def kernel_args(self) -> tuple:
+        """The numba kernels' arguments: exact widened copies (module path only; the C step reads the blocks)."""
+        if self.qtype == "Q5_0":
+            q, d = self.int8_codes()
+            return (KIND_I8B, q.view(np.uint8), d.astype(np.float32), np.zeros((1, 1), np.float32), 32)
+        return (KIND_F32, self.dequantize().view(np.uint8), np.zeros((1, 1), np.float32),
+                np.zeros((1, 1), np.float32), 1)
+
+
+def blocks_from_gguf(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> GGUFBlockWeight:
+    """A Q5_0 / Q6_K / Q5_K tensor's bytes [rows, ...] -> GGUFBlockWeight (the same bytes)."""
+    from tandem.core.loading import quants
+
+    rows, cols = shape
+    per = IN_PLACE_BLOCKS[qtype][0]
+    _check(cols % per == 0, f"{qtype} needs in_features divisible by {per}, got {cols}")
+    return GGUFBlockWeight(np.ascontiguousarray(quants._as_rows(data, qtype, shape)).reshape(rows, -1), qtype)

@@ -31,6 +31,7 @@ typedef struct {
     float *qkv, *attn, *delta, *partial; /* [T, q+2kv], [T, q], [T, d], [threads, T, d] */
     int32_t *rowmap;                     /* [T, span]: the KV row of each position of token i's sequence */
     int64_t *counts;                     /* [threads] */
+    float *hfull;                        /* [T, n_ff] the dense down's inputs (zero between layers) */
 } batch_shared;
 
 typedef struct {
@@ -43,7 +44,8 @@ typedef struct {
 static int64_t batch_shared_bytes(const tdm_model *m, int64_t T, int64_t span) {
     int64_t q = m->n_heads * m->head_dim, kv = m->n_kv * m->head_dim;
     return align64(4 * T * (q + 2 * kv)) + align64(4 * T * q) + align64(4 * T * m->d)
-           + align64(4 * m->threads * T * m->d) + align64(4 * T * span) + align64(8 * m->threads);
+           + align64(4 * m->threads * T * m->d) + align64(4 * T * span) + align64(8 * m->threads)
+           + align64(4 * T * m->n_ff);
 }
 
 static int64_t batch_thread_bytes(const tdm_model *m, int64_t T, int64_t span) {
@@ -65,7 +67,8 @@ static batch_shared batch_get_shared(const tdm_model *m, int64_t T, int64_t span
     s.delta = (float *)p; p += align64(4 * T * m->d);
     s.partial = (float *)p; p += align64(4 * m->threads * T * m->d);
     s.rowmap = (int32_t *)p; p += align64(4 * T * span);
-    s.counts = (int64_t *)p;
+    s.counts = (int64_t *)p; p += align64(8 * m->threads);
+    s.hfull = (float *)p;
     return s;
 }
 
@@ -212,6 +215,27 @@ static void batch_keep(batch_thread *tb, const tdm_model *m, int64_t i, const fl
     tb->n_act[i] = k;
 }
 
+/* dense_down (decode.c) for T tokens: each token's quantized h as the single step's, the rows read once */
+static void batch_dense_down(const tdm_model *m, const tdm_layer *L, int64_t T, batch_shared *sb, batch_thread *tb,
+                             int t, int nt) {
+    int64_t d = m->d, F = m->n_ff, lo, hi;
+    for (int64_t i = 0; i < T; i++) {
+        for (int64_t j = 0; j < tb->n_act[i]; j++) sb->hfull[i * F + tb->idx[i * F + j]] = tb->h[i * F + j];
+        sb->counts[t] += tb->n_act[i];
+    }
+#pragma omp barrier
+    for (int64_t i = 0; i < T; i++)
+        quantize_q8(sb->hfull + i * F, L->n_ff > 0 ? L->n_ff : F, tb->x + i, (float)m->residual_ratio);
+    chunk(d, t, nt, &lo, &hi);
+    dot_rows_multi(&L->down, lo, hi - lo, tb->x, T, sb->delta + lo, d);
+#pragma omp barrier
+    for (int64_t i = 0; i < T; i++) {
+        for (int64_t j = 0; j < tb->n_act[i]; j++) sb->hfull[i * F + tb->idx[i * F + j]] = 0.0f;
+        for (int64_t k = 0; k < d; k++) tb->xn[k] = sb->delta[i * d + k] + (L->down_bias ? L->down_bias[k] : 0.0f);
+        add_output(m, L->ffn_out_norm, tb->res + i * d, tb->xn, tb->xn);
+    }
+}
+
 /* a MoE layer token by token (moe.h), each as the single-token step computes it */
 static void batch_moe(const tdm_model *m, const tdm_layer *L, const tdm_batch *B, batch_shared *sb,
                       batch_thread *tb, int t, int nt) {
@@ -294,6 +318,10 @@ static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B
             batch_keep(tb, m, i, h, NULL, b0, n, thr);
         }
     }
+    if (L->down.data) {
+        batch_dense_down(m, L, T, sb, tb, t, nt);
+        return;
+    }
     float *part = sb->partial + t * T * d; /* [T, d] this thread's down-projection sums */
     for (int64_t k = 0; k < T * d; k++) part[k] = 0.0f;
     int64_t same = 1; /* tokens whose active rows equal token 0's (all of them in a dense FFN) */
@@ -322,6 +350,7 @@ int64_t tdm_decode_batch(const tdm_model *m, const tdm_batch *B) {
     batch_shared sb = batch_get_shared(m, T, span);
     int nt = (int)m->threads;
     for (int j = 0; j < nt; j++) sb.counts[j] = 0;
+    memset(sb.hfull, 0, 4 * (size_t)(T * m->n_ff));
     int64_t n_want = 0;
     for (int64_t i = 0; i < T; i++) n_want += B->want[i] != 0;
 #pragma omp parallel num_threads(nt)

@@ -50,6 +50,7 @@ typedef struct {
     const float *attn_norm_bias, *ffn_norm_bias, *up_bias; /* [d], [d], [n_ff] */
     int64_t n_ff;                               /* this layer's FFN width (0: the model's n_ff) */
     const struct tdm_moe *moe;                  /* non-NULL: a MoE layer (moe.h); gate/up/down_t unused */
+    tdm_weight down;                            /* [d, n_ff] dense down (data NULL: the sparse down_t rows) */
 } tdm_layer;
 
 typedef struct {
@@ -77,6 +78,7 @@ typedef struct {
 typedef struct {
     float *delta, *qkv, *attn, *partial; /* shared: o-proj output [d], [q+2kv], [q], [threads, d] */
     int64_t *counts;                     /* [threads] */
+    float *hfull;                        /* [n_ff] the dense down's input (zero between layers) */
 } shared_bufs;
 
 /* Every thread keeps its own copy of the residual stream, updated from the shared pieces in the
@@ -97,7 +99,7 @@ static int64_t max_in(const tdm_model *m) {
 static int64_t shared_bytes(const tdm_model *m) {
     int64_t q = m->n_heads * m->head_dim, kv = m->n_kv * m->head_dim;
     return align64(4 * m->d) + align64(4 * (q + 2 * kv)) + align64(4 * q) + align64(4 * m->threads * m->d)
-           + align64(8 * m->threads);
+           + align64(8 * m->threads) + align64(4 * m->n_ff);
 }
 
 static int64_t thread_bytes(const tdm_model *m) {
@@ -118,7 +120,8 @@ static shared_bufs get_shared(const tdm_model *m) {
     s.qkv = (float *)p; p += align64(4 * (q + 2 * kv));
     s.attn = (float *)p; p += align64(4 * q);
     s.partial = (float *)p; p += align64(4 * m->threads * m->d);
-    s.counts = (int64_t *)p;
+    s.counts = (int64_t *)p; p += align64(8 * m->threads);
+    s.hfull = (float *)p;
     return s;
 }
 
@@ -248,6 +251,24 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
 
 #define FFN_SLICE 32 /* neurons per slice; slices are dealt to threads in turn (sparsity is uneven) */
 
+/* The down projection as one GEMV over its d rows, GGUF blocks read in place (kquants.h): the kept h
+ * of every neuron (0 elsewhere: the neurons the sparse rows would add) quantized like any input.
+ * Reads fewer bytes than the sparse fp16 rows where sparsity is low (GELU). */
+static void dense_down(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int t, int nt,
+                       int64_t n_act) {
+    int64_t d = m->d, lo, hi;
+    for (int64_t i = 0; i < n_act; i++) sb->hfull[tb->idx[i]] = tb->h[i];
+    sb->counts[t] += n_act;
+#pragma omp barrier
+    quantize_q8(sb->hfull, L->n_ff > 0 ? L->n_ff : m->n_ff, &tb->x, (float)m->residual_ratio);
+    chunk(d, t, nt, &lo, &hi);
+    dot_rows(&L->down, lo, hi - lo, &tb->x, sb->delta + lo);
+#pragma omp barrier
+    for (int64_t i = 0; i < n_act; i++) sb->hfull[tb->idx[i]] = 0.0f; /* every thread read it: zero again */
+    for (int64_t k = 0; k < d; k++) tb->xn[k] = sb->delta[k] + (L->down_bias ? L->down_bias[k] : 0.0f);
+    add_output(m, L->ffn_out_norm, tb->res, tb->xn, tb->xn);
+}
+
 /* One FFN's rows: a dense layer's (its predictor and threshold) or a MoE expert's (moe.h). */
 typedef struct {
     const tdm_weight *gate, *up, *down_t;
@@ -255,11 +276,12 @@ typedef struct {
     int64_t n_ff;
     float threshold;      /* |h| > threshold is computed; < 0: all */
     const tdm_predictor *pred;
+    const tdm_weight *down; /* non-NULL: a dense down (dense_down adds the rows); NULL: down_t rows summed here */
 } ffn_view;
 
 static ffn_view layer_ffn(const tdm_model *m, const tdm_layer *L) {
     ffn_view f = {&L->gate, &L->up, &L->down_t, L->up_bias, L->n_ff > 0 ? L->n_ff : m->n_ff, (float)L->threshold,
-                  L->pred && L->pred->rank > 0 ? L->pred : NULL};
+                  L->pred && L->pred->rank > 0 ? L->pred : NULL, L->down.data ? &L->down : NULL};
     return f;
 }
 
@@ -305,6 +327,7 @@ static int64_t ffn_rows(const tdm_model *m, const ffn_view *F, const qvec *x, fl
             n_act += fabsf(h[i]) > thr;
         }
     }
+    if (F->down) return n_act; /* the caller's dense_down adds them */
     for (int64_t k = 0; k < m->d; k++) part[k] = 0.0f;
     axpy_rows(F->down_t, idx, hbuf, n_act, part);
     return n_act;
@@ -321,7 +344,12 @@ static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, t
     float *part = sb->partial + t * d;
     norm_and_quantize(m, tb->res, L->ffn_norm, L->ffn_norm_bias, tb);
     ffn_view F = layer_ffn(m, L);
-    sb->counts[t] += ffn_rows(m, &F, &tb->x, tb->h, tb->idx, part, t, nt);
+    int64_t n_act = ffn_rows(m, &F, &tb->x, tb->h, tb->idx, part, t, nt);
+    if (F.down) {
+        dense_down(m, L, sb, tb, t, nt, n_act);
+        return;
+    }
+    sb->counts[t] += n_act;
 #pragma omp barrier
     for (int64_t k = 0; k < d; k++) {
         float a = L->down_bias ? L->down_bias[k] : 0.0f;
@@ -368,6 +396,7 @@ int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_
     shared_bufs sb = get_shared(m);
     int nt = (int)m->threads;
     for (int j = 0; j < nt; j++) sb.counts[j] = 0;
+    memset(sb.hfull, 0, 4 * (size_t)m->n_ff);
 #pragma omp parallel num_threads(nt)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();

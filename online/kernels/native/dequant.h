@@ -28,7 +28,9 @@ static void dequant_i4_row(const tdm_weight *w, int64_t r, float *restrict out) 
 void tdm_dequantize_rows(const tdm_weight *w, int64_t r0, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i++) {
         float *o = out + i * w->cols;
-        if (packed_scales(w->kind)) { /* blocks.h: the row's scales expanded, then the float-scale format */
+        if (is_kquant(w->kind)) { /* kquants.h */
+            kq_dequant_row(w, r0 + i, o);
+        } else if (packed_scales(w->kind)) { /* blocks.h: the row's scales expanded, then the float-scale format */
             int64_t ng = w->cols / 32;
             float d[ng], m[ng];
             tdm_weight sh;

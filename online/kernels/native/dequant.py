@@ -15,7 +15,7 @@ import numpy as np
 
 from tandem.core.errors import TandemError
 from ..quantize import Int4Weight
-from ..superblocks import Q4KWeight
+from ..superblocks import GGUFBlockWeight, Q4KWeight
 from . import NativeUnavailable, load_native
 from .structs import WeightRef, addr, describe
 
@@ -25,7 +25,7 @@ class NativeDequantizer:
 
     def __init__(self, weight, lib: ctypes.CDLL) -> None:
         # int4 is described as a row-dot matrix (the only way it is read); the others as rows
-        self._ref: WeightRef = describe(weight, dot_input=isinstance(weight, (Int4Weight, Q4KWeight)))
+        self._ref: WeightRef = describe(weight, dot_input=isinstance(weight, (Int4Weight, Q4KWeight, GGUFBlockWeight)))
         self._fn, self._gemv = lib.tdm_dequantize_rows, lib.tdm_gemv_float
         self.shape = tuple(weight.shape)
 

@@ -347,7 +347,14 @@ static void dot4_i8(const tdm_weight *w, int64_t r, const qvec *x, float *out) {
 }
 #endif
 
+#include "kquants.h" /* Q5_0 / Q6_K / Q5_K blocks in place */
+
 static float dot_row(const tdm_weight *w, int64_t r, const qvec *x) {
+    if (is_kquant(w->kind)) {
+        float o;
+        kq_dot_rows(w, r, 1, x, &o);
+        return o;
+    }
     if (packed_scales(w->kind)) { /* blocks.h: this row's scales expanded, then the float-scale kernel */
         int64_t ng = w->cols / 32;
         float d[ng], m[ng];
@@ -365,6 +372,10 @@ static float dot_row(const tdm_weight *w, int64_t r, const qvec *x) {
 /* out[i] = W[r0 + i] . x for i < n: four rows at a time where a four-row kernel exists */
 static void dot_rows(const tdm_weight *w, int64_t r0, int64_t n, const qvec *x, float *out) {
     int64_t i = 0;
+    if (is_kquant(w->kind)) {
+        kq_dot_rows(w, r0, n, x, out);
+        return;
+    }
 #ifdef TDM_SIMD
     if (packed_scales(w->kind)) { /* blocks.h: four rows' scales expanded, then the float-scale kernel */
         int64_t ng = w->cols / 32;

@@ -170,6 +170,10 @@ static void dot_rows_multi(const tdm_weight *w, int64_t r0, int64_t n, const qve
         dot_rows(w, r0, n, x, out);
         return;
     }
+    if (is_kquant(w->kind)) { /* kquants.h */
+        kq_dot_rows_multi(w, r0, n, x, T, out, os);
+        return;
+    }
 #ifdef TDM_SIMD
     if (packed_scales(w->kind)) { /* blocks.h: as dot_rows, four rows' scales expanded once for all T */
         int64_t ng = w->cols / 32;

@@ -12,7 +12,7 @@ import numpy as np
 from tandem.core.errors import TandemError
 
 from ..quantize import KIND_F16, KIND_F32, KIND_I4, KIND_I8, KIND_I8B, KIND_I4H, KIND_I8H, KIND_Q4K, BlockInt8Weight, Fp16Weight, Fp32Weight, Int4Weight, Int8Weight
-from ..superblocks import Q4KWeight
+from ..superblocks import GGUFBlockWeight, Q4KWeight
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -51,7 +51,8 @@ class TdmLayer(ctypes.Structure):
                 # OPT (None: absent): LayerNorm biases of the input norms, the up projection's bias; the
                 # layer's FFN width (0: the model's); a MoE layer's router and experts (moe.h)
                 ("attn_norm_bias", _P), ("ffn_norm_bias", _P), ("up_bias", _P), ("n_ff", _I),
-                ("moe", ctypes.POINTER(TdmMoe))]
+                ("moe", ctypes.POINTER(TdmMoe)),
+                ("down", TdmWeight)]  # [d, n_ff] dense down (GGUF blocks in place); data None: the sparse down_t rows
 
 
 class TdmModel(ctypes.Structure):
@@ -129,6 +130,10 @@ def describe(w, dot_input: bool = True) -> WeightRef:
         return _ref(KIND_I8, 1, w.q, w.scale, None, 1)
     if isinstance(w, BlockInt8Weight):  # Q8_0: f16 scales read in place (blocks.h), or float32
         return _ref(KIND_I8H if w.scale.dtype == np.float16 else KIND_I8B, 32, w.q, w.scale, None, w.scale.shape[1])
+    if isinstance(w, GGUFBlockWeight):  # Q5_0 / Q6_K / Q5_K blocks in place (kquants.h)
+        if not dot_input:
+            raise TandemError(f"native kernels read {w.qtype} blocks only as row-dot matrices (not down-projection rows)")
+        return _ref(w.kind, w.group_size, w.blocks, None, None, 0, cols=cols)
     if not dot_input and (isinstance(w, Q4KWeight) or (isinstance(w, Int4Weight) and w.group_size != 32)):
         raise TandemError("native kernels read int4 down-projection rows only in groups of 32 (Q4_0 / Q4_1)")
     if isinstance(w, Q4KWeight):  # super-block scale bytes in place (blocks.h)
