@@ -139,3 +139,30 @@ def test_fused_step_on_in_place_blocks(wide_llama, qtype):
     single, multi = KVCache(model.cfg, 16), KVCache(model.cfg, 16)
     want = torch.stack([step(t, pos, single) for pos, t in enumerate(prompt)])
     assert torch.equal(step.step_many(prompt, 0, multi), want)
+
+
+def test_a_dense_down_layer_computes_every_neuron():
+    """A layer whose down projection is read dense in its GGUF blocks reads every down row anyway, so
+    the split drops the magnitude threshold: every neuron is computed, and the FFN equals the
+    threshold-free one (a thresholded Q5_0 / Q6_K layer would lose quality for no bytes)."""
+    from types import SimpleNamespace
+    from online.execution.hybrid import ExecutionSettings, _split_layer
+    from tandem.core.ffn.weights import FFNWeights
+    from tandem.core.loading.checkpoint import RawQuantTensor
+
+    d, n_ff = 256, 512
+    s5, s6 = (np.array([BLOCK_SCALE[q], -BLOCK_SCALE[q] / 2], np.float32) for q in ("Q5_0", "Q6_K"))
+    raw = {f"model.layers.0.mlp.{name}_proj.weight": RawQuantTensor(q, shape, _raw(q, *shape, seed, scales))
+           for name, q, shape, seed, scales in (("up", "Q5_0", (n_ff, d), 3, s5), ("gate", "Q5_0", (n_ff, d), 4, s5),
+                                                 ("down", "Q6_K", (d, n_ff), 5, s6))}
+    w = FFNWeights(up=torch.zeros(n_ff, d), down=torch.zeros(d, n_ff), gate=torch.zeros(n_ff, d))
+    cfg = SimpleNamespace(hidden_act="silu", act_threshold=0.0)
+    split = _split_layer(cfg, 0, w, torch.zeros(0, dtype=torch.long), 0.05, None, None,
+                         ExecutionSettings(weight_format="int8", threads=2), raw)
+    assert split.cpu.down is not None and split.cpu.down_t is None
+    assert split.threshold < 0
+    x = _x(3, d)
+    y, used = split.cpu.forward_numpy(x, threshold=split.threshold)
+    dense, _ = split.cpu.forward_numpy(x, threshold=-1.0)
+    assert used == 3 * n_ff
+    np.testing.assert_array_equal(y, dense)

@@ -375,6 +375,8 @@ def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor,
                 fmt=settings.weight_format, down_fmt=None if settings.weight_format == "fp32" else settings.down_format,
                 up_bias=None if w.up_bias is None else w.up_bias[cold].numpy(),
                 gate_bias=None if w.gate_bias is None else w.gate_bias[cold].numpy(), **kw)
+    if cpu is not None and getattr(cpu, "down", None) is not None and predictor is None:
+        threshold = -1.0  # a dense down reads every row anyway: every neuron then costs no bytes and no quality
     cold_local = torch.full((n_ff,), -1, dtype=torch.long)
     cold_local[cold] = torch.arange(cold.numel())
     return LayerSplit(gpu=gpu, cpu=cpu, cpu_neurons=cold, threshold=threshold,
