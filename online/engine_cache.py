@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CODE_DIRS = ("tandem/core", "online/kernels", "online/execution", "predictors", "placement")
 CODE_FILES = ("online/engine_build.py", "online/plan_runtime.py", "online/engine_cache.py", "offline/profile_artifact.py")
 HEAD_HASH_BYTES = 1 << 20
+SHARED_CAP_BYTES = 4 << 30  # the shared steps folder's bound (shared_cap_bytes)
 SMALL_FILE_BYTES = 16 << 20  # plan/profile/predictor files up to this size are hashed whole (else size + mtime)
 
 
@@ -108,9 +109,48 @@ def cache_path(args: EngineArgs, model_path: Path) -> Path:
                 return folder / f"step-{_short_hash(packing)}.safetensors"
         except OSError:
             pass
-    from .kernels.native import cache_dir
     where = [str(model_path.resolve()), str(Path(args.plan).resolve()) if args.plan else None]
-    return cache_dir() / "steps" / f"step-{_short_hash(packing + where)}.safetensors"
+    return shared_steps_dir() / f"step-{_short_hash(packing + where)}.safetensors"
+
+
+def shared_steps_dir() -> Path:
+    """The folder for caches that have no plan folder to live in: ``$TANDEM_STEP_CACHE_DIR``, else
+    ``<tandem cache>/steps``. It is kept under ``shared_cap_bytes()`` (least recently used go first)."""
+    if os.environ.get("TANDEM_STEP_CACHE_DIR"):
+        return Path(os.environ["TANDEM_STEP_CACHE_DIR"])
+    from .kernels.native import cache_dir
+    return cache_dir() / "steps"
+
+
+def shared_cap_bytes() -> int:
+    """``$TANDEM_STEP_CACHE_BYTES`` (default 4 GiB): the shared folder's size bound."""
+    value = os.environ.get("TANDEM_STEP_CACHE_BYTES", str(SHARED_CAP_BYTES))
+    try:
+        return max(int(value), 0)
+    except ValueError:
+        raise TandemError(f"TANDEM_STEP_CACHE_BYTES must be a byte count, got {value!r}") from None
+
+
+def evict_shared(keep: Path) -> list[Path]:
+    """Remove the least recently used caches of the shared folder beyond its cap (never ``keep``, the
+    file just written or read); returns the removed paths."""
+    folder, cap = keep.parent, shared_cap_bytes()
+    if folder != shared_steps_dir():
+        return []  # caches beside a plan: one per packing, replaced in place
+    files = []
+    for p in folder.glob("step-*.safetensors"):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        files.append((st.st_mtime, st.st_size, p))
+    removed, total = [], 0
+    for _, size, p in sorted(files, key=lambda f: f[0], reverse=True):  # newest first
+        total += size
+        if total > cap and p != keep:
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
 
 
 def _short_hash(values: list) -> str:
@@ -135,6 +175,10 @@ def load_cached(args: EngineArgs) -> CachedParts | None:
         return None
     if engine.get("key") != cache_key(args, model_path):
         return None  # stale: the model, plan, arguments or code changed
+    try:
+        os.utime(path)  # recently used: the shared folder evicts by modification time
+    except OSError:
+        pass
     return CachedParts(description["step"], arrays, engine, path)
 
 
@@ -165,6 +209,7 @@ def save_cached(engine: Any, args: EngineArgs) -> Path | None:
     path = cache_path(args, model_path)
     try:
         write_cache(path, {"step": step_desc, "engine": facts}, arrays, extra)
+        evict_shared(path)
     except (OSError, TandemError) as exc:
         print(f"warning: cannot write the step cache {path}: {exc}", file=sys.stderr)
         return None

@@ -9,6 +9,21 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: no spinning
 import pytest
 import torch
 
+
+def pytest_configure(config):
+    """Step caches of models without a plan folder go to a folder of this run, not the user's cache."""
+    import tempfile
+    if not os.environ.get("TANDEM_STEP_CACHE_DIR"):
+        os.environ["TANDEM_STEP_CACHE_DIR"] = tempfile.mkdtemp(prefix="tandem-steps-")
+        config._tandem_steps_dir = os.environ["TANDEM_STEP_CACHE_DIR"]
+
+
+def pytest_unconfigure(config):
+    import shutil
+    folder = getattr(config, "_tandem_steps_dir", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

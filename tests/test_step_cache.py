@@ -141,3 +141,25 @@ def test_smollm2_chat_on_the_cache_matches_the_torch_path(smollm2_path, tmp_path
     engine.compiled_decode = engine.compiled_decode  # back onto the torch path (FusedDecodeStep)
     torch_path = engine.generate(chat, max_new_tokens=16)
     assert cached.text == torch_path.text and cached.token_ids == torch_path.token_ids
+
+
+def test_the_shared_folder_evicts_the_least_recently_used_beyond_its_cap(tmp_path, monkeypatch):
+    """Caches without a plan folder share one folder; past TANDEM_STEP_CACHE_BYTES the oldest files
+    go (never the one just written), so loading many models cannot fill the disk."""
+    import os
+    from online.engine_cache import evict_shared
+    monkeypatch.setenv("TANDEM_STEP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TANDEM_STEP_CACHE_BYTES", "2500")
+    files = []
+    for i in range(5):  # 1000 bytes each, modified at t = 100 * i (file 4 is the newest)
+        p = tmp_path / f"step-{i:016x}.safetensors"
+        p.write_bytes(b"x" * 1000)
+        os.utime(p, (100 * i, 100 * i))
+        files.append(p)
+    os.utime(files[0], (1000, 1000))  # file 0 was just read: the newest now
+    removed = evict_shared(files[3])
+    assert sorted(removed) == sorted([files[1], files[2]])
+    assert [p.exists() for p in files] == [True, False, False, True, True]
+    assert evict_shared(files[3]) == []  # under the cap now
+    monkeypatch.setenv("TANDEM_STEP_CACHE_BYTES", "0")
+    assert evict_shared(files[3]) and [p.exists() for p in files] == [False, False, False, True, False]
