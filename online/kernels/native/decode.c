@@ -31,6 +31,7 @@
 #include "attention.h"
 #include "rows.h"
 #include "dequant.h"
+#include "module.h"
 #include "predict.h"
 
 enum { ACT_SILU = 0, ACT_RELU = 1, ACT_FATRELU = 2, ACT_DRELU = 3, ACT_GELU = 4, ACT_GELU_TANH = 5 };

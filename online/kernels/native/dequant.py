@@ -26,7 +26,7 @@ class NativeDequantizer:
     def __init__(self, weight, lib: ctypes.CDLL) -> None:
         # int4 is described as a row-dot matrix (the only way it is read); the others as rows
         self._ref: WeightRef = describe(weight, dot_input=isinstance(weight, (Int4Weight, Q4KWeight)))
-        self._fn, self._gemv = lib.tdm_dequantize_rows, lib.tdm_gemv_float
+        self._fn, self._gemv = lib.tdm_dequantize_rows, lib.tdm_gemv_rows
         self.shape = tuple(weight.shape)
 
     def __call__(self, out: np.ndarray) -> np.ndarray:
@@ -42,7 +42,7 @@ class NativeDequantizer:
         if x.shape != (T, cols) or y.shape != (T, rows) or x.dtype != np.float32 or y.dtype != np.float32 \
                 or not (x.flags.c_contiguous and y.flags.c_contiguous):
             raise TandemError(f"gemv needs float32 C-contiguous x [T, {cols}] and y [T, {rows}]")
-        self._gemv(ctypes.byref(self._ref.desc), T, addr(x), addr(y), max(1, int(threads)))
+        self._gemv(ctypes.byref(self._ref.desc), None, rows, T, addr(x), addr(y), max(1, int(threads)))
         return y
 
 
