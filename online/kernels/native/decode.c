@@ -31,7 +31,6 @@
 #include "attention.h"
 #include "rows.h"
 #include "dequant.h"
-#include "module.h"
 #include "predict.h"
 
 enum { ACT_SILU = 0, ACT_RELU = 1, ACT_FATRELU = 2, ACT_DRELU = 3, ACT_GELU = 4, ACT_GELU_TANH = 5 };
@@ -350,3 +349,4 @@ int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_
 
 /* The multi-token step (T tokens of one or several sequences, one region): batch.h */
 #include "batch.h"
+#include "module.h" /* the module path's float-activation kernels (online/kernels/cpu_kernels.py) */

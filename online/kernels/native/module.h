@@ -2,7 +2,7 @@
  * predictor-gated rows, the CPU tier): row dot products with FLOAT activations (no Q8 quantization of x,
  * unlike the decode step), the sparse down projection and the fused FFN, over every packed format.
  * Rows split over `threads` static OpenMP chunks; the down projection sums per-chunk partials in chunk
- * order afterwards (deterministic, no races). Included by decode.c only, after rows.h and dequant.h. */
+ * order afterwards (deterministic, no races). Included by decode.c only, at its end (rows.h, dequant.h and act_fn before it). */
 #ifndef TANDEM_MODULE_H
 #define TANDEM_MODULE_H
 #include <math.h>
@@ -184,18 +184,6 @@ static void add_rows(const tdm_weight *w, const int32_t *idx, const float *h, in
     }
 }
 
-/* activation ids (online/kernels/quantize.py ACT_IDS): silu, relu, fatrelu, drelu, gelu (erf), gelu (tanh) */
-static inline float module_act(int64_t act, float alpha, float g, float u) {
-    switch (act) {
-    case 0: return g / (1.0f + expf(-g)) * u;
-    case 1: return (g > 0.0f ? g : 0.0f) * u;
-    case 2: return g > alpha ? g * u : 0.0f;
-    case 3: return (g > 0.0f ? g : 0.0f) * (u > 0.0f ? u : 0.0f);
-    case 4: return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f)) * u;
-    default: return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
-    }
-}
-
 /* One FFN for T tokens (x [T, d]) over the neurons rows[0..n) (NULL: 0..n-1): h = act(gate . x + gb) *
  * (up . x + ub) (gate NULL: act(up . x + ub)); where |h| > threshold, y [T, d] = sum h * down_t[i]
  * (threshold < 0: every listed neuron). Biases NULL when absent. Returns the (token, neuron) pairs
@@ -233,7 +221,7 @@ int64_t tdm_ffn_fused(const tdm_weight *gate, const tdm_weight *up, const tdm_we
                 for (int64_t t = 0; t < T; t++) {
                     float u = hu[t * (len + 1) + j] + (up_bias ? up_bias[i] : 0.0f);
                     float g = gate ? hg[t * (len + 1) + j] + (gate_bias ? gate_bias[i] : 0.0f) : u;
-                    hu[t * (len + 1) + j] = module_act(act, (float)alpha, g, gate ? u : 1.0f);
+                    hu[t * (len + 1) + j] = act_fn(act, (float)alpha, g, gate ? u : 1.0f);
                 }
             }
             for (int64_t t = 0; t < T; t++) {
