@@ -84,6 +84,18 @@ def test_row_dots_equal_the_integer_arithmetic_and_the_float_scale_kernels(qtype
         got = _dot(lib, w, r0, n, x, ratio)
         assert np.array_equal(got, _dot(lib, twin, r0, n, x, ratio)), (r0, n)
         assert (np.abs(got - ref[r0:r0 + n]) <= 1e-5 * scale[r0:r0 + n]).all(), (r0, n)
+    rows = np.array([7, 2, 5, 0, 10, 4, 4, 1, 3], np.int32)  # gathered rows (predict.h): two blocks of four, a tail
+    for m in (rows.size, 4):
+        got = _dot_idx(lib, w, rows[:m], x, ratio)
+        assert np.array_equal(got, _dot_idx(lib, twin, rows[:m], x, ratio)), m
+        if qtype != "Q8_0":  # int4: the gathered four-row kernel has the contiguous one's arithmetic
+            assert np.array_equal(got[:4], _dot(lib, w, 0, ROWS, x, ratio)[rows[:4]]), m
+
+
+def _dot_idx(lib, w, rows: np.ndarray, x: np.ndarray, ratio: float) -> np.ndarray:
+    d, out = describe(w), np.zeros(rows.size, np.float32)
+    lib.tdm_dot_rows_idx(ctypes.byref(d.desc), rows.ctypes.data, rows.size, x.ctypes.data, ratio, out.ctypes.data)
+    return out
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])

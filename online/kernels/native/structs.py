@@ -72,6 +72,8 @@ def bind_signatures(lib: ctypes.CDLL) -> None:
     _W = ctypes.POINTER(TdmWeight)
     lib.tdm_ffn_fused.argtypes = [_W, _W, _W, _I, _P, _P, _I, ctypes.c_double, ctypes.c_double, _P, _P, _P, _I, _P, _I]
     lib.tdm_ffn_fused.restype = _I
+    lib.tdm_dot_rows_idx.argtypes = [ctypes.POINTER(TdmWeight), _P, _I, _P, ctypes.c_double, _P]
+    lib.tdm_dot_rows_idx.restype = None
     lib.tdm_decode_range.argtypes = [ctypes.POINTER(TdmModel), _I, _I, _I, _P, _P]
     lib.tdm_decode_range.restype = _I
     lib.tdm_decode_batch.argtypes = [ctypes.POINTER(TdmModel), ctypes.POINTER(TdmBatch)]
