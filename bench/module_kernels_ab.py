@@ -19,7 +19,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     from online.kernels import cpu_kernels as C
-    from online.kernels import cpu_numba as N
+    try:
+        from online.kernels import cpu_numba as N
+    except ImportError:
+        raise SystemExit("bench.module_kernels_ab needs numba's kernels: run it at commit 544d6c1 (before numba was dropped)")
     from online.kernels.quantize import ACT_IDS, quantize
 
     rng = np.random.default_rng(0)

@@ -54,7 +54,7 @@ class Engine:
         self.plan_info = None
         self.args: EngineArgs | None = None  # what from_args was given
         self.layer_offload_gpu_layers: int | None = None
-        # numba kernels parallelise decode themselves; torch then runs its small ops on one thread
+        # the C kernels parallelise decode themselves; torch then runs its small ops on one thread
         self.decode_threads = 1 if executor.packed else None
         self.compiled_decode = None  # online.execution.fused_decode.FusedDecodeStep when available
         self.decode_path = "modules"

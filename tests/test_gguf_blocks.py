@@ -131,7 +131,7 @@ def test_quantizing_floats_stores_f16_scales_where_they_fit():
 @pytest.mark.parametrize("down", ["int8b", "int4"])
 def test_fused_step_on_f16_blocks_and_quantized_down_rows(tiny_model_dir, kind, down):
     """int4 rows with f16 scales (KIND_I4H) and Q8_0 / Q4_1 down rows (KIND_I8H / KIND_I4H), sparse: the fused
-    step equals the torch statement of its arithmetic, stays within float noise of the module path (numba
+    step equals the torch statement of its arithmetic, stays within float noise of the module path (C
     kernels), and its multi-token form equals the single steps bit for bit."""
     from helpers_fused import reference_step
     from online.execution.fused_decode import FusedDecodeStep

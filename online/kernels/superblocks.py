@@ -20,7 +20,7 @@ import numpy as np
 
 from tandem.core.errors import TandemError
 
-from .quantize import KIND_I4, pack_int4
+from .quantize import pack_int4
 
 QK_K = 256
 SB_BYTES = 16  # per super-block: f16 d, f16 dmin, 12 bytes of 6-bit scales and minimums
@@ -80,11 +80,6 @@ class Q4KWeight:
         scale, minimum = self.float_scales()
         q = self.codes().reshape(rows, cols // 32, 32).astype(np.float32)
         return (q * scale[:, :, None] + minimum[:, :, None]).reshape(rows, cols)  # [out, in]
-
-    def kernel_args(self) -> tuple:
-        """The numba kernels' int4 arguments (float32 scales expanded: 0.25 B/weight more, module path only)."""
-        scale, minimum = self.float_scales()
-        return (KIND_I4, self.packed if self.packed.flags.writeable else self.packed.copy(), scale, minimum, 32)
 
 
 def q4k_from_blocks(blocks: np.ndarray, shape: tuple[int, int]) -> Q4KWeight:

@@ -4,7 +4,7 @@
 for this machine (``-march=native``: AVX2/FMA/F16C where the CPU has them, portable C otherwise)
 into a cache folder keyed by the source, the flags, the compiler and the CPU, written atomically,
 so every later process only loads it. No compiler, or a failed build, raises ``NativeUnavailable``
-with the reason in one line; callers then keep the numba/torch path.
+with the reason in one line; callers then take the torch path.
 
 Example::
 
