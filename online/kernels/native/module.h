@@ -103,7 +103,7 @@ static void fdot_row_tokens(const tdm_weight *w, int64_t r, int64_t T, const flo
     const uint8_t *row = w->data + r * w->row_bytes;
 #ifdef TDM_SIMD
     int64_t ng = cols / 32;
-    if (kind == KIND_F32 || (kind == KIND_F16) || kind == KIND_I8) {
+    if (kind == KIND_F32 || kind == KIND_F16 || kind == KIND_I8) {
         for (int64_t t = 0; t < T; t++) {
             const float *xt = x + t * xs;
             out[t * os] = kind == KIND_F32 ? fdot_f32((const float *)row, xt, cols)
@@ -131,7 +131,11 @@ static void fdot_row_tokens(const tdm_weight *w, int64_t r, int64_t T, const flo
 
 static int64_t module_scratch(const tdm_weight *w) { return w->cols + w->cols / 16 + 16; }
 
-/* xsum [T][cols / 32]: each token's sums over blocks of 32 */
+static int reads_group_sums(const tdm_weight *w) {
+    return (w->kind == KIND_I4 && w->group == 32) || w->kind == KIND_I4H || w->kind == KIND_Q4K;
+}
+
+/* xsum [T][cols / 32]: each token's sums over blocks of 32 (int4 groups' minimum terms) */
 static float *group_sums(const float *x, int64_t T, int64_t xs, int64_t cols) {
     int64_t ng = cols / 32;
     float *s = (float *)malloc((size_t)(T * ng + 1) * sizeof(float));
@@ -147,8 +151,8 @@ static float *group_sums(const float *x, int64_t T, int64_t xs, int64_t cols) {
 /* y [T, n] = x [T, cols] W[rows]^T (rows NULL: rows 0 .. n-1). Returns 0, or -1 when out of memory. */
 int64_t tdm_gemv_rows(const tdm_weight *w, const int64_t *rows, int64_t n, int64_t T, const float *x, float *y,
                       int64_t threads) {
-    float *xsum = group_sums(x, T, w->cols, w->cols);
-    int failed = xsum == NULL;
+    float *xsum = reads_group_sums(w) ? group_sums(x, T, w->cols, w->cols) : NULL;
+    int failed = reads_group_sums(w) && xsum == NULL;
     if (!failed)
 #pragma omp parallel num_threads((int)(threads > 0 ? threads : 1))
     {
@@ -198,9 +202,9 @@ int64_t tdm_ffn_fused(const tdm_weight *gate, const tdm_weight *up, const tdm_we
     float *partial = (float *)calloc((size_t)nt_max * T * d + 1, sizeof(float));
     int64_t counts[nt_max];
     int used = 1, failed = partial == NULL;
-    float *xs_u = up && !failed ? group_sums(x, T, in, in) : NULL, *xs_g = gate && !failed ? group_sums(x, T, in, in) : NULL;
-    if (up && !xs_u) failed = 1;
-    if (gate && !xs_g) failed = 1;
+    int sums = (up && reads_group_sums(up)) || (gate && reads_group_sums(gate));
+    float *xsum = sums && !failed ? group_sums(x, T, in, in) : NULL; /* gate and up read the same x */
+    if (sums && !xsum) failed = 1;
     for (int i = 0; i < nt_max; i++) counts[i] = 0;
     if (!failed)
 #pragma omp parallel num_threads(nt_max)
@@ -216,8 +220,8 @@ int64_t tdm_ffn_fused(const tdm_weight *gate, const tdm_weight *up, const tdm_we
             float *hu = buf + scratch, *hg = hu + T * (len + 1), *hv = hg; /* hv reuses hg after the activation */
             for (int64_t j = 0; j < len && up; j++) {
                 int64_t i = rows ? rows[lo + j] : lo + j;
-                fdot_row_tokens(up, i, T, x, in, xs_u, hu + j, len + 1, buf);
-                if (gate) fdot_row_tokens(gate, i, T, x, in, xs_g, hg + j, len + 1, buf);
+                fdot_row_tokens(up, i, T, x, in, xsum, hu + j, len + 1, buf);
+                if (gate) fdot_row_tokens(gate, i, T, x, in, xsum, hg + j, len + 1, buf);
                 for (int64_t t = 0; t < T; t++) {
                     float u = hu[t * (len + 1) + j] + (up_bias ? up_bias[i] : 0.0f);
                     float g = gate ? hg[t * (len + 1) + j] + (gate_bias ? gate_bias[i] : 0.0f) : u;
@@ -239,8 +243,7 @@ int64_t tdm_ffn_fused(const tdm_weight *gate, const tdm_weight *up, const tdm_we
         free(buf);
         free(idx);
     }
-    free(xs_u);
-    free(xs_g);
+    free(xsum);
     if (failed) {
         free(partial);
         return -1;
