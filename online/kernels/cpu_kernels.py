@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import numpy as np
@@ -50,7 +51,9 @@ def kernel_weight(w) -> WeightRef:
     return describe(w, dot_input=isinstance(w, (Int4Weight, Q4KWeight)))
 
 
+@functools.cache
 def _lib() -> ctypes.CDLL:
+    """The loaded library, once per process (load_native hashes the sources: ~0.7 ms, too much per call)."""
     return load_native().lib
 
 

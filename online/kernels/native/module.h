@@ -11,53 +11,63 @@
 #include <string.h>
 #include <omp.h>
 
-/* ----- float dot products of one weight row with one token ----- */
-static float fdot_f32(const float *restrict w, const float *restrict x, int64_t n) {
-    int64_t k = 0;
-    float s = 0.0f;
+/* ----- float dot products of one weight row with one token (four FMA chains: FMA latency, not
+ * throughput, bounds one chain) ----- */
 #ifdef TDM_SIMD
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-    for (; k + 16 <= n; k += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-    }
-    for (; k + 8 <= n; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
-    s = hsum8(_mm256_add_ps(a0, a1));
-#endif
-    for (; k < n; k++) s += w[k] * x[k];
-    return s;
-}
-
-#ifdef TDM_SIMD
-static float fdot_f16(const uint16_t *w, const float *x, int64_t n) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-    int64_t k = 0;
-    for (; k + 16 <= n; k += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + k))), _mm256_loadu_ps(x + k), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + k + 8))), _mm256_loadu_ps(x + k + 8), a1);
-    }
-    for (; k + 8 <= n; k += 8)
-        a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + k))), _mm256_loadu_ps(x + k), a0);
-    float s = hsum8(_mm256_add_ps(a0, a1));
-    for (; k < n; k++) s += f16_value(w[k]) * x[k];
-    return s;
-}
-
 static inline __m256 i8x8(const int8_t *q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))); }
+static inline __m256 f16x8(const uint16_t *h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)); }
 
-static float fdot_i8(const int8_t *q, const float *x, int64_t n) { /* per-row int8: times the row scale by the caller */
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+#define TDM_FDOT(NAME, T, LOAD8, SCALAR)                                                               \
+    static float NAME(const T *w, const float *x, int64_t n) {                                          \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                     \
+        int64_t k = 0;                                                                                  \
+        for (; k + 32 <= n; k += 32) {                                                                  \
+            a0 = _mm256_fmadd_ps(LOAD8(w + k), _mm256_loadu_ps(x + k), a0);                             \
+            a1 = _mm256_fmadd_ps(LOAD8(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);                     \
+            a2 = _mm256_fmadd_ps(LOAD8(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);                   \
+            a3 = _mm256_fmadd_ps(LOAD8(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);                   \
+        }                                                                                               \
+        for (; k + 8 <= n; k += 8) a0 = _mm256_fmadd_ps(LOAD8(w + k), _mm256_loadu_ps(x + k), a0);      \
+        float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));                   \
+        for (; k < n; k++) s += SCALAR(w[k]) * x[k];                                                    \
+        return s;                                                                                       \
+    }
+#define TDM_AS_FLOAT(v) ((float)(v))
+TDM_FDOT(fdot_f32, float, _mm256_loadu_ps, TDM_AS_FLOAT)
+TDM_FDOT(fdot_f16, uint16_t, f16x8, f16_value)
+TDM_FDOT(fdot_i8, int8_t, i8x8, TDM_AS_FLOAT) /* per-row int8: times the row scale by the caller */
+#undef TDM_AS_FLOAT
+#undef TDM_FDOT
+
+/* per-row int8 for two tokens: each 8 weights widened once for both (four chains per token) */
+static void fdot_i8_pair(const int8_t *q, const float *x0, const float *x1, int64_t n, float *o0, float *o1) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
     int64_t k = 0;
     for (; k + 16 <= n; k += 16) {
-        a0 = _mm256_fmadd_ps(i8x8(q + k), _mm256_loadu_ps(x + k), a0);
-        a1 = _mm256_fmadd_ps(i8x8(q + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+        __m256 w0 = i8x8(q + k), w1 = i8x8(q + k + 8);
+        a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + k), a0);
+        a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x0 + k + 8), a1);
+        b0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + k), b0);
+        b1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x1 + k + 8), b1);
     }
-    for (; k + 8 <= n; k += 8) a0 = _mm256_fmadd_ps(i8x8(q + k), _mm256_loadu_ps(x + k), a0);
-    float s = hsum8(_mm256_add_ps(a0, a1));
-    for (; k < n; k++) s += (float)q[k] * x[k];
+    for (; k + 8 <= n; k += 8) {
+        __m256 w0 = i8x8(q + k);
+        a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + k), a0);
+        b0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + k), b0);
+    }
+    float s0 = hsum8(_mm256_add_ps(a0, a1)), s1 = hsum8(_mm256_add_ps(b0, b1));
+    for (; k < n; k++) s0 += (float)q[k] * x0[k], s1 += (float)q[k] * x1[k];
+    *o0 = s0, *o1 = s1;
+}
+#else
+static float fdot_f32(const float *restrict w, const float *restrict x, int64_t n) {
+    float s = 0.0f;
+    for (int64_t k = 0; k < n; k++) s += w[k] * x[k];
     return s;
 }
+#endif
 
+#ifdef TDM_SIMD
 /* Q8_0 blocks: sum_b s[b] (q_b . x_b) */
 static float fdot_q8b(const int8_t *q, const float *s, const float *x, int64_t nb) {
     __m256 t0 = _mm256_setzero_ps(), t1 = t0;
@@ -75,6 +85,18 @@ static float fdot_q8b(const int8_t *q, const float *s, const float *x, int64_t n
     return hsum8(_mm256_add_ps(t0, t1));
 }
 
+/* the 32 codes of a group of 32 as four float vectors in element order (q4_lanes of blocks.h with two
+ * widening loads instead of four register shuffles: byte j holds element j low, element 16 + j high) */
+static inline void q4_lanes_ld(const uint8_t *p, __m256 out[4]) {
+    __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));       /* bytes 0..7 */
+    __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))); /* bytes 8..15 */
+    const __m256i low = _mm256_set1_epi32(15);
+    out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));
+    out[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));
+    out[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+    out[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+}
+
 /* int4 groups of 32 (w = d q + m): sum_g d[g] (q_g . x_g) + m[g] xsum[g] */
 static float fdot_q4g32(const uint8_t *p, const float *d, const float *m, const float *x, const float *xsum, int64_t ng) {
     __m256 t0 = _mm256_setzero_ps(), t1 = t0;
@@ -82,7 +104,7 @@ static float fdot_q4g32(const uint8_t *p, const float *d, const float *m, const 
     for (int64_t g = 0; g < ng; g++) {
         __m256 q[4];
         const float *xg = x + 32 * g;
-        q4_lanes(p + 16 * g, q);
+        q4_lanes_ld(p + 16 * g, q);
         __m256 a = _mm256_mul_ps(q[0], _mm256_loadu_ps(xg)), c = _mm256_mul_ps(q[1], _mm256_loadu_ps(xg + 8));
         a = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xg + 16), a);
         c = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xg + 24), c);
@@ -103,6 +125,28 @@ static void fdot_row_tokens(const tdm_weight *w, int64_t r, int64_t T, const flo
     const uint8_t *row = w->data + r * w->row_bytes;
 #ifdef TDM_SIMD
     int64_t ng = cols / 32;
+    if (kind == KIND_I8 && T > 1) { /* tokens in pairs: the widened weights shared */
+        float sc = w->scale[r * ss], o0, o1;
+        int64_t t = 0;
+        for (; t + 2 <= T; t += 2) {
+            fdot_i8_pair((const int8_t *)row, x + t * xs, x + (t + 1) * xs, cols, &o0, &o1);
+            out[t * os] = o0 * sc, out[(t + 1) * os] = o1 * sc;
+        }
+        if (t < T) out[t * os] = fdot_i8((const int8_t *)row, x + t * xs, cols) * sc;
+        return;
+    }
+    if (T > 1 && ((kind == KIND_I4 && w->group == 32) || kind == KIND_I4H || kind == KIND_Q4K)) {
+        float *row_f = buf; /* several tokens: the row as float once (scales behind it), then float dots */
+        const float *d = w->scale + r * ss, *m = w->minimum + r * ss;
+        if (kind != KIND_I4) expand_scales(w, r, 1, buf + cols, buf + cols + ng), d = buf + cols, m = d + ng;
+        for (int64_t g = 0; g < ng; g++) {
+            __m256 q[4], dv = _mm256_set1_ps(d[g]), mv = _mm256_set1_ps(m[g]);
+            q4_lanes_ld(row + 16 * g, q);
+            for (int l = 0; l < 4; l++) _mm256_storeu_ps(row_f + 32 * g + 8 * l, _mm256_fmadd_ps(dv, q[l], mv));
+        }
+        for (int64_t t = 0; t < T; t++) out[t * os] = fdot_f32(row_f, x + t * xs, cols);
+        return;
+    }
     if (kind == KIND_F32 || kind == KIND_F16 || kind == KIND_I8) {
         for (int64_t t = 0; t < T; t++) {
             const float *xt = x + t * xs;
@@ -129,7 +173,7 @@ static void fdot_row_tokens(const tdm_weight *w, int64_t r, int64_t T, const flo
     for (int64_t t = 0; t < T; t++) out[t * os] = fdot_f32(buf, x + t * xs, cols);
 }
 
-static int64_t module_scratch(const tdm_weight *w) { return w->cols + w->cols / 16 + 16; }
+static int64_t module_scratch(const tdm_weight *w) { return w->cols + w->cols / 16 + 16; } /* a row + its scales */
 
 static int reads_group_sums(const tdm_weight *w) {
     return (w->kind == KIND_I4 && w->group == 32) || w->kind == KIND_I4H || w->kind == KIND_Q4K;
@@ -178,6 +222,28 @@ static int axpy_reads(const tdm_weight *w) {
 
 /* acc [cols] += sum_j h[j] W[idx[j]] (m rows) */
 static void add_rows(const tdm_weight *w, const int32_t *idx, const float *h, int64_t m, float *acc, float *buf) {
+#ifdef TDM_SIMD
+    if (w->kind == KIND_I8) { /* per-row int8 rows four at a time (acc loaded and stored once per four) */
+        int64_t j = 0, n = w->cols;
+        for (; j + 4 <= m; j += 4) {
+            const int8_t *q[4];
+            __m256 a[4];
+            for (int k = 0; k < 4; k++)
+                q[k] = (const int8_t *)(w->data + idx[j + k] * w->row_bytes),
+                a[k] = _mm256_set1_ps(h[j + k] * w->scale[idx[j + k] * w->scale_stride]);
+            int64_t c = 0;
+            for (; c + 8 <= n; c += 8) {
+                __m256 s01 = _mm256_fmadd_ps(a[1], i8x8(q[1] + c), _mm256_mul_ps(a[0], i8x8(q[0] + c)));
+                __m256 s23 = _mm256_fmadd_ps(a[3], i8x8(q[3] + c), _mm256_mul_ps(a[2], i8x8(q[2] + c)));
+                _mm256_storeu_ps(acc + c, _mm256_add_ps(_mm256_loadu_ps(acc + c), _mm256_add_ps(s01, s23)));
+            }
+            for (; c < n; c++)
+                for (int k = 0; k < 4; k++) acc[c] += h[j + k] * w->scale[idx[j + k] * w->scale_stride] * (float)q[k][c];
+        }
+        for (; j < m; j++) axpy_row(w, idx[j], h[j], acc);
+        return;
+    }
+#endif
     if (axpy_reads(w)) {
         axpy_rows(w, idx, h, m, acc);
         return;
