@@ -121,10 +121,10 @@ static float fdot_q4g32(const uint8_t *p, const float *d, const float *m, const 
  * buf: cols + cols / 16 floats of scratch (a dequantized row, or a row's widened scales). */
 static void fdot_row_tokens(const tdm_weight *w, int64_t r, int64_t T, const float *x, int64_t xs, const float *xsum,
                             float *out, int64_t os, float *buf) {
-    int64_t cols = w->cols, ss = w->scale_stride, kind = w->kind;
-    const uint8_t *row = w->data + r * w->row_bytes;
+    int64_t cols = w->cols;
 #ifdef TDM_SIMD
-    int64_t ng = cols / 32;
+    int64_t ss = w->scale_stride, kind = w->kind, ng = cols / 32;
+    const uint8_t *row = w->data + r * w->row_bytes;
     if (kind == KIND_I8 && T > 1) { /* tokens in pairs: the widened weights shared */
         float sc = w->scale[r * ss], o0, o1;
         int64_t t = 0;
@@ -168,6 +168,8 @@ static void fdot_row_tokens(const tdm_weight *w, int64_t r, int64_t T, const flo
         for (int64_t t = 0; t < T; t++) out[t * os] = fdot_q4g32(row, d, m, x + t * xs, xsum + t * ng, ng);
         return;
     }
+#else
+    (void)xsum;
 #endif
     tdm_dequantize_rows(w, r, 1, buf); /* the rest (int4 groups of 64; every format without AVX2) */
     for (int64_t t = 0; t < T; t++) out[t * os] = fdot_f32(buf, x + t * xs, cols);
