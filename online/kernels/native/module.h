@@ -175,6 +175,57 @@ static void fdot_row_tokens(const tdm_weight *w, int64_t r, int64_t T, const flo
     for (int64_t t = 0; t < T; t++) out[t * os] = fdot_f32(buf, x + t * xs, cols);
 }
 
+#ifdef TDM_SIMD
+/* out[k] = W[r[k]] . x for four rows of per-row int8 (KIND_I8) or Q8_0 blocks (KIND_I8B / KIND_I8H), one
+ * token: x loaded once for the four rows, one reduction for the four sums */
+static void fdot4_i8(const tdm_weight *w, const int64_t r[4], const float *x, float *out) {
+    int64_t n = w->cols, ss = w->scale_stride;
+    const int8_t *q[4];
+    for (int k = 0; k < 4; k++) q[k] = (const int8_t *)(w->data + r[k] * w->row_bytes);
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    if (w->kind == KIND_I8) {
+        int64_t c = 0;
+        for (; c + 8 <= n; c += 8) {
+            __m256 xv = _mm256_loadu_ps(x + c);
+            for (int k = 0; k < 4; k++) a[k] = _mm256_fmadd_ps(i8x8(q[k] + c), xv, a[k]);
+        }
+        _mm_storeu_ps(out, hsum4x8(a[0], a[1], a[2], a[3]));
+        for (int k = 0; k < 4; k++) {
+            for (int64_t cc = c; cc < n; cc++) out[k] += (float)q[k][cc] * x[cc];
+            out[k] *= w->scale[r[k] * ss];
+        }
+        return;
+    }
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float *xb = x + 32 * b;
+        __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+        for (int k = 0; k < 4; k++) {
+            const int8_t *qb = q[k] + 32 * b;
+            __m256 e = _mm256_fmadd_ps(i8x8(qb + 16), x2, _mm256_mul_ps(i8x8(qb), x0));
+            __m256 o = _mm256_fmadd_ps(i8x8(qb + 24), x3, _mm256_mul_ps(i8x8(qb + 8), x1));
+            float sb = w->kind == KIND_I8B ? w->scale[r[k] * ss + b] : f16_value(((const uint16_t *)w->scale)[r[k] * ss + b]);
+            a[k] = _mm256_fmadd_ps(_mm256_set1_ps(sb), _mm256_add_ps(e, o), a[k]);
+        }
+    }
+    _mm_storeu_ps(out, hsum4x8(a[0], a[1], a[2], a[3]));
+}
+#endif
+
+/* out[t * os + j] = W[row j] . x[t] for j < n (row j: rows[j], or r0 + j when rows is NULL) */
+static void fdot_rows(const tdm_weight *w, const int64_t *rows, int64_t r0, int64_t n, int64_t T, const float *x,
+                      int64_t xs, const float *xsum, float *out, int64_t os, float *buf) {
+    int64_t j = 0;
+#ifdef TDM_SIMD
+    if (T == 1 && (w->kind == KIND_I8 || w->kind == KIND_I8B || w->kind == KIND_I8H))
+        for (; j + 4 <= n; j += 4) {
+            int64_t r4[4];
+            for (int k = 0; k < 4; k++) r4[k] = rows ? rows[j + k] : r0 + j + k;
+            fdot4_i8(w, r4, x, out + j);
+        }
+#endif
+    for (; j < n; j++) fdot_row_tokens(w, rows ? rows[j] : r0 + j, T, x, xs, xsum, out + j, os, buf);
+}
+
 static int64_t module_scratch(const tdm_weight *w) { return w->cols + w->cols / 16 + 16; } /* a row + its scales */
 
 static int reads_group_sums(const tdm_weight *w) {
@@ -206,8 +257,7 @@ int64_t tdm_gemv_rows(const tdm_weight *w, const int64_t *rows, int64_t n, int64
         int64_t lo = n * th / nt, hi = n * (th + 1) / nt;
         float *buf = (float *)malloc((size_t)module_scratch(w) * sizeof(float));
         if (!buf) failed = 1;
-        for (int64_t j = lo; j < hi && buf; j++)
-            fdot_row_tokens(w, rows ? rows[j] : j, T, x, w->cols, xsum, y + j, n, buf);
+        if (buf) fdot_rows(w, rows ? rows + lo : NULL, lo, hi - lo, T, x, w->cols, xsum, y + lo, n, buf);
         free(buf);
     }
     free(xsum);
@@ -286,10 +336,10 @@ int64_t tdm_ffn_fused(const tdm_weight *gate, const tdm_weight *up, const tdm_we
         if (!buf || !idx) failed = 1;
         else {
             float *hu = buf + scratch, *hg = hu + T * (len + 1), *hv = hg; /* hv reuses hg after the activation */
+            if (up) fdot_rows(up, rows ? rows + lo : NULL, lo, len, T, x, in, xsum, hu, len + 1, buf);
+            if (gate) fdot_rows(gate, rows ? rows + lo : NULL, lo, len, T, x, in, xsum, hg, len + 1, buf);
             for (int64_t j = 0; j < len && up; j++) {
                 int64_t i = rows ? rows[lo + j] : lo + j;
-                fdot_row_tokens(up, i, T, x, in, xsum, hu + j, len + 1, buf);
-                if (gate) fdot_row_tokens(gate, i, T, x, in, xsum, hg + j, len + 1, buf);
                 for (int64_t t = 0; t < T; t++) {
                     float u = hu[t * (len + 1) + j] + (up_bias ? up_bias[i] : 0.0f);
                     float g = gate ? hg[t * (len + 1) + j] + (gate_bias ? gate_bias[i] : 0.0f) : u;
