@@ -196,15 +196,21 @@ static void fdot4_i8(const tdm_weight *w, const int64_t r[4], const float *x, fl
         }
         return;
     }
-    for (int64_t b = 0; b < n / 32; b++) {
+    int64_t nb = n / 32;
+    float sx[4 * nb]; /* the four rows' block scales as float32 (f16 widened once: exact) */
+    const float *sk[4];
+    for (int k = 0; k < 4; k++) {
+        if (w->kind == KIND_I8B) sk[k] = w->scale + r[k] * ss;
+        else f16_row((const uint16_t *)w->scale + r[k] * ss, nb, sx + k * nb), sk[k] = sx + k * nb;
+    }
+    for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + 32 * b;
         __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
         for (int k = 0; k < 4; k++) {
             const int8_t *qb = q[k] + 32 * b;
             __m256 e = _mm256_fmadd_ps(i8x8(qb + 16), x2, _mm256_mul_ps(i8x8(qb), x0));
             __m256 o = _mm256_fmadd_ps(i8x8(qb + 24), x3, _mm256_mul_ps(i8x8(qb + 8), x1));
-            float sb = w->kind == KIND_I8B ? w->scale[r[k] * ss + b] : f16_value(((const uint16_t *)w->scale)[r[k] * ss + b]);
-            a[k] = _mm256_fmadd_ps(_mm256_set1_ps(sb), _mm256_add_ps(e, o), a[k]);
+            a[k] = _mm256_fmadd_ps(_mm256_broadcast_ss(sk[k] + b), _mm256_add_ps(e, o), a[k]);
         }
     }
     _mm_storeu_ps(out, hsum4x8(a[0], a[1], a[2], a[3]));
