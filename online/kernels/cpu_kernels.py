@@ -33,8 +33,12 @@ __all__ = ["ACT_IDS", "NativeUnavailable", "clamp_threads", "dequantize_into", "
 
 
 def clamp_threads(threads: int) -> int:
-    """A thread count the kernels run: 1 .. the CPU count."""
-    return max(1, min(int(threads), os.cpu_count() or 1))
+    """A thread count the kernels run: 1 .. the CPUs this process may use."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity call on this platform
+        usable = os.cpu_count() or 1
+    return max(1, min(int(threads), usable))
 
 
 def native_available() -> bool:
