@@ -22,6 +22,13 @@ T_KERNEL = 2  # tokens on the C row kernels (int8 / int4; fp32 goes to torch fro
 T_TORCH = KERNEL_MAX_TOKENS + 2  # tokens on the dequantize + matmul path for every format
 
 
+@pytest.fixture
+def native_kernels():
+    """The tests that call the C kernels directly (QuantizedLinear / QuantizedFFN fall back to torch without them)."""
+    if not K.native_available():
+        pytest.skip("the C kernels cannot be built here")
+
+
 def _w(rows: int, cols: int) -> np.ndarray:
     return RNG.standard_normal((rows, cols)).astype(np.float32)
 
@@ -64,7 +71,7 @@ def test_int4_group_quantization_error_is_half_a_step(group):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1])
-def test_gguf_blocks_convert_exactly(qtype):
+def test_gguf_blocks_convert_exactly(qtype, native_kernels):
     w = _w(6, 96)
     raw = gq.quantize(w, qtype)  # uint8 [6, row bytes]
     ref = gq.dequantize(raw, qtype).astype(np.float64)  # gguf's own decoder
@@ -113,7 +120,7 @@ def test_bad_inputs_raise_tandem_errors():
 # --- GEMV kernels ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("threads", sorted({1, TH}))
-def test_gemv_every_format_matches_dequantized_reference(threads):
+def test_gemv_every_format_matches_dequantized_reference(threads, native_kernels):
     rows, cols = 37, 128  # 37 rows: not a multiple of the thread count
     x = RNG.standard_normal((T_KERNEL, cols)).astype(np.float32)
     for name, w in _weights(rows, cols).items():
@@ -127,7 +134,7 @@ def test_gemv_every_format_matches_dequantized_reference(threads):
         _close(ys, ref[:, sel])
 
 
-def test_odd_widths_for_fp32_and_int8():
+def test_odd_widths_for_fp32_and_int8(native_kernels):
     w = _w(13, 45)  # 45 columns: vector loops need their scalar tails
     x = RNG.standard_normal((1, 45)).astype(np.float32)
     for q in (Fp32Weight(w), quantize_int8(w)):
@@ -183,7 +190,7 @@ def test_embedding_rows_through_a_q8_0_output_layer():
 # --- sparse down projection -----------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", ["fp32", "fp16", "int8", "int8-block", "int4-g32", "int4-g64"])
-def test_sparse_down_matches_masked_reference(fmt):
+def test_sparse_down_matches_masked_reference(fmt, native_kernels):
     n_ff, d = 45, 128
     wt = _weights(n_ff, d)[fmt]  # transposed down projection: rows are neurons
     deq = wt.dequantize().astype(np.float64)
