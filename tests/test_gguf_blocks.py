@@ -14,7 +14,7 @@ import torch
 
 from helpers_fused import matvec
 from online.kernels import native
-from online.kernels.native.dequant import native_dequantizer
+from online.kernels.cpu_kernels import dequantize_into, kernel_weight
 from online.kernels.native.structs import describe
 from online.kernels.quantize import BlockInt8Weight, Int4Weight, quantize
 from online.kernels.superblocks import Q4KWeight
@@ -67,7 +67,7 @@ def test_blocks_keep_gguf_bytes_and_values(qtype):
     ref = gguf.quants.dequantize(raw, getattr(Q, qtype)).reshape(ROWS, COLS)
     assert np.array_equal(w.dequantize(), ref)
     out = np.zeros((ROWS, COLS), np.float32)
-    assert np.array_equal(native_dequantizer(w)(out), ref)  # the C expansion of the scales (blocks.h)
+    assert np.array_equal(dequantize_into(kernel_weight(w), out), ref)  # the C expansion of the scales (blocks.h)
 
 
 @pytest.mark.parametrize("qtype, cols", [("Q4_0", COLS), ("Q4_1", COLS), ("Q8_0", COLS), ("Q4_K", COLS),
