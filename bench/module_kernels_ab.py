@@ -1,16 +1,34 @@
-"""The module path's row kernels: numba (online/kernels/cpu_numba.py, before issue 14.4) against the C
+"""The module path's row kernels: numba (online/kernels/cpu_numba.py, retired by issue 14.4) against the C
 kernels (native/module.h: online/kernels/cpu_kernels.py), interleaved call by call in one process, same
-weights and inputs, hot cache. Needs a checkout that still has cpu_numba (the commit that added this file).
+weights and inputs, hot cache. numba's kernels are gone from the tree; to rerun, restore them beside the C
+ones (and have numba installed):
 
-    python -m bench.module_kernels_ab --repeats 200 --threads 2
+    git show 544d6c1:online/kernels/cpu_numba.py > online/kernels/cpu_numba.py
+    git show 544d6c1:online/kernels/numba_ir.py > online/kernels/numba_ir.py
+    python -m bench.module_kernels_ab --repeats 60 --threads 1
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
 
 import numpy as np
+
+
+def numba_args(w) -> tuple:
+    """The tuple numba's kernels took (the former ``Weight.kernel_args()``): kind, bytes, float32 scales, group."""
+    q = importlib.import_module("online.kernels.quantize")  # the package exports a function of that name
+    dummy = np.zeros((1, 1), np.float32)
+    if isinstance(w, (q.Fp32Weight, q.Fp16Weight)):
+        return (w.KIND, w.w.view(np.uint8), dummy, dummy, 1)
+    if isinstance(w, q.Int8Weight):
+        return (q.KIND_I8, w.q.view(np.uint8), w.scale.reshape(-1, 1), dummy, 1)
+    if isinstance(w, q.BlockInt8Weight):
+        return (q.KIND_I8B, w.q.view(np.uint8), w.scale.astype(np.float32), dummy, q.Q8_BLOCK)
+    scale, minimum = w.float_scales()
+    return (q.KIND_I4, w.packed, scale, minimum, w.group_size)
 
 
 def main() -> None:
@@ -22,7 +40,7 @@ def main() -> None:
     try:
         from online.kernels import cpu_numba as N
     except ImportError:
-        raise SystemExit("bench.module_kernels_ab needs numba's kernels: run it at commit 544d6c1 (before numba was dropped)")
+        raise SystemExit("bench.module_kernels_ab needs numba's kernels: restore them from commit 544d6c1 (see --help)")
     from online.kernels.quantize import ACT_IDS, quantize
 
     rng = np.random.default_rng(0)
@@ -35,8 +53,8 @@ def main() -> None:
         for fmt in ("int8", "int8b", "int4", "fp16"):
             wq = quantize(w, fmt)
             down = quantize(dt, "fp16" if fmt == "fp16" else fmt)
-            ka, kr = wq.kernel_args(), C.kernel_weight(wq)
-            da, dr = down.kernel_args(), C.kernel_weight(down)
+            ka, kr = numba_args(wq), C.kernel_weight(wq)
+            da, dr = numba_args(down), C.kernel_weight(down)
             all_rows = np.arange(rows, dtype=np.int64)
             for T in (1, 3, 6):
                 x = rng.standard_normal((T, cols)).astype(np.float32)
