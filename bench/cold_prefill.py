@@ -1,4 +1,4 @@
-"""First-request TTFT of a fresh process: prompt prefill through the module graph (numba kernels) against the
+"""First-request TTFT of a fresh process: prompt prefill through the module graph (C row kernels, torch matmuls) against the
 fused step's batched call (Engine._step_prefill), A/B interleaved, one process per sample.
 
     .venv/bin/python -m bench.cold_prefill --plan profiles/SmolLM2-135M-Instruct.Q4_1/plan-probed-0 --rounds 5

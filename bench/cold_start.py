@@ -4,8 +4,7 @@ Run from a checkout's root (its code is what gets imported), one process per rep
 
     .venv/bin/python bench/cold_start.py --plan profiles/SmolLM2-135M-Instruct.Q4_1/plan-probed-0
 
-Prints one JSON line: import_s, load_s, ttft_first_s, ttft_second_s, prompt_tokens, numba_compiled
-(whether a numba kernel compiled or loaded a cached overload during the first request).
+Prints one JSON line: import_s, load_s, ttft_first_s, ttft_second_s, prompt_tokens.
 """
 import argparse
 import json
@@ -30,21 +29,11 @@ def main() -> None:
     imported = time.perf_counter()
     engine = Engine.load(args.model, plan=args.plan, threads=args.threads)
     loaded = time.perf_counter()
-    numba_before = _numba_overloads()
     first = engine.generate(PROMPT, max_new_tokens=1)
-    numba_after = _numba_overloads()
     second = engine.generate(PROMPT, max_new_tokens=1)
     print(json.dumps({"import_s": round(imported - START, 3), "load_s": round(loaded - imported, 3),
                       "ttft_first_s": first.stats["ttft_s"], "ttft_second_s": second.stats["ttft_s"],
-                      "prompt_tokens": first.stats["prompt_tokens"], "numba_compiled": numba_after > numba_before}))
-
-
-def _numba_overloads() -> int:
-    kernels = sys.modules.get("online.kernels.cpu_numba")
-    if kernels is None:
-        return 0
-    from numba.core.dispatcher import Dispatcher
-    return sum(len(d.overloads) for d in vars(kernels).values() if isinstance(d, Dispatcher))
+                      "prompt_tokens": first.stats["prompt_tokens"]}))
 
 
 if __name__ == "__main__":

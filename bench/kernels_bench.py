@@ -3,7 +3,7 @@ sparsity beside the bytes-read limit, and the prefill (T > 1) crossover. Writes 
 
 Timings: each candidate runs ``inner`` calls per round, rounds interleave the candidates, the table
 shows the median over rounds and the best round (microseconds per call). Torch candidates are timed
-apart from numba ones: torch's OpenMP pool and numba's are separate runtimes, and alternating them
+apart from the C kernels: torch's OpenMP pool and the C library's are separate runtimes, and alternating them
 makes the idle pool's spinning workers steal the cores (milliseconds per switch on a busy machine).
 Weights are random (timing does not depend on values); the FFN's active neurons are the ones whose
 |h| passes the quantile threshold.
@@ -27,7 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from online.kernels import cpu_numba as K  # noqa: E402
+from online.kernels import cpu_kernels as K  # noqa: E402
 from online.kernels.ffn import QuantizedFFN, QuantizedLinear  # noqa: E402
 from online.kernels.quantize import Fp32Weight, int8_from_q8_0, quantize_int4, quantize_int8  # noqa: E402
 
@@ -66,7 +66,7 @@ def timeit(cands: dict[str, Callable[[], object]], rounds: int, inner: int) -> d
 
 def gemv_table(threads: int, rounds: int) -> list[str]:
     rng = np.random.default_rng(0)
-    lines = ["| shape (out x in) | torch fp32 | numba fp32 | int8 (per row) | int8 (Q8_0 blocks) | int4 (g32) | "
+    lines = ["| shape (out x in) | torch fp32 | C fp32 | int8 (per row) | int8 (Q8_0 blocks) | int4 (g32) | "
              "int8 bytes-read limit |", "|---|---|---|---|---|---|---|"]
     for out_f, in_f in GEMV_SHAPES:
         w = rng.standard_normal((out_f, in_f)).astype(np.float32)
@@ -74,7 +74,7 @@ def gemv_table(threads: int, rounds: int) -> list[str]:
         wt = torch.from_numpy(w)
         q8 = int8_from_q8_0(np.full((out_f, in_f // 32), 0.01, np.float16),
                             rng.integers(-127, 128, (out_f, in_f), dtype=np.int8))
-        lins = {"numba fp32": QuantizedLinear(Fp32Weight(w), threads=threads),
+        lins = {"C fp32": QuantizedLinear(Fp32Weight(w), threads=threads),
                 "int8": QuantizedLinear(quantize_int8(w), threads=threads),
                 "int8 blocks": QuantizedLinear(q8, threads=threads),
                 "int4": QuantizedLinear(quantize_int4(w, 32), threads=threads)}
@@ -84,7 +84,7 @@ def gemv_table(threads: int, rounds: int) -> list[str]:
         t = timeit({"torch": lambda: torch.mm(x, wt.T)}, r, n)  # torch apart: see module docstring
         t.update(timeit(cands, r, n))
         limit = lins["int8"].nbytes / BANDWIDTH_BYTES_PER_S * 1e6
-        lines.append(f"| {out_f}x{in_f} | {t['torch']:.0f} | {t['numba fp32']:.0f} | {t['int8']:.0f} | "
+        lines.append(f"| {out_f}x{in_f} | {t['torch']:.0f} | {t['C fp32']:.0f} | {t['int8']:.0f} | "
                      f"{t['int8 blocks']:.0f} | {t['int4']:.0f} | {limit:.0f} |")
     return lines
 
@@ -115,10 +115,10 @@ def ffn_table(threads: int, rounds: int) -> list[str]:
 
 
 def prefill_table(threads: int, rounds: int) -> list[str]:
-    """QuantizedLinear 1536x576 for T tokens: numba kernel vs dequantize + torch matmul."""
+    """QuantizedLinear 1536x576 for T tokens: C kernel vs dequantize + torch matmul."""
     w = torch.randn(N_FF, D)
-    lines = ["| T tokens | torch fp32 (cached float) | int8 numba kernel | int8 dequantize + torch | "
-             "int4 numba kernel | int4 dequantize + torch |", "|---|---|---|---|---|---|"]
+    lines = ["| T tokens | torch fp32 (cached float) | int8 C kernel | int8 dequantize + torch | "
+             "int4 C kernel | int4 dequantize + torch |", "|---|---|---|---|---|---|"]
     lins = {"int8": QuantizedLinear.from_float(w, "int8", threads=threads),
             "int4": QuantizedLinear.from_float(w, "int4", threads=threads)}
     for T in (1, 2, 4, 8, 16, 64, 200):
@@ -128,7 +128,7 @@ def prefill_table(threads: int, rounds: int) -> list[str]:
         kernels, deq = {}, {}
         for name, lin in lins.items():
             y = np.empty((T, N_FF), np.float32)
-            kernels[f"{name} kernel"] = (lambda lin=lin, y=y: K.gemv_rows(lin._args, lin._all_rows, xn, y, threads))
+            kernels[f"{name} kernel"] = (lambda lin=lin, y=y: K.gemv_rows(lin._native(), None, xn, y, threads))
             deq[f"{name} deq"] = (lambda lin=lin: x @ lin.dequantize().T)
         t = timeit({"torch": lambda: x @ w.T}, r, 5)
         t.update(timeit(deq, r, 5))
@@ -179,7 +179,7 @@ def token_table(threads: int, rounds: int) -> list[str]:
 
 def section(threads: int, rounds: int) -> list[str]:
     torch.set_num_threads(threads)
-    threads = K.set_threads(K.clamp_threads(threads))
+    threads = K.clamp_threads(threads)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     md = [f"### {threads} thread{'s' if threads > 1 else ''} (load average at start {load:.1f})", "",
           "#### GEMV (y = W x)", ""]
@@ -202,8 +202,8 @@ def main() -> None:
     args = ap.parse_args()
     rounds = 3 if args.quick else args.rounds
     md = ["## CPU kernels (SmolLM2-135M shapes)", "",
-          f"{platform.processor() or platform.machine()}, torch {torch.__version__}, numba {K.numba.__version__} "
-          f"({K.numba.threading_layer()} threading layer). Microseconds per call: median of {rounds} "
+          f"{platform.processor() or platform.machine()}, torch {torch.__version__}, C kernels (OpenMP). "
+          f"Microseconds per call: median of {rounds} "
           "interleaved rounds (best round in parentheses). Limits: weight bytes / 32 GB/s (the 2-thread read "
           "bandwidth). Other processes share these 2 cores, so the numbers are noisy; with 2 threads a "
           "parallel region waits whenever the OS parks one of its threads, which shows up as medians "

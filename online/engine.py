@@ -50,7 +50,7 @@ class Engine(LazyModules, Scoring):
         self._plan_info = None
         self.args: EngineArgs | None = None  # what from_args was given
         self._layer_offload_gpu_layers: int | None = None
-        # numba kernels parallelise decode themselves; torch then runs its small ops on one thread
+        # the C kernels parallelise decode themselves; torch then runs its small ops on one thread
         self._decode_threads = 1 if executor is not None and executor.packed else None
         self._compiled_decode = None  # online.execution.fused_decode.FusedDecodeStep when available
         self.decode_path = "modules"

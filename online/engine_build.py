@@ -41,7 +41,7 @@ def build_executor(args: EngineArgs, ckpt, net, ffn_layers: list) -> BuiltExecut
         return _layer_offload(args, ckpt, net, ffn_layers)
     if not args.packed:
         return BuiltExecutor(DenseExecutor(ckpt.config, ffn_layers))
-    # the packed runtime's modules load numba and the kernels: imported here, so a dense engine never pays
+    # the packed runtime's modules load the kernels: imported here, so a dense engine never pays
     from .execution.hybrid import ExecutionSettings
     from .execution.quantized_linear import quantize_attention
     raw = ckpt.raw

@@ -25,7 +25,7 @@ from .engine_cache import CachedParts, cache_applies, load_cached, save_cached
 def load_fast(cls, args: EngineArgs):
     """``cls`` (the Engine) for ``args``: from the step cache when it applies (written first when it is
     missing or stale), else from the checkpoint."""
-    if not (args.step_cache and cache_applies(args)):
+    if not (args.step_cache and cache_applies(args) and _native_available()):
         return cls._load_modules(args)
     parts = load_cached(args)
     built = None
@@ -39,6 +39,16 @@ def load_fast(cls, args: EngineArgs):
     elif parts.engine.get("plan_warning"):
         print(f"warning: {args.plan}: {parts.engine['plan_warning']}", file=sys.stderr)
     return _from_parts(cls, args, parts, built)
+
+
+def _native_available() -> bool:
+    """The cached step runs on the C library; without it (no compiler, TANDEM_NATIVE=0) the modules decode."""
+    from .kernels.native import NativeUnavailable, load_native
+    try:
+        load_native()
+    except NativeUnavailable:
+        return False
+    return True
 
 
 def _from_parts(cls, args: EngineArgs, parts: CachedParts, built=None):

@@ -9,11 +9,11 @@ import os
 import sys
 from typing import Callable
 
-# OpenMP worker threads (torch's and numba's pools) spin after each parallel region. Spinning forever
+# OpenMP worker threads (torch's pool and the C kernels') spin after each parallel region. Spinning forever
 # starves the other pool on a busy 2-core machine (7-100x slowdowns measured), sleeping at once
 # costs a wake-up per kernel call (decode 40.8 tok/s vs 48-50 spinning, measured on a quiet machine).
 # A short spin (~tens of microseconds) covers the gap between consecutive decode kernels and then
-# yields. Set before torch and numba load; users' own OMP_WAIT_POLICY / GOMP_SPINCOUNT win.
+# yields. Set before torch and the C kernels load; users' own OMP_WAIT_POLICY / GOMP_SPINCOUNT win.
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-HEAVY = ["torch", "numpy", "fastapi", "numba", "uvicorn", "gguf", "transformers", "online.engine"]
+HEAVY = ["torch", "numpy", "fastapi", "uvicorn", "gguf", "transformers", "online.engine"]
 
 
 def _loaded_after(code: str) -> dict[str, bool]:

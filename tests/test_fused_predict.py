@@ -69,7 +69,7 @@ def module_and_fused(model, executor, predictor_format: str, tokens=(3, 99, 4, 8
         c0 = executor.counters.ffn_neurons_active
         got = step(tok, pos, fused_cache)
         c1 = executor.counters.ffn_neurons_active
-        ref = model(torch.tensor([tok]), pos, module_cache, executor)[0]  # module path (numba, float activations)
+        ref = model(torch.tensor([tok]), pos, module_cache, executor)[0]  # module path (C row kernels, float activations)
         c2 = executor.counters.ffn_neurons_active
         out.append((got, ref, c1 - c0, c2 - c1))
     return step, out

@@ -14,7 +14,7 @@ import torch
 
 from helpers_fused import matvec
 from online.kernels import native
-from online.kernels.native.dequant import native_dequantizer
+from online.kernels.cpu_kernels import dequantize_into, kernel_weight
 from online.kernels.native.structs import describe
 from online.kernels.quantize import BlockInt8Weight, Int4Weight, quantize
 from online.kernels.superblocks import Q4KWeight
@@ -26,14 +26,14 @@ ROWS, COLS = 11, 512  # 11: the four-row kernels and a tail of 3; 512: two Q4_K 
 BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "Q4_K": 144 / 256}
 
 
-def _raw(qtype: str, seed: int = 0) -> np.ndarray:
+def _raw(qtype: str, seed: int = 0, cols: int = COLS) -> np.ndarray:
     """Random GGUF bytes [ROWS, row_bytes] with row magnitudes from 1e-4 to 3e3 (extreme f16 scales)."""
     rng = np.random.default_rng(seed)
     if qtype == "Q4_K":
         scales = np.array([6.1e-5, 3e-5, 0.02, -0.5, 7.0, 1e3, 6e-8, 0.1], np.float32)  # normal, subnormal, large
-        return random_blocks("Q4_K", ROWS, COLS, rng, scales)
+        return random_blocks("Q4_K", ROWS, cols, rng, scales)
     mags = np.logspace(-4, 3.5, ROWS).astype(np.float32)[:, None]
-    w = rng.standard_normal((ROWS, COLS)).astype(np.float32) * mags
+    w = rng.standard_normal((ROWS, cols)).astype(np.float32) * mags
     w[2, :32] = 0.0  # an all-zero block: scale 0
     return gguf.quants.quantize(w, getattr(Q, qtype))
 
@@ -46,8 +46,8 @@ def _float_scale_twin(w):
     return Int4Weight(packed=w.packed, scale=scale, minimum=minimum, group_size=32)
 
 
-def _x(T: int, seed: int = 1) -> np.ndarray:
-    x = np.random.default_rng(seed).standard_normal((T, COLS)).astype(np.float32)
+def _x(T: int, seed: int = 1, cols: int = COLS) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((T, cols)).astype(np.float32)
     x[:, 37] = 40.0 * (1 + np.arange(T))  # outlier blocks (the residual pass where ratio >= 0)
     return x
 
@@ -67,22 +67,35 @@ def test_blocks_keep_gguf_bytes_and_values(qtype):
     ref = gguf.quants.dequantize(raw, getattr(Q, qtype)).reshape(ROWS, COLS)
     assert np.array_equal(w.dequantize(), ref)
     out = np.zeros((ROWS, COLS), np.float32)
-    assert np.array_equal(native_dequantizer(w)(out), ref)  # the C expansion of the scales (blocks.h)
+    assert np.array_equal(dequantize_into(kernel_weight(w), out), ref)  # the C expansion of the scales (blocks.h)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype, cols", [("Q4_0", COLS), ("Q4_1", COLS), ("Q8_0", COLS), ("Q4_K", COLS),
+                                         ("Q4_0", 608), ("Q4_1", 608), ("Q8_0", 608)])  # 19 blocks: a tail of 3
 @pytest.mark.parametrize("ratio", [-1.0, 2.0])
-def test_row_dots_equal_the_integer_arithmetic_and_the_float_scale_kernels(qtype, ratio):
+def test_row_dots_equal_the_integer_arithmetic_and_the_float_scale_kernels(qtype, cols, ratio):
     lib = native.load_native().lib
-    w = weight_from_gguf(_raw(qtype, 3), qtype, (ROWS, COLS))
+    w = weight_from_gguf(_raw(qtype, 3, cols), qtype, (ROWS, cols))
     twin = _float_scale_twin(w)
-    x = _x(1)[0]
+    x = _x(1, cols=cols)[0]
     ref = matvec(w, torch.from_numpy(x), ratio).double().numpy()  # [ROWS]
     scale = np.abs(w.dequantize()).astype(np.float64) @ np.abs(x)  # [ROWS]: float32 rounding grows with it
     for r0, n in ((0, ROWS), (1, 8), (8, 3)):
         got = _dot(lib, w, r0, n, x, ratio)
         assert np.array_equal(got, _dot(lib, twin, r0, n, x, ratio)), (r0, n)
         assert (np.abs(got - ref[r0:r0 + n]) <= 1e-5 * scale[r0:r0 + n]).all(), (r0, n)
+    rows = np.array([7, 2, 5, 0, 10, 4, 4, 1, 3], np.int32)  # gathered rows (predict.h): two blocks of four, a tail
+    for m in (rows.size, 4):
+        got = _dot_idx(lib, w, rows[:m], x, ratio)
+        assert np.array_equal(got, _dot_idx(lib, twin, rows[:m], x, ratio)), m
+        if qtype != "Q8_0":  # int4: the gathered four-row kernel has the contiguous one's arithmetic
+            assert np.array_equal(got[:4], _dot(lib, w, 0, ROWS, x, ratio)[rows[:4]]), m
+
+
+def _dot_idx(lib, w, rows: np.ndarray, x: np.ndarray, ratio: float) -> np.ndarray:
+    d, out = describe(w), np.zeros(rows.size, np.float32)
+    lib.tdm_dot_rows_idx(ctypes.byref(d.desc), rows.ctypes.data, rows.size, x.ctypes.data, ratio, out.ctypes.data)
+    return out
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
@@ -118,7 +131,7 @@ def test_quantizing_floats_stores_f16_scales_where_they_fit():
 @pytest.mark.parametrize("down", ["int8b", "int4"])
 def test_fused_step_on_f16_blocks_and_quantized_down_rows(tiny_model_dir, kind, down):
     """int4 rows with f16 scales (KIND_I4H) and Q8_0 / Q4_1 down rows (KIND_I8H / KIND_I4H), sparse: the fused
-    step equals the torch statement of its arithmetic, stays within float noise of the module path (numba
+    step equals the torch statement of its arithmetic, stays within float noise of the module path (C
     kernels), and its multi-token form equals the single steps bit for bit."""
     from helpers_fused import reference_step
     from online.execution.fused_decode import FusedDecodeStep

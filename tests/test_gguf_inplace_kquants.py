@@ -14,7 +14,7 @@ import torch
 
 from helpers_fused import matvec
 from online.kernels import native
-from online.kernels.native.dequant import native_dequantizer
+from online.kernels.cpu_kernels import dequantize_into, gemv_rows, kernel_weight
 from online.kernels.native.structs import describe
 from online.kernels.quantize import weight_from_gguf
 from online.kernels.superblocks import GGUFBlockWeight
@@ -45,11 +45,11 @@ def test_blocks_keep_gguf_bytes_and_values(qtype):
     assert isinstance(w, GGUFBlockWeight) and w.nbytes == raw.nbytes and w.shape == (rows, cols)
     ref = gguf.quants.dequantize(raw, getattr(Q, qtype)).reshape(rows, cols)
     assert np.array_equal(w.dequantize(), ref)
-    assert np.array_equal(native_dequantizer(w)(np.zeros((rows, cols), np.float32)), ref)  # kquants.h decode
-    kind, data, scale, _, group = w.kernel_args()  # the numba module path's exact widened copy
-    widened = (data.view(np.int8).reshape(rows, -1, 32) * scale[:, :, None]).reshape(rows, cols) if kind == 2 \
-        else data.view(np.float32)
-    assert np.array_equal(widened, ref)
+    ref_c = kernel_weight(w)
+    assert np.array_equal(dequantize_into(ref_c, np.zeros((rows, cols), np.float32)), ref)  # kquants.h decode
+    x = _x(3, cols)
+    y = gemv_rows(ref_c, None, x, np.empty((3, rows), np.float32), 2)  # the module kernels' float-activation rows
+    np.testing.assert_allclose(y, x @ ref.T, rtol=1e-4, atol=1e-4)
     with pytest.raises(TandemError, match="row-dot"):
         describe(w, dot_input=False)
 
@@ -134,7 +134,7 @@ def test_fused_step_on_in_place_blocks(wide_llama, qtype):
         got = step(tok, pos, cache)
         ref, _ = reference_step(model, executor, ref_cache, tok, pos, residual_ratio=2.0)
         torch.testing.assert_close(got, ref.float(), rtol=1e-3, atol=1e-3)
-        module = decode_one_token(model, executor, module_cache, tok, pos)  # numba gate/up + C dense down
+        module = decode_one_token(model, executor, module_cache, tok, pos)  # C module kernels, dense down
         torch.testing.assert_close(got, module, rtol=3e-2, atol=3e-2)
     single, multi = KVCache(model.cfg, 16), KVCache(model.cfg, 16)
     want = torch.stack([step(t, pos, single) for pos, t in enumerate(prompt)])

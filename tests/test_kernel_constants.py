@@ -40,3 +40,11 @@ def test_enum_parser_sees_a_changed_value():
     body = ENUM_RE.findall("enum { KIND_F32 = 0, KIND_I8 = 7 };")[0]
     values = {m[1]: int(m[2]) for m in map(ITEM_RE.match, body.split(",")) if m}
     assert values == {"KIND_F32": 0, "KIND_I8": 7} and values != {"KIND_F32": 0, "KIND_I8": 1}
+
+
+def test_the_native_build_key_covers_every_c_source():
+    """The compiled library is cached by a hash of SOURCES: a header missing there would let an edit
+    run against a stale build."""
+    from online.kernels import native
+    on_disk = {p.name for p in native.SOURCE_DIR.iterdir() if p.suffix in (".c", ".h")}
+    assert on_disk == set(native.SOURCES)

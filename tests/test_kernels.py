@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 
-from online.kernels import cpu_numba as K
+from online.kernels import cpu_kernels as K
 from online.kernels.ffn import KERNEL_MAX_TOKENS, QuantizedFFN, QuantizedLinear
 from online.kernels.quantize import (BlockInt8Weight, Fp32Weight, Int4Weight, Int8Weight, concat_rows, int4_from_q4_0,
                                      int4_from_q4_1, int8_from_q8_0, quantize, quantize_int4, quantize_int8,
@@ -18,8 +18,15 @@ from tandem.core.errors import TandemError
 
 RNG = np.random.default_rng(1234)
 TH = K.clamp_threads(2)  # 1 on a single-core runner
-T_KERNEL = 2  # tokens on the numba path (int8 / int4; fp32 goes to torch from T = 2)
+T_KERNEL = 2  # tokens on the C row kernels (int8 / int4; fp32 goes to torch from T = 2)
 T_TORCH = KERNEL_MAX_TOKENS + 2  # tokens on the dequantize + matmul path for every format
+
+
+@pytest.fixture
+def native_kernels():
+    """The tests that call the C kernels directly (QuantizedLinear / QuantizedFFN fall back to torch without them)."""
+    if not K.native_available():
+        pytest.skip("the C kernels cannot be built here")
 
 
 def _w(rows: int, cols: int) -> np.ndarray:
@@ -64,7 +71,7 @@ def test_int4_group_quantization_error_is_half_a_step(group):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1])
-def test_gguf_blocks_convert_exactly(qtype):
+def test_gguf_blocks_convert_exactly(qtype, native_kernels):
     w = _w(6, 96)
     raw = gq.quantize(w, qtype)  # uint8 [6, row bytes]
     ref = gq.dequantize(raw, qtype).astype(np.float64)  # gguf's own decoder
@@ -73,7 +80,7 @@ def test_gguf_blocks_convert_exactly(qtype):
     np.testing.assert_array_equal(packed.dequantize(), ref)
     x = RNG.standard_normal((1, 96)).astype(np.float32)
     y = np.empty((1, 6), np.float32)
-    K.gemv_rows(packed.kernel_args(), np.arange(6), x, y, TH)
+    K.gemv_rows(K.kernel_weight(packed), np.arange(6), x, y, TH)
     _close(y, x.astype(np.float64) @ ref.T)
 
 
@@ -113,29 +120,29 @@ def test_bad_inputs_raise_tandem_errors():
 # --- GEMV kernels ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("threads", sorted({1, TH}))
-def test_gemv_every_format_matches_dequantized_reference(threads):
+def test_gemv_every_format_matches_dequantized_reference(threads, native_kernels):
     rows, cols = 37, 128  # 37 rows: not a multiple of the thread count
     x = RNG.standard_normal((T_KERNEL, cols)).astype(np.float32)
     for name, w in _weights(rows, cols).items():
         ref = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
         y = np.empty((T_KERNEL, rows), np.float32)
-        K.gemv_rows(w.kernel_args(), np.arange(rows), x, y, threads)
+        K.gemv_rows(K.kernel_weight(w), np.arange(rows), x, y, threads)
         _close(y, ref)
         sel = np.array([36, 0, 5, 5, 17])
         ys = np.empty((T_KERNEL, sel.size), np.float32)
-        K.gemv_rows(w.kernel_args(), sel, x, ys, threads)
+        K.gemv_rows(K.kernel_weight(w), sel, x, ys, threads)
         _close(ys, ref[:, sel])
 
 
-def test_odd_widths_for_fp32_and_int8():
+def test_odd_widths_for_fp32_and_int8(native_kernels):
     w = _w(13, 45)  # 45 columns: vector loops need their scalar tails
     x = RNG.standard_normal((1, 45)).astype(np.float32)
     for q in (Fp32Weight(w), quantize_int8(w)):
         y = np.empty((1, 13), np.float32)
-        K.gemv_rows(q.kernel_args(), np.arange(13), x, y, TH)
+        K.gemv_rows(K.kernel_weight(q), np.arange(13), x, y, TH)
         _close(y, x.astype(np.float64) @ q.dequantize().astype(np.float64).T)
         out = np.empty((13, 45), np.float32)
-        K.dequantize_into(q.kernel_args(), out, TH)
+        K.dequantize_into(K.kernel_weight(q), out)
         np.testing.assert_allclose(out, q.dequantize(), rtol=1e-6, atol=1e-7)
 
 
@@ -183,17 +190,17 @@ def test_embedding_rows_through_a_q8_0_output_layer():
 # --- sparse down projection -----------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", ["fp32", "fp16", "int8", "int8-block", "int4-g32", "int4-g64"])
-def test_sparse_down_matches_masked_reference(fmt):
+def test_sparse_down_matches_masked_reference(fmt, native_kernels):
     n_ff, d = 45, 128
     wt = _weights(n_ff, d)[fmt]  # transposed down projection: rows are neurons
     deq = wt.dequantize().astype(np.float64)
     h = RNG.standard_normal((2, n_ff)).astype(np.float32)
     y0 = np.empty((2, d), np.float32)
-    assert K.down_sparse(wt.kernel_args(), h, 0.0, y0, TH) == h.size
+    assert K.down_sparse(K.kernel_weight(wt), h, 0.0, y0, TH) == h.size
     _close(y0, h.astype(np.float64) @ deq)  # threshold 0 == dense
     t = 0.7
     y = np.empty((2, d), np.float32)
-    count = K.down_sparse(wt.kernel_args(), h, t, y, TH)
+    count = K.down_sparse(K.kernel_weight(wt), h, t, y, TH)
     keep = np.abs(h) > t
     assert count == keep.sum()
     _close(y, np.where(keep, h, 0).astype(np.float64) @ deq)

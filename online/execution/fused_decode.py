@@ -36,7 +36,7 @@ import torch
 
 from tandem.core.errors import TandemError
 
-from ..kernels.cpu_numba import clamp_threads
+from ..kernels.cpu_kernels import clamp_threads
 from ..kernels.quantize import ACT_IDS
 from ..kernels.native import NativeUnavailable, load_native
 from ..kernels.native.structs import TdmBatch, TdmLayer, TdmModel, WeightRef, addr, describe
@@ -136,7 +136,7 @@ class FusedDecodeStep:
     def build(cls, model, executor, residual_ratio: float = DEFAULT_RESIDUAL_RATIO,
               require_simd: bool = True, predictor_format: str = "int8") -> "FusedDecodeStep":
         """``require_simd``: refuse a library built without AVX2/FMA/F16C (its portable scalar code
-        decodes slower than the numba module path). ``predictor_format``: int8 (default) or fp32
+        decodes slower than the module path). ``predictor_format``: int8 (default) or fp32
         scorer weights for layers with a predictor."""
         _check_model(model, executor)
         try:

@@ -3,7 +3,7 @@ matmuls in torch ops (CPU and CUDA).
 
 GGUF tensors whose block type is a tier format (F32, F16, Q8_0, Q4_0, Q4_1) are stored with their blocks
 as they are (``TierMatrix.from_raw``); others are decoded and packed. On a CPU tier the matrices are read
-through the CPU kernels (``online.kernels``: the C dot kernels, the numba ones) over the same codes, with
+through the CPU kernels (``online.kernels``: the C row kernels) over the same codes, with
 no dequantization per call; on CUDA through dequantize + matmul.
 
 Example::

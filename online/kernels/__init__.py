@@ -2,7 +2,8 @@
 
 - ``quantize``: packed weight formats (fp32, fp16, int8 per row, int8 Q8_0 blocks, int4 groups) and
   exact conversions from GGUF blocks.
-- ``cpu_numba``: the numba kernels (GEMV, row-sparse GEMV, sparse down projection, fused FFN).
+- ``cpu_kernels``: the module path's C kernels (GEMV over listed rows, sparse down projection,
+  fused FFN; float activations), in ``native/module.h``.
 - ``ffn``: the torch-facing ``QuantizedLinear`` and ``QuantizedFFN``.
 - ``native``: the C decode step (whole model, one call per token), built on first use.
 

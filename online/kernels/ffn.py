@@ -1,10 +1,11 @@
-"""Torch-facing API over the numba kernels: one quantized FFN layer, one quantized linear layer.
+"""Torch-facing API over the C module kernels (cpu_kernels): one quantized FFN layer, one quantized linear layer.
 
 Tensors in and out are float32 CPU torch tensors ``[T, features]`` (1-D ``[features]`` is accepted
-and returned 1-D); they cross to numpy without copies. Decode (T small) runs the numba kernels,
+and returned 1-D); they cross to numpy without copies. Decode (T small) runs the C kernels,
 reading each weight row once for all T tokens; prefill (T > ``kernel_max_tokens(weight)``: 6 for
 int8, 3 for int4, 1 for fp32) dequantizes the packed weights into a scratch float32 matrix per call
-and uses torch's matmul, which is faster there (no float copy of the model is kept).
+and uses torch's matmul, which is faster there (no float copy of the model is kept). Where the C
+library cannot be built, every T takes that torch path.
 
 The FFN keeps the down projection transposed (``down_t [n_ff, d]``, rows = neurons) so the sparse
 down projection reads only the rows of active neurons (PowerInfer's CPU axpy form).
@@ -20,6 +21,7 @@ Example::
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -27,10 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from tandem.core.errors import TandemError
-from . import cpu_numba as K
+from . import cpu_kernels as K
 from .quantize import Fp32Weight, Weight, quantize, weight_from_gguf
 
-# Up to this many tokens the numba kernels beat dequantize-per-call + torch matmul (measured on
+# Up to this many tokens the row kernels beat dequantize-per-call + torch matmul (measured on
 # 1536x576, bench/kernels.md); fp32 weights need no dequantization, so torch wins from T = 2.
 _KERNEL_MAX_TOKENS = {"Fp32Weight": 1, "Fp16Weight": 1, "Int8Weight": 6, "BlockInt8Weight": 6, "Int4Weight": 3,
                      "Q4KWeight": 3, "GGUFBlockWeight": 3}
@@ -38,7 +40,7 @@ KERNEL_MAX_TOKENS = max(_KERNEL_MAX_TOKENS.values())
 
 
 def kernel_max_tokens(w: Weight) -> int:
-    """Largest T for which a weight of this format goes through the numba kernels."""
+    """Largest T for which a weight of this format goes through the row kernels."""
     return _KERNEL_MAX_TOKENS[type(w).__name__]
 _EMPTY = np.zeros(0, dtype=np.float32)
 
@@ -108,10 +110,8 @@ class QuantizedLinear:
         self.out_features, self.in_features = weight.shape
         self.bias = _bias(bias, self.out_features, "bias")
         self.threads = K.clamp_threads(threads)
-        self._args = weight.kernel_args()
-        self._all_rows = np.arange(self.out_features, dtype=np.int64)
         self._max_tokens = kernel_max_tokens(weight)
-        self._native_dequantize: Any = False  # False: not looked up yet; None: unavailable
+        self._native_ref: Any = False  # False: not looked up yet; None: the C library is unavailable
 
     @classmethod
     def from_float(cls, w: torch.Tensor, fmt: str = "int8", bias: Any = None, group_size: int = 32,
@@ -132,24 +132,21 @@ class QuantizedLinear:
 
     def dequantize(self, threads: int = 1) -> torch.Tensor:
         """float32 [out, in] (a fresh matrix; fp32 weights are returned as they are). One thread by
-        default: the prefill path alternates this with torch matmuls, and numba's OpenMP pool and
-        torch's are separate runtimes whose spinning workers fight over the cores when both wake."""
+        default: the prefill path alternates this with torch matmuls, and the C library's OpenMP pool
+        and torch's are separate runtimes whose spinning workers fight over the cores when both wake."""
         if isinstance(self.weight, Fp32Weight):
             return torch.from_numpy(self.weight.w)
+        ref = self._native()
+        if ref is None:  # no C library: numpy's dequantization
+            return torch.from_numpy(np.ascontiguousarray(self.weight.dequantize(), dtype=np.float32))
         out = np.empty((self.out_features, self.in_features), dtype=np.float32)
-        native = self._native()
-        if native is not None:
-            native(out)
-        else:
-            K.dequantize_into(self._args, out, K.clamp_threads(threads))
-        return torch.from_numpy(out)
+        return torch.from_numpy(K.dequantize_into(ref, out))
 
     def _native(self) -> Any:
-        """The C dequantizer/GEMV of this weight (None: library unavailable): no JIT on the first request."""
-        if self._native_dequantize is False:
-            from .native.dequant import native_dequantizer
-            self._native_dequantize = native_dequantizer(self.weight)
-        return self._native_dequantize
+        """This weight's C descriptor (None: the C library is unavailable)."""
+        if self._native_ref is False:
+            self._native_ref = _kernel_ref(self.weight)
+        return self._native_ref
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` as float32 [len, in] (embedding lookup through a tied output layer)."""
@@ -171,12 +168,10 @@ class QuantizedLinear:
         y = np.empty((T, self.out_features), dtype=np.float32) if out is None else out
         if y.shape != (T, self.out_features) or y.dtype != np.float32 or not y.flags.c_contiguous:
             raise TandemError(f"output buffer must be float32 C-contiguous [{T}, {self.out_features}]")
-        if T > self._max_tokens:
+        if T > self._max_tokens or self._native() is None:
             torch.matmul(torch.from_numpy(xn), self.dequantize().T, out=torch.from_numpy(y))  # [T, out]
-        elif self._native() is not None:  # float activations, as the numba kernel (the fallback)
-            self._native().gemv(xn, y, self.threads)
         else:
-            K.gemv_rows(self._args, self._all_rows, xn, y, self.threads)
+            K.gemv_rows(self._native(), None, xn, y, self.threads)
         if self.bias.size:
             y += self.bias
         return y
@@ -185,8 +180,10 @@ class QuantizedLinear:
         """Only the output features ``rows``: [T, len(rows)] (row-sparse projection)."""
         xn, squeeze = _as_2d(x, self.in_features, "QuantizedLinear.forward_rows")
         idx = _rows(rows, self.out_features)
-        y = np.empty((xn.shape[0], idx.size), dtype=np.float32)
-        K.gemv_rows(self._args, idx, xn, y, self.threads)
+        if self._native() is None:
+            y = xn @ _dequantize_rows(self.weight, idx).T  # [T, len(rows)]
+        else:
+            y = K.gemv_rows(self._native(), idx, xn, np.empty((xn.shape[0], idx.size), np.float32), self.threads)
         if self.bias.size:
             y += self.bias[idx]
         return _out(y, squeeze)
@@ -202,10 +199,18 @@ def _rows(rows: Any, n: int) -> np.ndarray:
     return idx
 
 
+def _kernel_ref(w: Weight) -> Any:
+    """The C descriptor of ``w`` for the row kernels, or None where the C library is unavailable."""
+    try:
+        K.load_native()
+    except K.NativeUnavailable:
+        return None
+    return K.kernel_weight(w)
+
+
 def _dequantize_rows(w: Weight, rows: np.ndarray) -> np.ndarray:
     """Float32 [len(rows), in] of a packed weight without dequantizing the whole matrix."""
-    sub = type(w)(**{f: (getattr(w, f)[rows] if isinstance(getattr(w, f), np.ndarray) else getattr(w, f))
-                     for f in w.__dataclass_fields__})
+    sub = type(w)(**{f.name: (v[rows] if isinstance(v := getattr(w, f.name), np.ndarray) else v) for f in fields(w)})
     return sub.dequantize()
 
 
@@ -240,10 +245,6 @@ class QuantizedFFN:
         self.gate_bias = _bias(gate_bias, self.n_neurons, "gate bias")
         self.down_bias = _bias(down_bias, self.d_model, "down bias")
         self.threads = K.clamp_threads(threads)
-        self._up = up.kernel_args()
-        self._down = down_t.kernel_args() if down_t is not None else None
-        self._gate = gate.kernel_args() if gate is not None else self._up
-        self._all_rows = np.arange(self.n_neurons, dtype=np.int64)
         self._max_tokens = kernel_max_tokens(up)
         # prefill path (T > _max_tokens): the same packed weights, dequantized per call
         self._lin_up = QuantizedLinear(up, None, threads)
@@ -289,28 +290,35 @@ class QuantizedFFN:
                       rows: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         """The FFN on numpy (no torch conversions): xn float32 C [T, d] -> (y [T, d], pairs used).
         threshold < 0: dense; >= 0: down rows only where |h| > threshold. ``rows`` (int64) limits
-        gate/up to those neurons (predictor-gated; always on the numba kernels)."""
+        gate/up to those neurons (predictor-gated; on the row kernels for every T)."""
         _check_np(xn, self.d_model, "QuantizedFFN.forward_numpy")
-        if self.down is not None and (rows is not None or xn.shape[0] <= self._max_tokens):
+        if self.down is not None:  # a dense down (GGUF blocks in place): its own path for every T
             from .dense_down import forward_dense_down
             return forward_dense_down(self, xn, threshold, rows)
         if rows is not None:
             rows = _rows(rows, self.n_neurons)
-        elif xn.shape[0] > self._max_tokens:
+        refs = self._refs()
+        if refs is None or (rows is None and xn.shape[0] > self._max_tokens):
             h = self._torch_hidden(torch.from_numpy(xn))  # [T, n_ff]
-            if threshold >= 0:
-                keep = h.abs() > threshold
-                h, count = h * keep, int(keep.sum())
-            else:
-                count = h.numel()
+            keep = h.abs() > threshold
+            if rows is not None:  # no C library: only the listed neurons
+                keep &= torch.zeros(self.n_neurons, dtype=torch.bool).index_fill_(0, torch.from_numpy(rows), True)
+            h, count = h * keep, int(keep.sum())
             return self._torch_down(h).numpy(), count
         y = np.empty((xn.shape[0], self.d_model), dtype=np.float32)
-        count = K.ffn_fused(self._gate, self._up, self._down, xn, self._act_id, self.act_threshold,
-                            float(threshold), self.gate is not None, self.gate_bias, self.up_bias,
-                            self._all_rows if rows is None else rows, y, self.threads)
+        gate, up, down = refs
+        count = K.ffn_fused(gate, up, down, xn, self._act_id, self.act_threshold, float(threshold), self.gate_bias,
+                            self.up_bias, rows, y, self.threads)
         if self.down_bias.size:
             y += self.down_bias
         return y, int(count)
+
+    def _refs(self) -> tuple | None:
+        """(gate, up, down_t) C descriptors (gate None for a plain FFN), or None without the C library."""
+        up = self._lin_up._native()
+        if up is None:
+            return None
+        return (self._lin_gate._native() if self._lin_gate is not None else None, up, self._lin_down_t._native())
 
     def _torch_hidden(self, x: torch.Tensor) -> torch.Tensor:
         """h [T, n_ff] through dequantized weights (prefill path)."""

@@ -17,7 +17,7 @@ Every format is a frozen dataclass over numpy arrays, ``[out_features, in_featur
 GGUF blocks convert without a float round trip: Q8_0 -> BlockInt8Weight, Q4_1 / Q4_0 -> Int4Weight, Q4_K
 -> Q4KWeight, Q5_0 / Q5_K / Q6_K -> superblocks.GGUFBlockWeight (the file's blocks), IQ4_NL -> BlockInt8Weight
 (table values), all with GGUF's f16 scales; F32/F16/BF16, Q2_K, Q3_K, Q5_1 decode exactly to Fp32Weight. Quantized floats get f16 scales where they hold them.
-The C step reads the f16 and Q4_K forms in place (native/blocks.h); kernel_args() widens them for numba.
+The C kernels read the f16, Q4_K and GGUFBlockWeight forms in place (native/blocks.h, kquants.h).
 
 Example::
 
@@ -35,7 +35,7 @@ import numpy as np
 
 from tandem.core.errors import TandemError
 
-# Kernel codes (cpu_numba and the native kernels dispatch on these; the C enums in kernels/native must
+# Kernel codes (the native kernels dispatch on these; the C enums in kernels/native must
 # agree: tests/test_kernel_constants.py): weight formats and FFN activations.
 KIND_F32, KIND_I8, KIND_I8B, KIND_I4, KIND_F16 = 0, 1, 2, 3, 4
 KIND_I4H, KIND_I8H, KIND_Q4K = 5, 6, 7  # native only (blocks.h): f16-scaled int4 / int8, Q4_K super-blocks
@@ -45,14 +45,6 @@ F16_VECTOR = 8  # Fp16Weight rows are read 8 values at a time
 Q8_BLOCK = 32  # Q8_0 block size (BlockInt8Weight)
 INT4_GROUP_SIZES = (32, 64)
 
-
-def _dummy() -> np.ndarray:
-    """Placeholder for an unused kernel field (writable: numba compiles read-only arrays separately)."""
-    return np.zeros((1, 1), dtype=np.float32)
-
-
-def _writable(a: np.ndarray) -> np.ndarray:
-    return a if a.flags.writeable else a.copy()
 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
@@ -106,9 +98,6 @@ class _FloatWeight:
     def dequantize(self) -> np.ndarray:
         return self.w.astype(np.float32, copy=False)
 
-    def kernel_args(self) -> tuple:
-        return (self.KIND, _writable(self.w).view(np.uint8), _dummy(), _dummy(), 1)
-
 
 @dataclass(frozen=True, eq=False)
 class Fp32Weight(_FloatWeight):
@@ -157,9 +146,6 @@ class Int8Weight(_Int8Codes):
     def dequantize(self) -> np.ndarray:
         return self.q.astype(np.float32) * self.scale[:, None]  # [out, in]
 
-    def kernel_args(self) -> tuple:
-        return (KIND_I8, _writable(self.q).view(np.uint8), _writable(self.scale).reshape(-1, 1), _dummy(), 1)
-
 
 @dataclass(frozen=True, eq=False)
 class BlockInt8Weight(_Int8Codes):
@@ -175,9 +161,6 @@ class BlockInt8Weight(_Int8Codes):
         rows, cols = self.q.shape
         w = self.q.reshape(rows, -1, Q8_BLOCK).astype(np.float32) * _f32(self.scale)[:, :, None]
         return w.reshape(rows, cols)
-
-    def kernel_args(self) -> tuple:
-        return (KIND_I8B, _writable(self.q).view(np.uint8), _writable(_f32(self.scale)), _dummy(), Q8_BLOCK)
 
 
 @dataclass(frozen=True, eq=False)
@@ -226,10 +209,6 @@ class Int4Weight:
         scale, minimum = self.float_scales()
         w = q * scale[:, :, None] + minimum[:, :, None]  # [out, groups, G]
         return w.reshape(rows, cols)
-
-    def kernel_args(self) -> tuple:
-        scale, minimum = self.float_scales()
-        return (KIND_I4, _writable(self.packed), _writable(scale), _writable(minimum), self.group_size)
 
 
 Weight = Union[Fp32Weight, Fp16Weight, Int8Weight, BlockInt8Weight, Int4Weight]

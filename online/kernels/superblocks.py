@@ -3,8 +3,7 @@ in place (native/blocks.h, native/kquants.h).
 
 ``GGUFBlockWeight`` keeps a Q5_0 (22 B / 32), Q6_K (210 B / 256) or Q5_K (176 B / 256) tensor's
 blocks exactly as the file stores them, [out, blocks per row x block bytes]; the C row-dot kernels
-decode the codes in registers. The numba module kernels read it widened once at load, exactly:
-Q5_0 as int8 codes with float32 scales, Q5_K / Q6_K as float32 (module path only).
+decode the codes in registers; the module kernels (native/module.h) dequantize a row at a time.
 
 ``Q4KWeight`` keeps a Q4_K tensor's 144 bytes per 256 weights (0.5625 B/weight): the 128 code bytes
 re-ordered into int4's group-32 nibble order (quantize.Int4Weight: byte j of group g holds element
@@ -87,11 +86,6 @@ class Q4KWeight:
         q = self.codes().reshape(rows, cols // 32, 32).astype(np.float32)
         return (q * scale[:, :, None] + minimum[:, :, None]).reshape(rows, cols)  # [out, in]
 
-    def kernel_args(self) -> tuple:
-        """The numba kernels' int4 arguments (float32 scales expanded: 0.25 B/weight more, module path only)."""
-        scale, minimum = self.float_scales()
-        return (KIND_I4, self.packed if self.packed.flags.writeable else self.packed.copy(), scale, minimum, 32)
-
 
 def q4k_from_blocks(blocks: np.ndarray, shape: tuple[int, int]) -> Q4KWeight:
     """Q4_K blocks uint8 [rows * in / 256, 144] of a [rows, in] tensor -> Q4KWeight (same bytes)."""
@@ -153,14 +147,6 @@ class GGUFBlockWeight:
         q = kquants._q5_codes(b[:, 2:6], b[:, 6:22]).astype(np.int8) - np.int8(16)  # [rows * nb, 32]
         d = np.ascontiguousarray(b[:, 0:2]).view(np.float16).reshape(rows, cols // 32)
         return np.ascontiguousarray(q.reshape(rows, cols)), np.ascontiguousarray(d)
-
-    def kernel_args(self) -> tuple:
-        """The numba kernels' arguments: exact widened copies (module path only; the C step reads the blocks)."""
-        if self.qtype == "Q5_0":
-            q, d = self.int8_codes()
-            return (KIND_I8B, q.view(np.uint8), d.astype(np.float32), np.zeros((1, 1), np.float32), 32)
-        return (KIND_F32, self.dequantize().view(np.uint8), np.zeros((1, 1), np.float32),
-                np.zeros((1, 1), np.float32), 1)
 
 
 def blocks_from_gguf(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> GGUFBlockWeight:

@@ -56,7 +56,7 @@ def token_loop(model, executor, cache: KVCache, prompt_ids: list[int], params: S
     ``options``: logprobs and a grammar constraint (``choose_token``); a sequence whose grammar is
     complete stops as at EOS.
 
-    ``decode_threads``: torch's thread count while decoding (1 when numba kernels do the parallel
+    ``decode_threads``: torch's thread count while decoding (1 when the C kernels do the parallel
     work: two OpenMP pools alternating on few cores stall each other); prefill keeps the default.
 
     ``compiled``: the fused step, which also prefills short prompts (``prefill``).

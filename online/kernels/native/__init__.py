@@ -1,10 +1,11 @@
 """C kernels built on first use with the system C compiler and loaded through ctypes.
 
-``decode.c`` (with ``rows.h``, ``attention.h``, ``arch.h`` (Qwen3 / Gemma 3 layer pieces), and ``batch.h`` / ``rows_multi.h`` for the multi-token step) holds the whole-model decode step (see online.execution.fused_decode). It is compiled
+``decode.c`` (with ``rows.h``, ``attention.h``, ``arch.h`` (Qwen3 / Gemma 3 layer pieces), and ``batch.h`` / ``rows_multi.h`` for the multi-token step) holds the whole-model decode step (see online.execution.fused_decode);
+``module.h`` / ``fdot.h`` the module path's float-activation kernels (online.kernels.cpu_kernels). It is compiled
 for this machine (``-march=native``: AVX2/FMA/F16C where the CPU has them, portable C otherwise)
 into a cache folder keyed by the source, the flags, the compiler and the CPU, written atomically,
 so every later process only loads it. No compiler, or a failed build, raises ``NativeUnavailable``
-with the reason in one line; callers then keep the numba/torch path.
+with the reason in one line; callers then take the torch path.
 
 Example::
 
@@ -31,7 +32,8 @@ from .structs import bind_signatures
 SOURCE_DIR = Path(__file__).parent
 SOURCE = SOURCE_DIR / "decode.c"
 SOURCES = ("decode.c", "rows.h", "blocks.h", "attention.h", "dequant.h", "predict.h", "rows_multi.h", "batch.h",
-           "arch.h", "moe.h", "kquants.h")  # everything the build reads (the cache key)
+           "arch.h", "moe.h", "kquants.h", "blocks_dot.h", "axpy.h", "module.h", "fdot.h", "ffn.h",
+           "batch_ffn.h")  # everything the build reads (the cache key)
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
               "-ffp-contract=off")  # a * b + c rounds twice everywhere: no call site differs by inlining
 HOST_FLAGS = ("-march=native",)

@@ -45,28 +45,6 @@ void tdm_dequantize_rows(const tdm_weight *w, int64_t r0, int64_t n, float *out)
     }
 }
 
-/* y [T, rows] = x [T, cols] W^T in float (each row dequantized once, into a per-thread buffer, then
- * dotted with every token): the few-token products (a prompt's last-token logits) without the
- * activation quantization of the decode step, so they match a float matmul to rounding. */
-void tdm_gemv_float(const tdm_weight *w, int64_t n_tokens, const float *x, float *y, int64_t threads) {
-    int64_t rows = w->rows, cols = w->cols;
-#pragma omp parallel num_threads((int)(threads > 0 ? threads : 1))
-    {
-        float *buf = (float *)malloc((size_t)cols * sizeof(float));
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t lo = rows * t / nt, hi = rows * (t + 1) / nt;
-        for (int64_t r = lo; r < hi && buf; r++) {
-            tdm_dequantize_rows(w, r, 1, buf);
-            for (int64_t i = 0; i < n_tokens; i++) {
-                const float *xi = x + i * cols;
-                float acc = 0.0f;
-                for (int64_t k = 0; k < cols; k++) acc += buf[k] * xi[k];
-                y[i * rows + r] = acc;
-            }
-        }
-        free(buf);
-    }
-}
 /* Self-check and benchmark entry: y [cols] += sum_j h[j] * W[idx[j]] (the sparse down projection's axpy_rows) */
 void tdm_axpy_rows(const tdm_weight *w, const int32_t *idx, const float *h, int64_t n, float *y) {
     axpy_rows(w, idx, h, n, y);

@@ -100,7 +100,9 @@ static void dot4_i4g32_idx(const tdm_weight *w, const int32_t *rows, const int32
 static void dot_rows_idx(const tdm_weight *w, const int32_t *rows, int64_t n, const qvec *x, float *out) {
     int64_t i = 0;
 #ifdef TDM_SIMD
-    if (w->kind == KIND_I4H || w->kind == KIND_Q4K) {
+    if (w->kind == KIND_I4H) /* blocks_dot.h: f16 scales widened in registers */
+        for (; i + 4 <= n; i += 4) dot4_i4h_idx(w, rows + i, i + 8 <= n ? rows + i + 4 : NULL, x, out + i);
+    else if (w->kind == KIND_Q4K) {
         int64_t ng = w->cols / 32;
         float d[4 * ng], m[4 * ng];
         for (; i + 4 <= n; i += 4) {
@@ -111,6 +113,17 @@ static void dot_rows_idx(const tdm_weight *w, const int32_t *rows, int64_t n, co
         for (; i + 4 <= n; i += 4) dot4_i4g32_idx(w, rows + i, i + 8 <= n ? rows + i + 4 : NULL, NULL, NULL, x, out + i);
 #endif
     for (; i < n; i++) out[i] = dot_row(w, rows[i], x);
+}
+
+/* Self-check entry (tests/test_gguf_blocks.py): out[i] = W[rows[i]] . x, x quantized as tdm_dot_rows does */
+void tdm_dot_rows_idx(const tdm_weight *w, const int32_t *rows, int64_t n, const float *x, double residual_ratio, float *out) {
+    int64_t cols = w->cols, nb = cols / QB + 1;
+    int8_t q[cols], rq[cols];
+    float d[nb], dr[nb], s[nb];
+    int32_t flagged[nb];
+    qvec v = {x, q, rq, d, dr, s, flagged, 0};
+    quantize_q8(x, cols, &v, (float)residual_ratio);
+    dot_rows_idx(w, rows, n, &v, out);
 }
 
 /* Neurons b0 .. b0+n-1 (n <= SPARSE_SLICE): the candidate rows (predicted active, or all with a predictor-less

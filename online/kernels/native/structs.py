@@ -84,8 +84,13 @@ def bind_signatures(lib: ctypes.CDLL) -> None:
     lib.tdm_has_avx2.restype = _I
     lib.tdm_dequantize_rows.argtypes = [ctypes.POINTER(TdmWeight), _I, _I, _P]
     lib.tdm_dequantize_rows.restype = None
-    lib.tdm_gemv_float.argtypes = [ctypes.POINTER(TdmWeight), _I, _P, _P, _I]
-    lib.tdm_gemv_float.restype = None
+    lib.tdm_gemv_rows.argtypes = [ctypes.POINTER(TdmWeight), _P, _I, _I, _P, _P, _I]
+    lib.tdm_gemv_rows.restype = _I
+    _W = ctypes.POINTER(TdmWeight)
+    lib.tdm_ffn_fused.argtypes = [_W, _W, _W, _I, _P, _P, _I, ctypes.c_double, ctypes.c_double, _P, _P, _P, _I, _P, _I]
+    lib.tdm_ffn_fused.restype = _I
+    lib.tdm_dot_rows_idx.argtypes = [ctypes.POINTER(TdmWeight), _P, _I, _P, ctypes.c_double, _P]
+    lib.tdm_dot_rows_idx.restype = None
     lib.tdm_decode_range.argtypes = [ctypes.POINTER(TdmModel), _I, _I, _I, _P, _P]
     lib.tdm_decode_range.restype = _I
     lib.tdm_decode_batch.argtypes = [ctypes.POINTER(TdmModel), ctypes.POINTER(TdmBatch)]

@@ -1,0 +1,117 @@
+/* The FFN of one layer for the single-token step (included by decode.c after its buffers and norms):
+ * the rows of a dense layer or MoE expert (ffn_rows: predictor, ReLU gate cut, magnitude threshold),
+ * the sparse fp16/int down rows or a dense GGUF down (dense_down), and the sum over threads. */
+#ifndef TDM_FFN_H
+#define TDM_FFN_H
+
+#define FFN_SLICE 32 /* neurons per slice; slices are dealt to threads in turn (sparsity is uneven) */
+
+/* The down projection as one GEMV over its d rows, GGUF blocks read in place (kquants.h): the kept h
+ * of every neuron (0 elsewhere: the neurons the sparse rows would add) quantized like any input.
+ * Reads fewer bytes than the sparse fp16 rows where sparsity is low (GELU). */
+static void dense_down(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int t, int nt,
+                       int64_t n_act) {
+    int64_t d = m->d, lo, hi;
+    for (int64_t i = 0; i < n_act; i++) sb->hfull[tb->idx[i]] = tb->h[i];
+    sb->counts[t] += n_act;
+#pragma omp barrier
+    quantize_q8(sb->hfull, L->n_ff > 0 ? L->n_ff : m->n_ff, &tb->x, (float)m->residual_ratio);
+    chunk(d, t, nt, &lo, &hi);
+    dot_rows(&L->down, lo, hi - lo, &tb->x, sb->delta + lo);
+#pragma omp barrier
+    for (int64_t i = 0; i < n_act; i++) sb->hfull[tb->idx[i]] = 0.0f; /* every thread read it: zero again */
+    for (int64_t k = 0; k < d; k++) tb->xn[k] = sb->delta[k] + (L->down_bias ? L->down_bias[k] : 0.0f);
+    add_output(m, L->ffn_out_norm, tb->res, tb->xn, tb->xn);
+}
+
+/* One FFN's rows: a dense layer's (its predictor and threshold) or a MoE expert's (moe.h). */
+typedef struct {
+    const tdm_weight *gate, *up, *down_t;
+    const float *up_bias; /* [n_ff] or NULL */
+    int64_t n_ff;
+    float threshold;      /* |h| > threshold is computed; < 0: all */
+    const tdm_predictor *pred;
+    const tdm_weight *down; /* non-NULL: a dense down (dense_down adds the rows); NULL: down_t rows summed here */
+} ffn_view;
+
+static ffn_view layer_ffn(const tdm_model *m, const tdm_layer *L) {
+    ffn_view f = {&L->gate, &L->up, &L->down_t, L->up_bias, L->n_ff > 0 ? L->n_ff : m->n_ff, (float)L->threshold,
+                  L->pred && L->pred->rank > 0 ? L->pred : NULL, L->down.data ? &L->down : NULL};
+    return f;
+}
+
+/* This thread's share of one FFN on the quantized input x: its slices' kept neurons (h, idx: [n_ff]
+ * scratch), their down rows summed into part [d] (zeroed here). Returns the neurons kept. */
+static int64_t ffn_rows(const tdm_model *m, const ffn_view *F, const qvec *x, float *hbuf, int32_t *idx,
+                        float *part, int t, int nt) {
+    int64_t n_act = 0, n_ff = F->n_ff;
+    float alpha = (float)m->act_alpha, thr = F->threshold;
+    /* predicted rows (predict.h); exact-zero activations also skip up rows their gate zeroes */
+    const tdm_predictor *P = F->pred;
+    int zero_act = m->act == ACT_RELU || m->act == ACT_FATRELU || m->act == ACT_DRELU;
+    int gate_cut = m->gated && zero_act && thr >= 0.0f;
+    qvec zq;
+    if (P) predict_hidden(P, x, t, nt, (float)m->residual_ratio, &zq);
+    for (int64_t b0 = t * SPARSE_SLICE; (P || gate_cut) && b0 < n_ff; b0 += nt * SPARSE_SLICE) {
+        float g[SPARSE_SLICE], u[SPARSE_SLICE], h[SPARSE_SLICE];
+        int32_t rows[SPARSE_SLICE];
+        int64_t n = b0 + SPARSE_SLICE < n_ff ? SPARSE_SLICE : n_ff - b0;
+        n = sparse_rows(P, F->gate, F->up, m->gated, gate_cut, m->act == ACT_FATRELU ? alpha : 0.0f, b0, n, &zq,
+                        x, rows, g, u, t);
+        if (F->up_bias)
+            for (int64_t i = 0; i < n; i++) u[i] += F->up_bias[rows[i]];
+        activate(m->act, alpha, m->gated, g, u, h, n);
+        for (int64_t i = 0; i < n; i++) {
+            hbuf[n_act] = h[i];
+            idx[n_act] = rows[i];
+            n_act += fabsf(h[i]) > thr;
+        }
+    }
+    for (int64_t b0 = t * FFN_SLICE; !(P || gate_cut) && b0 < n_ff; b0 += nt * FFN_SLICE) {
+        int64_t b1 = b0 + FFN_SLICE < n_ff ? b0 + FFN_SLICE : n_ff;
+        float g[FFN_SLICE], u[FFN_SLICE], h[FFN_SLICE];
+        int64_t n = b1 - b0;
+        dot_rows(F->up, b0, n, x, u);
+        if (F->up_bias)
+            for (int64_t i = 0; i < n; i++) u[i] += F->up_bias[b0 + i];
+        if (m->gated) dot_rows(F->gate, b0, n, x, g);
+        activate(m->act, alpha, m->gated, g, u, h, n);
+        for (int64_t i = 0; i < n; i++) {
+            hbuf[n_act] = h[i]; /* kept when it passes the threshold (branch-free compaction) */
+            idx[n_act] = (int32_t)(b0 + i);
+            n_act += fabsf(h[i]) > thr;
+        }
+    }
+    if (F->down) return n_act; /* the caller's dense_down adds them */
+    for (int64_t k = 0; k < m->d; k++) part[k] = 0.0f;
+    axpy_rows(F->down_t, idx, hbuf, n_act, part);
+    return n_act;
+}
+
+static void moe_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int t, int nt);
+
+static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int t, int nt) {
+    if (L->moe) {
+        moe_block(m, L, sb, tb, t, nt);
+        return;
+    }
+    int64_t d = m->d;
+    float *part = sb->partial + t * d;
+    norm_and_quantize(m, tb->res, L->ffn_norm, L->ffn_norm_bias, tb);
+    ffn_view F = layer_ffn(m, L);
+    int64_t n_act = ffn_rows(m, &F, &tb->x, tb->h, tb->idx, part, t, nt);
+    if (F.down) {
+        dense_down(m, L, sb, tb, t, nt, n_act);
+        return;
+    }
+    sb->counts[t] += n_act;
+#pragma omp barrier
+    for (int64_t k = 0; k < d; k++) {
+        float a = L->down_bias ? L->down_bias[k] : 0.0f;
+        for (int j = 0; j < nt; j++) a += sb->partial[j * d + k];
+        tb->xn[k] = a; /* the FFN output summed over the threads (xn is free again) */
+    }
+    add_output(m, L->ffn_out_norm, tb->res, tb->xn, tb->xn);
+}
+
+#endif
