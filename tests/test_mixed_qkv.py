@@ -13,7 +13,7 @@ from test_kquants import random_blocks
 Q = gguf.GGMLQuantizationType
 D, HEADS, KV, HD, FF, VOCAB = 256, 4, 2, 64, 256, 64
 # f16 super-block scales giving weights of std ~0.03 (the k-quants' sub-block scales multiply in)
-SCALE = {"Q4_K": 3e-4, "Q5_K": 1.5e-4, "Q6_K": 2e-5, "Q8_0": 2e-3, "Q4_0": 5e-3}
+SCALE = {"Q4_K": 3e-4, "Q5_K": 1.5e-4, "Q6_K": 2e-5, "Q5_0": 4e-3}
 # per-tensor block kinds: llama.cpp's Q4_K_M (v and down Q6_K) and Q5_K_M (q/k Q5_K, v Q6_K) mixes
 MIXES = {"q4_k_m": dict(q="Q4_K", k="Q4_K", v="Q6_K", o="Q4_K", gate="Q4_K", up="Q4_K", down="Q6_K"),
          "q5_k_m": dict(q="Q5_K", k="Q5_K", v="Q6_K", o="Q5_K", gate="Q5_K", up="Q6_K", down="Q6_K")}
@@ -22,8 +22,12 @@ PROMPT = [3, 17, 42, 5, 9, 33, 21, 8]
 
 def _blocks(qtype: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(raw bytes [rows, row_bytes], their float32 values [rows, cols] by gguf's dequantizer)."""
-    s = SCALE[qtype]
-    raw = random_blocks(qtype, rows, cols, np.random.default_rng(seed), np.array([s, -s / 2], np.float32))
+    rng = np.random.default_rng(seed)
+    if qtype in ("Q8_0", "Q4_0"):  # gguf quantizes these itself
+        raw = gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.03).astype(np.float32), Q[qtype])
+    else:
+        s = SCALE[qtype]
+        raw = random_blocks(qtype, rows, cols, rng, np.array([s, -s / 2], np.float32))
     return raw, gguf.quants.dequantize(raw, Q[qtype]).reshape(rows, cols).astype(np.float32)
 
 
@@ -91,12 +95,12 @@ def mixed(request, tmp_path_factory):
     from online.engine import Engine
     path = tmp_path_factory.mktemp("mixed") / f"{request.param}.gguf"
     hf = write_mixed_llama(path, MIXES[request.param])
-    return Engine.load(path, weight_format="int8", sparse=False), hf, request.param
+    return Engine.load(path, weight_format="int8", sparse=False), hf, request.param, path
 
 
 def test_mixed_blocks_decode_fused_close_to_transformers(mixed):
     from online.execution.quantized_linear import SplitQKVModule
-    engine, hf, name = mixed
+    engine, hf, name, _ = mixed
     assert engine.decode_path == "fused", engine.decode_path_reason
     attn = engine.model.layers[0].self_attn
     assert isinstance(attn.qkv_proj, SplitQKVModule)  # the three kept apart, each in its own blocks
@@ -116,7 +120,7 @@ def test_mixed_blocks_decode_fused_close_to_transformers(mixed):
 
 def test_mixed_blocks_step_many_equals_single_steps(mixed):
     from tandem.core.kv_cache import KVCache
-    engine, _, _ = mixed
+    engine, _, _, _ = mixed
     step = engine.compiled_decode
     single, multi = KVCache(engine.model.cfg, 16), KVCache(engine.model.cfg, 16)
     want = torch.stack([step(t, pos, single) for pos, t in enumerate(PROMPT)])
@@ -130,9 +134,45 @@ def test_mixed_blocks_match_the_reference_arithmetic(mixed):
     from helpers_fused import reference_step
     from online.execution.fused_decode import FusedDecodeStep
     from tandem.core.kv_cache import KVCache
-    engine, _, _ = mixed
+    engine, _, _, _ = mixed
     step = FusedDecodeStep.build(engine.model, engine.executor, residual_ratio=0.0)
     cache, ref_cache = KVCache(engine.model.cfg, 16), KVCache(engine.model.cfg, 16)
     for pos, tok in enumerate(PROMPT[:5]):
         ref, _ = reference_step(engine.model, engine.executor, ref_cache, tok, pos, residual_ratio=0.0)
         torch.testing.assert_close(step(tok, pos, cache), ref.float(), rtol=1e-3, atol=1e-3)
+
+
+def test_mixed_blocks_step_cache_is_bit_identical(mixed):
+    """The step cache (online/engine_cache.py) keeps the separate k / v descriptors."""
+    from online.engine import Engine
+    _, _, _, path = mixed
+    built = Engine.load(path, weight_format="int8", sparse=False, step_cache=False)
+    cached = Engine.load(path, weight_format="int8", sparse=False)
+    assert cached.runs_on_cached_step and cached._model is None and not built.runs_on_cached_step
+    assert np.array_equal(np.asarray(cached.step_logits(PROMPT)), built.step_logits(PROMPT).numpy())
+
+
+@pytest.mark.parametrize("qk, v, fmt", [("Q4_0", "Q8_0", "int8"), ("Q4_K", "Q8_0", "int8"), ("Q4_K", "Q6_K", "int4"),
+                                        ("Q5_0", "Q8_0", "int8")])
+def test_other_mixes_decode_fused(tmp_path, qk, v, fmt):
+    """Any q/k vs v mix decodes fused; Gemma's Q5_0 + Q8_0 still stacks (Q5_0 widened to int8, as before)."""
+    from online.engine import Engine
+    from online.execution.quantized_linear import QuantizedLinearModule, SplitQKVModule
+    path = tmp_path / "m.gguf"
+    write_mixed_llama(path, dict(q=qk, k=qk, v=v, o="Q4_K", gate="Q4_K", up="Q4_K", down="Q6_K"), layers=1)
+    engine = Engine.load(path, weight_format=fmt, sparse=False, step_cache=False)
+    assert engine.decode_path == "fused", engine.decode_path_reason
+    stacked = (qk, v, fmt) == ("Q5_0", "Q8_0", "int8")
+    assert isinstance(engine.model.layers[0].self_attn.qkv_proj, QuantizedLinearModule if stacked else SplitQKVModule)
+    torch.testing.assert_close(engine.step_logits(PROMPT), engine.logits(PROMPT), rtol=0.05, atol=0.05)
+
+
+def test_a_part_the_step_cannot_read_is_named():
+    from online.execution.quantized_linear import SplitQKVModule, describe_qkv
+    from online.kernels.ffn import QuantizedLinear
+    from tandem.core.errors import TandemError
+    w = torch.randn(64, 64) * 0.05
+    parts = [QuantizedLinear.from_float(w, "int8"), QuantizedLinear.from_float(w, "int8"),
+             QuantizedLinear.from_float(w, "fp16")]
+    with pytest.raises(TandemError, match=r"layer 3 v_proj \(Fp16Weight\): native kernels read float16"):
+        describe_qkv(SplitQKVModule(parts), 3)
