@@ -215,20 +215,12 @@ static void norm_and_quantize(const tdm_model *m, const float *x, const float *w
     quantize_q8(tb->xn, m->d, &tb->x, (float)m->residual_ratio);
 }
 
-/* The weight holding head unit u (q heads, then k heads, then v heads) and the unit's first row in it:
- * the stacked qkv, or q / k / v apart where their block kinds differ (k.data set). */
+/* Head unit u's weight (q heads, then k heads, then v heads) and its first row there: the stacked qkv,
+ * or q / k / v apart where their block kinds differ (k.data set). */
 static const tdm_weight *qkv_unit(const tdm_model *m, const tdm_layer *L, int64_t u, int64_t *r0) {
-    int64_t hd = m->head_dim;
-    if (!L->k.data || u < m->n_heads) {
-        *r0 = u * hd;
-        return &L->qkv;
-    }
-    if (u < m->n_heads + m->n_kv) {
-        *r0 = (u - m->n_heads) * hd;
-        return &L->k;
-    }
-    *r0 = (u - m->n_heads - m->n_kv) * hd;
-    return &L->v;
+    int64_t part = !L->k.data || u < m->n_heads ? 0 : u < m->n_heads + m->n_kv ? 1 : 2;
+    *r0 = (u - (part ? m->n_heads + (part - 1) * m->n_kv : 0)) * m->head_dim;
+    return part == 0 ? &L->qkv : part == 1 ? &L->k : &L->v;
 }
 
 /* q/k/v rows are dealt out in whole heads, so each thread ropes its own heads and writes its k/v
@@ -241,7 +233,7 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
     for (int64_t u = lo; u < hi; u++) { /* q heads, then k heads, then v heads */
         float *v = sb->qkv + u * hd;
         int64_t r0;
-        const tdm_weight *w = qkv_unit(m, L, u, &r0);
+        const tdm_weight *w = qkv_unit(m, L, u, &r0); /* sets r0 (argument order is unspecified) */
         dot_rows(w, r0, hd, &tb->x, v);
         if (L->qkv_bias)
             for (int64_t k = 0; k < hd; k++) v[k] += L->qkv_bias[u * hd + k];
