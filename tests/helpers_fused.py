@@ -87,7 +87,8 @@ def reference_step(model, executor, cache, token: int, pos: int, residual_ratio:
     for layer, block in enumerate(model.layers):
         attn = block.self_attn
         xn = F.rms_norm(x, (cfg.hidden_size,), block.input_layernorm.weight, cfg.norm_eps)
-        qkv = matvec(attn.qkv_proj.linear.weight, xn, residual_ratio) + _bias(attn.qkv_proj.linear.bias)
+        parts = getattr(attn.qkv_proj, "parts", None) or [attn.qkv_proj.linear]  # q, k, v apart (SplitQKVModule)
+        qkv = torch.cat([matvec(p.weight, xn, residual_ratio) + _bias(p.bias) for p in parts])
         q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd])
         q, k = _rope(q, cos, sin, hd), _rope(k, cos, sin, hd)  # [H, hd], [KV, hd]
         cache.keys[layer, :, pos] = k

@@ -44,6 +44,7 @@ from tandem.core.kv_cache import KVCache
 from .fused_arch import MoeRef, build_moe, check_moe, expert_width, layer_arrays, model_fields
 from .fused_predict import PredictorRef, build_predictor
 from .multi_token import int_list, kv_key, pack_tables, step_batch_by_token
+from .quantized_linear import describe_qkv
 
 
 DEFAULT_RESIDUAL_RATIO = 2.0
@@ -160,9 +161,10 @@ class FusedDecodeStep:
         threads = clamp_threads(executor.settings.threads)
         for i, block in enumerate(model.layers):
             attn, split = block.self_attn, executor.splits[i]
-            refs = dict(qkv=describe(attn.qkv_proj.linear.weight), o=describe(attn.o_proj.linear.weight))
+            qkv, qkv_bias = describe_qkv(attn.qkv_proj, i)  # one stacked weight, or q / k / v apart
+            refs = dict(qkv, o=describe(attn.o_proj.linear.weight))
             arrays = dict(attn_norm=_np(block.input_layernorm.weight), ffn_norm=_np(block.post_attention_layernorm.weight),
-                          qkv_bias=_bias(attn.qkv_proj.linear.bias), o_bias=_bias(attn.o_proj.linear.bias),
+                          qkv_bias=qkv_bias, o_bias=_bias(attn.o_proj.linear.bias),
                           **_gemma_arrays(model, block), **layer_arrays(block, split))
             if split is not None:  # a dense layer (MoE layers: fused_arch.build_moe)
                 ffn = split.cpu

@@ -32,6 +32,31 @@ class QuantizedLinearModule(nn.Module):
         return self.linear.nbytes
 
 
+class SplitQKVModule(nn.Module):
+    """q, k and v kept apart where their GGUF block kinds cannot stack exactly (Q4_K_M's Q4_K q/k with a
+    Q6_K v): the three outputs concatenated, as one stacked projection would give them. The fused step
+    describes each (TdmLayer qkv = q, k, v)."""
+
+    def __init__(self, parts: list) -> None:  # [q, k, v] QuantizedLinear
+        super().__init__()
+        self.parts = list(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.forward(x) for p in self.parts], dim=-1)  # [..., q + 2 kv]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def stacked_bias(self) -> np.ndarray | None:
+        """[q + 2 kv] the three biases side by side (zeros where one has none); None: no bias at all."""
+        if not any(p.bias.size for p in self.parts):
+            return None
+        return np.concatenate([p.bias if p.bias.size else np.zeros(p.out_features, np.float32) for p in self.parts])
+
+
 def quantize_attention(model, fmt: str, threads: int, raw: dict | None = None) -> int:
     """Replace every attention projection by a packed one; returns the packed bytes.
 
@@ -61,9 +86,9 @@ def quantize_attention(model, fmt: str, threads: int, raw: dict | None = None) -
                 bias = np.concatenate([p.bias if p.bias.size else np.zeros(p.out_features, np.float32) for p in qkv])
             attn.qkv_proj = QuantizedLinearModule(QuantizedLinear(weight, bias=bias, threads=threads))
             del attn.q_proj, attn.k_proj, attn.v_proj
-        except TandemError:
-            for name in ("q_proj", "k_proj", "v_proj"):
-                setattr(attn, name, QuantizedLinearModule(packed[name]))
+        except TandemError:  # block kinds that cannot stack exactly: three weights, one module
+            attn.qkv_proj = SplitQKVModule(qkv)
+            del attn.q_proj, attn.k_proj, attn.v_proj
         total += sum(p.nbytes for p in packed.values())
     return total
 
@@ -120,3 +145,24 @@ def dense_down_wanted(act: str, down_raw, down_format: str) -> bool:
         return False
     dense = np.asarray(down_raw.data).nbytes
     return dense <= _DENSE_SHARE_BOUND * rows * cols * _DOWN_ROW_BYTES.get(down_format, 2.0)
+
+
+def describe_qkv(qkv_proj, layer: int) -> tuple[dict, np.ndarray | None]:
+    """The fused step's q/k/v descriptors (TdmLayer qkv, and k / v where the three are kept apart) and
+    the stacked bias [q + 2 kv] (None: none)."""
+    from ..kernels.native.structs import describe
+
+    if isinstance(qkv_proj, SplitQKVModule):
+        refs = {}
+        for field, name, part in zip(("qkv", "k", "v"), ("q_proj", "k_proj", "v_proj"), qkv_proj.parts):
+            try:
+                refs[field] = describe(part.weight)
+            except TandemError as exc:
+                raise TandemError(f"layer {layer} {name} ({_kind_name(part.weight)}): {exc}") from None
+        return refs, qkv_proj.stacked_bias()
+    bias = np.asarray(qkv_proj.linear.bias, dtype=np.float32)
+    return dict(qkv=describe(qkv_proj.linear.weight)), bias if bias.size else None
+
+
+def _kind_name(weight) -> str:
+    return getattr(weight, "qtype", None) or type(weight).__name__

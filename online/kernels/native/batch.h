@@ -164,7 +164,9 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
     for (int64_t i = 0; i < T; i++) batch_norm_quantize(m, tb->res + i * m->d, L->attn_norm, L->attn_norm_bias, tb->xn + i * n, tb->x + i);
     chunk(m->n_heads + 2 * m->n_kv, t, nt, &lo, &hi);
     for (int64_t u = lo; u < hi; u++) { /* q heads, then k heads, then v heads */
-        dot_rows_multi(&L->qkv, u * hd, hd, tb->x, T, sb->qkv + u * hd, width);
+        int64_t r0;
+        const tdm_weight *w = qkv_unit(m, L, u, &r0);
+        dot_rows_multi(w, r0, hd, tb->x, T, sb->qkv + u * hd, width);
         for (int64_t i = 0; i < T; i++) {
             float *v = sb->qkv + i * width + u * hd;
             int64_t pos = B->pos[i], row = sb->rowmap[i * span + pos];

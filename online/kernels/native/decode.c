@@ -51,6 +51,9 @@ typedef struct {
     int64_t n_ff;                               /* this layer's FFN width (0: the model's n_ff) */
     const struct tdm_moe *moe;                  /* non-NULL: a MoE layer (moe.h); gate/up/down_t unused */
     tdm_weight down;                            /* [d, n_ff] dense down (data NULL: the sparse down_t rows) */
+    /* q/k/v of different block kinds (Q4_K_M's Q6_K v): qkv holds q only, k / v their own rows;
+     * k.data NULL: qkv stacks all three */
+    tdm_weight k, v;
 } tdm_layer;
 
 typedef struct {
@@ -212,6 +215,14 @@ static void norm_and_quantize(const tdm_model *m, const float *x, const float *w
     quantize_q8(tb->xn, m->d, &tb->x, (float)m->residual_ratio);
 }
 
+/* Head unit u's weight (q heads, then k heads, then v heads) and its first row there: the stacked qkv,
+ * or q / k / v apart where their block kinds differ (k.data set). */
+static const tdm_weight *qkv_unit(const tdm_model *m, const tdm_layer *L, int64_t u, int64_t *r0) {
+    int64_t part = !L->k.data || u < m->n_heads ? 0 : u < m->n_heads + m->n_kv ? 1 : 2;
+    *r0 = (u - (part ? m->n_heads + (part - 1) * m->n_kv : 0)) * m->head_dim;
+    return part == 0 ? &L->qkv : part == 1 ? &L->k : &L->v;
+}
+
 /* q/k/v rows are dealt out in whole heads, so each thread ropes its own heads and writes its k/v
  * heads into the cache without waiting for the others. */
 static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos, shared_bufs *sb,
@@ -221,7 +232,9 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
     chunk(m->n_heads + 2 * m->n_kv, t, nt, &lo, &hi);
     for (int64_t u = lo; u < hi; u++) { /* q heads, then k heads, then v heads */
         float *v = sb->qkv + u * hd;
-        dot_rows(&L->qkv, u * hd, hd, &tb->x, v);
+        int64_t r0;
+        const tdm_weight *w = qkv_unit(m, L, u, &r0); /* sets r0 (argument order is unspecified) */
+        dot_rows(w, r0, hd, &tb->x, v);
         if (L->qkv_bias)
             for (int64_t k = 0; k < hd; k++) v[k] += L->qkv_bias[u * hd + k];
         qk_head(m, L, u, pos, v);

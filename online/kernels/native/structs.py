@@ -52,7 +52,9 @@ class TdmLayer(ctypes.Structure):
                 # layer's FFN width (0: the model's); a MoE layer's router and experts (moe.h)
                 ("attn_norm_bias", _P), ("ffn_norm_bias", _P), ("up_bias", _P), ("n_ff", _I),
                 ("moe", ctypes.POINTER(TdmMoe)),
-                ("down", TdmWeight)]  # [d, n_ff] dense down (GGUF blocks in place); data None: the sparse down_t rows
+                ("down", TdmWeight),  # [d, n_ff] dense down (GGUF blocks in place); data None: the sparse down_t rows
+                # q/k/v of different block kinds: qkv holds q only, k / v apart (k.data None: qkv stacks all three)
+                ("k", TdmWeight), ("v", TdmWeight)]
 
 
 class TdmModel(ctypes.Structure):
