@@ -12,11 +12,10 @@ from online.execution.fused_decode import FusedDecodeStep
 from online.execution.gpu_tier import GpuTier
 from online.execution.hybrid import ExecutionSettings, HybridExecutor
 from online.execution.quantized_linear import quantize_attention
-from tandem.core.generate import decode_one_token, prefill
-from tandem.core.kv_cache import KVCache
 from tandem.core.loading.hf_loader import load_hf_folder
 from tandem.core.model.build import build_model
 from test_fused_decode import PROMPT
+from test_fused_new_archs import _module_and_fused
 from test_fused_predict import random_gates
 from test_multi_token_step import CHUNKS, _singles_and_many
 
@@ -63,19 +62,7 @@ def packed(folder, fmt="int8", thresholds=None, predictors=None, expert_format=N
 
 def module_and_fused(model, executor, step, tokens=DECODE):
     """([T, vocab] module path, [T, vocab] fused, neurons per token of each) after the same prefill."""
-    fused_cache, module_cache = KVCache(model.cfg, 40), KVCache(model.cfg, 40)
-    prefill(model, executor, fused_cache, PROMPT)
-    prefill(model, executor, module_cache, PROMPT)
-    ours, ref, n_ours, n_ref = [], [], [], []
-    c = executor.counters
-    for i, tok in enumerate(tokens):
-        pos = len(PROMPT) + i
-        a = c.ffn_neurons_active
-        ours.append(decode_one_token(model, executor, fused_cache, tok, pos, step))
-        b = c.ffn_neurons_active
-        ref.append(decode_one_token(model, executor, module_cache, tok, pos))
-        n_ours.append(b - a), n_ref.append(c.ffn_neurons_active - b)
-    return torch.stack(ref), torch.stack(ours), n_ref, n_ours
+    return _module_and_fused(model, executor, step, tokens)
 
 
 @pytest.mark.parametrize("kind", KINDS)
