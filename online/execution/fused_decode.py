@@ -73,7 +73,7 @@ def _bias(b) -> np.ndarray | None:
 def _check_model(model, executor) -> None:
     cfg = model.cfg
     why = None
-    if not hasattr(executor, "splits"):
+    if not executor.packed:  # the executor contract (tandem/core/ffn/contract.py)
         why = "the dense float32 executor (it is the reference)"
     elif cfg.num_heads % cfg.num_kv_heads:
         why = "head counts that do not group"
