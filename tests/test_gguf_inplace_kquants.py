@@ -141,7 +141,17 @@ def test_fused_step_on_in_place_blocks(wide_llama, qtype):
     assert torch.equal(step.step_many(prompt, 0, multi), want)
 
 
-def test_a_dense_down_layer_computes_every_neuron():
+def _q4_1_blocks(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random Q4_1 blocks (f16 d, f16 m, 16 nibble bytes per 32 weights) [rows, cols / 32 * 20]."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // 32, 20), dtype=np.uint8)
+    blocks[:, 0:2] = np.full(len(blocks), 0.004, np.float16).view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:4] = np.full(len(blocks), -0.03, np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("down_qtype", ["Q6_K", "Q4_1"])
+def test_a_dense_down_layer_computes_every_neuron(down_qtype):
     """A layer whose down projection is read dense in its GGUF blocks reads every down row anyway, so
     the split drops the magnitude threshold: every neuron is computed, and the FFN equals the
     threshold-free one (a thresholded Q5_0 / Q6_K layer would lose quality for no bytes)."""
@@ -153,8 +163,9 @@ def test_a_dense_down_layer_computes_every_neuron():
     d, n_ff = 256, 512
     s5, s6 = (np.array([BLOCK_SCALE[q], -BLOCK_SCALE[q] / 2], np.float32) for q in ("Q5_0", "Q6_K"))
     raw = {f"model.layers.0.mlp.{name}_proj.weight": RawQuantTensor(q, shape, _raw(q, *shape, seed, scales))
-           for name, q, shape, seed, scales in (("up", "Q5_0", (n_ff, d), 3, s5), ("gate", "Q5_0", (n_ff, d), 4, s5),
-                                                 ("down", "Q6_K", (d, n_ff), 5, s6))}
+           for name, q, shape, seed, scales in (("up", "Q5_0", (n_ff, d), 3, s5), ("gate", "Q5_0", (n_ff, d), 4, s5))}
+    down = _raw("Q6_K", d, n_ff, 5, s6) if down_qtype == "Q6_K" else _q4_1_blocks(d, n_ff, 5)
+    raw["model.layers.0.mlp.down_proj.weight"] = RawQuantTensor(down_qtype, (d, n_ff), down)
     w = FFNWeights(up=torch.zeros(n_ff, d), down=torch.zeros(d, n_ff), gate=torch.zeros(n_ff, d))
     cfg = SimpleNamespace(hidden_act="silu", act_threshold=0.0)
     split = _split_layer(cfg, 0, w, torch.zeros(0, dtype=torch.long), 0.05, None, None,

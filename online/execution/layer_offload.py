@@ -132,6 +132,7 @@ def _check_model_range(model, executor, n_gpu_layers: int) -> None:
         rope_local_cos = model.rope_local_cos
 
     class _E:
+        packed = executor.packed
         splits = executor.splits[n_gpu_layers:]
         head = executor.head
     _check_model(_M, _E)

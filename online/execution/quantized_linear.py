@@ -101,6 +101,7 @@ def _np(bias):
 # mix precisions per tensor on purpose: their Q4_K / Q5_0 / Q5_K / Q6_K blocks are read in place by
 # either format (exact, and fewer bytes than int8); Q4_0 / Q4_1 tensors of int8 plans are re-quantized.
 IN_PLACE_GGUF_TYPES = ("Q4_K", "Q5_0", "Q5_K", "Q6_K")
+DENSE_DOWN_EXTRA = ("Q4_0", "Q4_1")  # read dense in place too (f16-scaled int4, native/blocks_dot.h)
 EXACT_GGUF_TYPES = {"int8": ("Q8_0", "IQ4_NL", *IN_PLACE_GGUF_TYPES), "int4": ("Q4_0", "Q4_1", *IN_PLACE_GGUF_TYPES)}
 
 
@@ -138,7 +139,7 @@ _DENSE_SHARE_BOUND = 0.5
 def dense_down_wanted(act: str, down_raw, down_format: str) -> bool:
     """Read the down projection dense in its GGUF blocks (in place) rather than as sparse rows when it
     reads fewer bytes: blocks <= 0.5 x the rows' bytes, for k-quant blocks of non-ReLU layers."""
-    if down_raw.qtype not in IN_PLACE_GGUF_TYPES or act in ("relu", "fatrelu", "drelu"):
+    if down_raw.qtype not in IN_PLACE_GGUF_TYPES + DENSE_DOWN_EXTRA or act in ("relu", "fatrelu", "drelu"):
         return False
     rows, cols = down_raw.shape
     if cols % 32:
