@@ -292,12 +292,12 @@ class QuantizedFFN:
         threshold < 0: dense; >= 0: down rows only where |h| > threshold. ``rows`` (int64) limits
         gate/up to those neurons (predictor-gated; on the row kernels for every T)."""
         _check_np(xn, self.d_model, "QuantizedFFN.forward_numpy")
-        if self.down is not None:  # a dense down (GGUF blocks in place): its own path for every T
+        if self.down is not None and (rows is not None or xn.shape[0] <= self._max_tokens):  # dense down (GGUF blocks)
             from .dense_down import forward_dense_down
             return forward_dense_down(self, xn, threshold, rows)
         if rows is not None:
             rows = _rows(rows, self.n_neurons)
-        refs = self._refs()
+        refs = None if self.down is not None else self._refs()  # a dense down: the torch product below
         if refs is None or (rows is None and xn.shape[0] > self._max_tokens):
             h = self._torch_hidden(torch.from_numpy(xn))  # [T, n_ff]
             keep = h.abs() > threshold
