@@ -69,10 +69,10 @@ def test_sparse_gelu_and_silu_thresholds_match_the_module_path(tiny_model_dir, k
     torch.testing.assert_close(ours, ref, rtol=5e-3, atol=5e-3)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_engine_decodes_through_the_fused_step_close_to_transformers(tiny_model_dir, kind):
+def engine_fused_close_to_transformers(folder, hf_model):
+    """An int8 engine of ``folder`` decodes fused, token by token through C, within the weights' rounding
+    of transformers' float32 logits and no further from them than the module path; returns the engine."""
     from online.engine import Engine
-    folder, hf_model = tiny_model_dir(kind)
     engine = Engine.load(folder, weight_format="int8", sparse=False)
     assert engine.decode_path == "fused", engine.decode_path_reason
     engine.compiled_decode = FusedDecodeStep.build(engine.model, engine.executor, residual_ratio=0.0)
@@ -84,6 +84,12 @@ def test_engine_decodes_through_the_fused_step_close_to_transformers(tiny_model_
     err_ours, err_modules = (float((x - ref).norm() / ref.norm()) for x in (ours, modules))
     assert err_ours < 0.05 and err_ours < 1.2 * err_modules + 1e-3  # no error beyond the weights' rounding
     assert float((ours.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9
+    return engine
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_engine_decodes_through_the_fused_step_close_to_transformers(tiny_model_dir, kind):
+    engine = engine_fused_close_to_transformers(*tiny_model_dir(kind))
     out = engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
     assert out.stats["decode_path"] == "fused" and len(out.token_ids) == 4
 

@@ -15,7 +15,7 @@ from online.execution.quantized_linear import quantize_attention
 from tandem.core.loading.hf_loader import load_hf_folder
 from tandem.core.model.build import build_model
 from test_fused_decode import PROMPT
-from test_fused_new_archs import _module_and_fused
+from test_fused_new_archs import _module_and_fused, engine_fused_close_to_transformers
 from test_fused_predict import random_gates
 from test_multi_token_step import CHUNKS, _singles_and_many
 
@@ -120,19 +120,7 @@ def test_opt_predicted_rows_match_the_module_path(perturbed, fmt):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_engine_decodes_fused_close_to_transformers(perturbed, kind):
-    from online.engine import Engine
-    folder, hf_model = perturbed(kind)
-    engine = Engine.load(folder, weight_format="int8", sparse=False)
-    assert engine.decode_path == "fused", engine.decode_path_reason
-    engine.compiled_decode = FusedDecodeStep.build(engine.model, engine.executor, residual_ratio=0.0)
-    ids = PROMPT + DECODE
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([ids])).logits[0].float()  # [T, vocab] float32 weights
-    ours = engine.step_logits(ids)  # int8 weights, token by token through C
-    modules = engine.logits(ids)  # the module path (batched prefill) on the same int8 weights
-    err_ours, err_modules = (float((x - ref).norm() / ref.norm()) for x in (ours, modules))
-    assert err_ours < 0.05 and err_ours < 1.2 * err_modules + 1e-3
-    assert float((ours.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9
+    engine_fused_close_to_transformers(*perturbed(kind))
 
 
 @pytest.mark.parametrize("kind,thresholds", [("opt", [0.0, 0.0]), ("opt", None), ("mixtral", None),
