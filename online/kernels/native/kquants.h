@@ -128,6 +128,8 @@ static inline __attribute__((always_inline)) __m256 kq_block(__m256 acc, __m256i
     return acc;
 }
 
+#include "kq_single.h"
+
 /* out[k] = the four sums plus Q5_K's minimum terms (mn [4][nb], in block order) */
 static inline void kq_finish4(const __m256 acc[4], const float *mn, int64_t nb, int minimum, const qvec *x, float *out) {
     _mm_storeu_ps(out, hsum4x8(acc[0], acc[1], acc[2], acc[3]));
@@ -162,8 +164,8 @@ static inline __attribute__((always_inline)) void kq_dot4_kind(const tdm_weight 
 
 /* out[0..3] = rows r[0..3] . x */
 static void kq_dot4(const tdm_weight *w, const int64_t r[4], const qvec *x, float *out) {
-    if (w->kind == KIND_Q50) kq_dot4_kind(w, r, x, out, KIND_Q50);
-    else if (w->kind == KIND_Q6K) kq_dot4_kind(w, r, x, out, KIND_Q6K);
+    if (w->kind == KIND_Q50) kq_dot4_q50(w, r, x, out); /* kq_single.h: the same sums, less work */
+    else if (w->kind == KIND_Q6K) kq_dot4_q6k(w, r, x, out);
     else kq_dot4_kind(w, r, x, out, KIND_Q5K);
 }
 
