@@ -39,7 +39,8 @@ from tandem.core.errors import TandemError
 from ..kernels.cpu_kernels import clamp_threads
 from ..kernels.quantize import ACT_IDS
 from ..kernels.native import NativeUnavailable, load_native
-from ..kernels.native.structs import TdmBatch, TdmLayer, TdmModel, WeightRef, addr, describe
+from ..kernels.native.step_calls import StepCalls
+from ..kernels.native.structs import TdmLayer, TdmModel, WeightRef, addr, describe
 from tandem.core.kv_cache import KVCache
 from .fused_arch import MoeRef, build_moe, check_moe, expert_width, layer_arrays, model_fields
 from .fused_predict import PredictorRef, build_predictor
@@ -129,9 +130,8 @@ class FusedDecodeStep:
         self._keep = keep  # arrays the descriptors point into
         self._bound_cache = None  # weakref to the KVCache the layers point into (an old cache can be freed)
         self._kv_key = None  # (addresses, shape, strides) of the KV tensors the layers point into
-        self._work: np.ndarray | None = None
-        self._batch_work: np.ndarray | None = None  # the multi-token step's scratch (batch.h)
         self._desc = self._describe_model()
+        self._calls = StepCalls(self._desc, self._layers, native)  # KV pointers, scratch, the C calls
 
     @classmethod
     def build(cls, model, executor, residual_ratio: float = DEFAULT_RESIDUAL_RATIO,
@@ -211,15 +211,7 @@ class FusedDecodeStep:
 
     def _bind(self, cache: KVCache) -> None:
         """Point the layers at this cache's buffers and size the scratch for its capacity."""
-        keys, values = _np(cache.keys), _np(cache.values)  # [L, KV, C, hd]
-        for i in range(self.cfg.num_layers):
-            self._layers[i].k_cache = addr(keys[i])
-            self._layers[i].v_cache = addr(values[i])
-        self._desc.capacity = cache.capacity_tokens
-        n_bytes = self.native.lib.tdm_work_bytes(ctypes.byref(self._desc))
-        if self._work is None or self._work.nbytes < n_bytes + 64:
-            self._work = np.zeros(n_bytes + 64, dtype=np.uint8)
-        self._desc.work = (self._work.ctypes.data + 63) & ~63
+        self._calls.bind(_np(cache.keys), _np(cache.values), cache.capacity_tokens)  # [L, KV, C, hd] each
         self._bound_cache = weakref.ref(cache)
         self._kv_key = kv_key(cache.keys, cache.values)
 
@@ -232,7 +224,7 @@ class FusedDecodeStep:
         if self._bound_cache is None or self._bound_cache() is not cache:
             self._bind(cache)
         logits = torch.empty(self._desc.vocab, dtype=torch.float32)
-        active = self.native.lib.tdm_decode(ctypes.byref(self._desc), token_id, pos, logits.data_ptr())
+        active = self._calls.decode(token_id, pos, logits.data_ptr())
         counters = self.executor.counters
         counters.ffn_neurons_total += self._neurons_per_token
         counters.ffn_neurons_active += int(active)
@@ -332,43 +324,21 @@ class FusedDecodeStep:
             raise TandemError(f"KV pool shape {tuple(keys.shape)} does not fit this model "
                               f"({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim})")
         if self._kv_key != kv_key(keys, values):  # point the layers at this pool (unless they already do)
-            k_np, v_np = _np(keys), _np(values)  # [L, KV, rows, hd]
-            for i in range(cfg.num_layers):
-                self._layers[i].k_cache = addr(k_np[i])
-                self._layers[i].v_cache = addr(v_np[i])
+            self._calls.point_layers(_np(keys), _np(values))  # [L, KV, rows, hd] each
             self._kv_key = kv_key(keys, values)
             self._bound_cache = None  # the single-token step rebinds its cache next time
         out = torch.empty(sum(want), self._desc.vocab, dtype=torch.float32)  # [sum(want), vocab]
         done, active = 0, 0
-        single_work = self._desc.work
-        try:
-            for a in range(0, len(token_ids), MAX_BATCH_TOKENS):
-                b = min(a + MAX_BATCH_TOKENS, len(token_ids))
-                active += self._call_batch(token_ids[a:b], positions[a:b], tables[a:b], block_tokens,
-                                           keys.shape[2], want[a:b], out[done:])
-                done += sum(want[a:b])
-        finally:
-            self._desc.work = single_work
+        for a in range(0, len(token_ids), MAX_BATCH_TOKENS):
+            b = min(a + MAX_BATCH_TOKENS, len(token_ids))
+            rows = out[done:]
+            active += self._calls.decode_batch(token_ids[a:b], positions[a:b], tables[a:b], block_tokens,
+                                               keys.shape[2], want[a:b], rows.data_ptr() if rows.numel() else None)
+            done += sum(want[a:b])
         counters = self.executor.counters
         counters.ffn_neurons_total += self._neurons_per_token * len(token_ids)
         counters.ffn_neurons_active += active
         return out
-
-    def _call_batch(self, token_ids, positions, tables, block_tokens, kv_rows, want, out) -> int:
-        n = len(token_ids)
-        span = max(positions) + 1
-        n_bytes = self.native.lib.tdm_batch_work_bytes(ctypes.byref(self._desc), n, span)
-        if self._batch_work is None or self._batch_work.nbytes < n_bytes + 64:
-            self._batch_work = np.zeros(n_bytes + 64, dtype=np.uint8)
-        self._desc.work = (self._batch_work.ctypes.data + 63) & ~63
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        pos = np.asarray(positions, dtype=np.int64)
-        tables = np.ascontiguousarray(tables, dtype=np.int32)  # [n, width]
-        wanted = np.asarray(want, dtype=np.uint8)
-        batch = TdmBatch(n_tokens=n, tokens=addr(tokens), pos=addr(pos), tables=addr(tables),
-                         table_stride=tables.shape[1], block_tokens=block_tokens, kv_rows=kv_rows, span=span,
-                         want=addr(wanted), logits=out.data_ptr() if out.numel() else None)
-        return int(self.native.lib.tdm_decode_batch(ctypes.byref(self._desc), ctypes.byref(batch)))
 
     def predictor_rows(self) -> tuple[int, int]:
         """(rows predicted active, up rows computed) summed over predictor layers and calls so far."""
@@ -393,7 +363,8 @@ class FusedDecodeStep:
         clone._layers = (TdmLayer * len(layers))(*layers)
         clone._desc = TdmModel.from_buffer_copy(self._desc)
         clone._desc.layers = clone._layers
-        clone._work, clone._bound_cache = None, None
+        clone._calls = StepCalls(clone._desc, clone._layers, self.native)  # its own scratch
+        clone._bound_cache = None
         clone.executor = copy.copy(self.executor)
         clone.executor.counters = type(self.executor.counters)()
         return clone

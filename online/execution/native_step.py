@@ -23,7 +23,8 @@ import numpy as np
 from tandem.core.errors import TandemError
 
 from ..kernels.native import load_native
-from ..kernels.native.structs import TdmBatch, TdmLayer, TdmModel, TdmPredictor, addr
+from ..kernels.native.step_calls import StepCalls
+from ..kernels.native.structs import TdmLayer, TdmModel, TdmPredictor, addr
 from .step_cache import RUNTIME_POINTERS, StepCacheError
 
 MAX_BATCH_TOKENS = 64  # as FusedDecodeStep: tokens per C call of the multi-token step
@@ -58,8 +59,7 @@ class NativeStep:
         self._desc, self._layers, self._keep, self.native = desc, layers, keep, native
         self.vocab_size = vocab_size
         self.ffn_neurons_total = self.ffn_neurons_active = 0
-        self._work: np.ndarray | None = None
-        self._batch_work: np.ndarray | None = None
+        self._calls = StepCalls(desc, layers, native)
         self._bound: ArrayKVCache | None = None
 
     @classmethod
@@ -76,14 +76,7 @@ class NativeStep:
         return cls(desc, keep[0], keep + [arrays], native, vocab_size)  # the descriptors point into ``arrays``
 
     def _bind(self, cache: ArrayKVCache) -> None:
-        for i in range(self._desc.n_layers):
-            self._layers[i].k_cache = addr(cache.keys[i])
-            self._layers[i].v_cache = addr(cache.values[i])
-        self._desc.capacity = cache.capacity_tokens
-        n_bytes = self.native.lib.tdm_work_bytes(ctypes.byref(self._desc))
-        if self._work is None or self._work.nbytes < n_bytes + 64:
-            self._work = np.zeros(n_bytes + 64, dtype=np.uint8)
-        self._desc.work = (self._work.ctypes.data + 63) & ~63
+        self._calls.bind(cache.keys, cache.values, cache.capacity_tokens)
         self._bound = cache
 
     def _check(self, token_ids: list[int], start: int, cache: ArrayKVCache) -> None:
@@ -99,7 +92,7 @@ class NativeStep:
         if self._bound is not cache:
             self._bind(cache)
         logits = np.empty(self._desc.vocab, dtype=np.float32)
-        active = self.native.lib.tdm_decode(ctypes.byref(self._desc), token_id, pos, logits.ctypes.data)
+        active = self._calls.decode(token_id, pos, logits.ctypes.data)
         self.ffn_neurons_total += self._desc.n_layers * self._desc.n_ff
         self.ffn_neurons_active += int(active)
         return logits
@@ -111,33 +104,17 @@ class NativeStep:
         if self._bound is not cache:
             self._bind(cache)
         logits = np.empty(self._desc.vocab, dtype=np.float32)
-        single_work = self._desc.work
-        try:
-            for a in range(0, len(token_ids), MAX_BATCH_TOKENS):
-                b = min(a + MAX_BATCH_TOKENS, len(token_ids))
-                self._call_batch(token_ids[a:b], start_pos + a, cache, logits if b == len(token_ids) else None)
-        finally:
-            self._desc.work = single_work
+        for a in range(0, len(token_ids), MAX_BATCH_TOKENS):
+            b = min(a + MAX_BATCH_TOKENS, len(token_ids))
+            last = b == len(token_ids)
+            want = [False] * (b - a - 1) + [last]
+            tables = np.zeros((b - a, 1), dtype=np.int32)  # [T, 1]: the cache is one block
+            active = self._calls.decode_batch(token_ids[a:b], range(start_pos + a, start_pos + b), tables,
+                                              cache.capacity_tokens, cache.capacity_tokens, want,
+                                              logits.ctypes.data if last else None)
+            self.ffn_neurons_total += self._desc.n_layers * self._desc.n_ff * (b - a)
+            self.ffn_neurons_active += active
         return logits
-
-    def _call_batch(self, token_ids: list[int], start: int, cache: ArrayKVCache, logits) -> None:
-        n = len(token_ids)
-        span = start + n
-        n_bytes = self.native.lib.tdm_batch_work_bytes(ctypes.byref(self._desc), n, span)
-        if self._batch_work is None or self._batch_work.nbytes < n_bytes + 64:
-            self._batch_work = np.zeros(n_bytes + 64, dtype=np.uint8)
-        self._desc.work = (self._batch_work.ctypes.data + 63) & ~63
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        pos = np.arange(start, span, dtype=np.int64)
-        tables = np.zeros((n, 1), dtype=np.int32)  # [T, 1]: the cache is one block
-        want = np.zeros(n, dtype=np.uint8)
-        want[-1] = logits is not None
-        batch = TdmBatch(n_tokens=n, tokens=addr(tokens), pos=addr(pos), tables=addr(tables), table_stride=1,
-                         block_tokens=cache.capacity_tokens, kv_rows=cache.capacity_tokens, span=span,
-                         want=addr(want), logits=logits.ctypes.data if logits is not None else None)
-        active = int(self.native.lib.tdm_decode_batch(ctypes.byref(self._desc), ctypes.byref(batch)))
-        self.ffn_neurons_total += self._desc.n_layers * self._desc.n_ff * n
-        self.ffn_neurons_active += active
 
 
 def _build(s_type, d: dict, arrays: dict, keep: list, threads: int, native):
