@@ -209,6 +209,29 @@ def measure_quality(result: PlanResult, model: str | Path, profile_dir: str | Pa
     return result
 
 
+def warm_step_cache(model: str | Path, plan_dir: str | Path) -> Path | None:
+    """Write the plan's prepared-step cache (online/engine_cache.py) now, keyed as ``generate --plan``
+    will look it up, so the first generation after ``plan``/``prepare`` starts from the cache. Its
+    key covers plan.json, so this runs after the last write of the plan (its quality). Returns the
+    cache file, or None where the plan does not run on the cached CPU step (a GPU tier, no C library).
+
+    Example::
+
+        warm_step_cache("smollm2", "profiles/SmolLM2/plan-cpu-only-0")   # .../step-cache/step-....safetensors
+    """
+    from online import Engine
+    from online.engine_args import EngineArgs
+    from online.engine_cache import cache_applies, cache_path, load_cached
+    from tandem.core.loading.resolve import resolve_model_path
+    from placement.plan import read_plan
+    args = EngineArgs.create(str(model), plan=str(plan_dir))
+    if not cache_applies(args) or sum(read_plan(Path(plan_dir)).gpu_bytes_by_kind.values()) > 0:
+        return None  # the GPU tier holds part of it: no cached CPU step to write
+    if load_cached(args) is None:
+        Engine.from_args(args)  # builds the modules and writes the cache (engine_lazy.load_fast)
+    return cache_path(args, resolve_model_path(args.model)) if load_cached(args) is not None else None
+
+
 def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str | Path | None = None,
             gpu_budget: str | int | None = None, predictors: str = "auto", tokens: int | None = None,
             max_quality_loss: float = 0.02, calib: Sequence[str] | None = None, threads: int | None = None,
@@ -276,6 +299,9 @@ def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str |
     if quality and not result.reused:
         measure_quality(result, model, profile_dir, predictors_dir)
     log(f"[prepare] {'reusing' if result.reused else 'wrote'} plan {plan_dir}")
+    cached = warm_step_cache(model, plan_dir)
+    if cached is not None:
+        log(f"[prepare] prepared-step cache {cached}")
     return PrepareResult(prof, preds, hardware_path, result)
 
 

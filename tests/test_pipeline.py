@@ -69,3 +69,21 @@ def test_cli_prepare_prints_plan_path_alone(tiny_folder, tmp_path, capsys):
 def test_prepare_rejects_bad_predictors_mode(tiny_folder, tmp_path):
     with pytest.raises(TandemError, match="predictors must be auto, on or off"):
         pipeline.prepare(tiny_folder, out=tmp_path, predictors="sometimes")
+
+
+def test_prepare_leaves_the_step_cache_generate_looks_up(tiny_folder, tmp_path):
+    """prepare writes the prepared-step cache last (after the plan's quality), under the key a later
+    `generate --plan` computes: the first load reads it (no module graph built) and does not rewrite it."""
+    from online import Engine
+    from online.engine_args import EngineArgs
+    from online.engine_cache import load_cached
+    lines = []
+    result = _prepare(tiny_folder, tmp_path / "prep", lines.append)
+    plan_dir = result.plan.path
+    files = sorted((plan_dir / "step-cache").glob("*.safetensors"))
+    assert len(files) == 1 and any(str(files[0]) in line for line in lines)
+    inode = files[0].stat().st_ino
+    assert load_cached(EngineArgs.create(str(tiny_folder), plan=str(plan_dir))) is not None
+    engine = Engine.load(str(tiny_folder), plan=str(plan_dir))
+    assert engine._model is None  # served from the cache
+    assert files[0].stat().st_ino == inode  # read, not rewritten

@@ -163,3 +163,4 @@ def test_the_shared_folder_evicts_the_least_recently_used_beyond_its_cap(tmp_pat
     assert evict_shared(files[3]) == []  # under the cap now
     monkeypatch.setenv("TANDEM_STEP_CACHE_BYTES", "0")
     assert evict_shared(files[3]) and [p.exists() for p in files] == [False, False, False, True, False]
+
