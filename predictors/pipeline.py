@@ -108,7 +108,8 @@ def layer_options(cfg, w, layer: int, activity: str, x_tr, x_va, threshold: floa
     """Train and measure one layer: (its report stats, its options that save work)."""
     y_tr, y_va = layer_labels(cfg, w, x_tr, threshold), layer_labels(cfg, w, x_va, threshold)
     proj_flops = first_projection_flops(cfg, w.n_neurons, activity)
-    fit = fit_layer(x_tr, y_tr, x_va, y_va, proj_flops, settings, progress=bar)
+    preactivation = (w.gate, w.gate_bias) if w.gate is not None else (w.up, w.up_bias)  # its sign decides firing
+    fit = fit_layer(x_tr, y_tr, x_va, y_va, proj_flops, settings, progress=bar, preactivation=preactivation)
     stats: dict[str, Any] = {**_point_stats(fit.point), "rank": fit.rank, "trained_rank": fit.rank,
                              "trained_param_count": fit.predictor.param_count, "n_ff": w.n_neurons,
                              "label_sparsity": 1.0 - float(y_va.float().mean()), "tried": fit.tried}

@@ -10,6 +10,9 @@ neurons marked active p(r). The layer keeps the rank that minimises the work the
 ``predictor_flops(r) + p(r) * first_projection_flops``: climbing stops as soon as a larger rank no
 longer pays for itself by skipping more rows (by at least ``rank_gain``), or could not even with a
 perfect prediction. Larger ranks barely change p on SmolLM2 (measured), so it mostly stops at 16-32.
+Each rank also tries the closed-form reduced-rank copy of the layer's pre-activation (gate_rrr.py),
+which on low-rank gates (the synthetic ReLU models) is far more precise than a scorer trained on a
+few thousand tokens, and costs no training.
 
 Example::
 
@@ -32,9 +35,11 @@ from tandem.core.ffn.dense import ffn_hidden
 from tandem.core.ffn.weights import FFNWeights
 from tandem.core.errors import TandemError
 from .model import LayerPredictor
+from .gate_rrr import linear_predictor, preactivation_basis
 from .rrr_init import init_reduced_rank, reduced_rank_basis
 
 RANK_LADDER = (16, 32, 64, 128, 256, 512)
+LINEAR_PRECISION_ENOUGH = 0.9  # a closed-form scorer this precise leaves a trained one little to gain
 
 
 @dataclass(frozen=True)
@@ -174,25 +179,43 @@ def train_predictor(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.T
 
 def fit_layer(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
               gate_up_flops: int, settings: TrainSettings, w_train: torch.Tensor | None = None,
-              progress=None) -> LayerFit:
-    """Climb the rank ladder; keep the rank with the least remaining FFN work at the target recall."""
+              progress=None, preactivation: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> LayerFit:
+    """Climb the rank ladder; keep the rank with the least remaining FFN work at the target recall.
+
+    ``preactivation`` (weight [F, d], bias [F] or None): the projection whose sign decides firing
+    (the gate; up for plain FFNs). Each rank then also tries its closed-form reduced-rank copy
+    (gate_rrr.py) and keeps whichever scorer does less work; where that copy is already nearly
+    exact (precision >= LINEAR_PRECISION_ENOUGH) no scorer is trained at that rank."""
     d, n_ff = x_train.shape[1], y_train.shape[1]
     active = float(y_train.float().mean())
     ranks = [r for r in settings.ranks if r <= d]
     best: LayerFit | None = None
     tried: list[dict] = []
-    basis = reduced_rank_basis(x_train, y_train)  # once per layer, shared by the ranks tried
+    basis = None  # the trained scorers' closed-form start: once per layer, shared by the ranks tried
+    pre_basis = preactivation_basis(x_train, preactivation[0]) if preactivation is not None else None
     for rank in ranks:
         pred_flops = 2 * rank * (d + n_ff)
         if best is not None and pred_flops + active * gate_up_flops >= best.work_flops:
             break  # even a perfect predictor of this size could not do less work
-        pred, epochs = train_predictor(x_train, y_train, x_val, y_val, rank, settings, w_train, progress, basis)
-        point = operating_point(predict_scores(pred, x_val), y_val, settings.target_recall)
-        work = pred_flops + point.active_fraction * gate_up_flops
-        tried.append({"rank": rank, "recall": point.recall, "precision": point.precision,
-                      "active_fraction": point.active_fraction, "work_flops": work, "epochs": epochs})
-        if best is None or work < best.work_flops * (1 - settings.rank_gain):
-            best = LayerFit(pred, point, work)
+        candidates = []  # (kind, scorer, operating point, epochs)
+        if pre_basis is not None and rank % 2 == 0:
+            pred = linear_predictor(pre_basis, rank // 2, preactivation[1])
+            candidates.append(("linear", pred, operating_point(predict_scores(pred, x_val), y_val,
+                                                               settings.target_recall), 0))
+        if not candidates or candidates[0][2].precision < LINEAR_PRECISION_ENOUGH:
+            basis = basis if basis is not None else reduced_rank_basis(x_train, y_train)
+            pred, epochs = train_predictor(x_train, y_train, x_val, y_val, rank, settings, w_train, progress, basis)
+            candidates.append(("trained", pred, operating_point(predict_scores(pred, x_val), y_val,
+                                                                settings.target_recall), epochs))
+        fits = []
+        for kind, pred, point, epochs in candidates:
+            work = pred_flops + point.active_fraction * gate_up_flops
+            tried.append({"rank": rank, "kind": kind, "recall": point.recall, "precision": point.precision,
+                          "active_fraction": point.active_fraction, "work_flops": work, "epochs": epochs})
+            fits.append(LayerFit(pred, point, work))
+        fit = min(fits, key=lambda f: f.work_flops)
+        if best is None or fit.work_flops < best.work_flops * (1 - settings.rank_gain):
+            best = fit
         else:
             break
     if best is None:

@@ -79,6 +79,48 @@ def test_training_learns_a_linear_pattern_to_high_recall():
     assert fit.point.recall >= 0.95  # chosen on the validation tokens for the target
 
 
+def _low_rank_gate(seed: int, d: int = 48, n_ff: int = 160, rank: int = 6, n: int = 3000):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n_ff, rank, generator=g) @ torch.randn(rank, d, generator=g) / rank ** 0.5  # [F, d] rank 6
+    mix = torch.randn(d, d, generator=g) / d ** 0.5 + torch.eye(d)  # correlated inputs
+    x = torch.randn(n, d, generator=g) @ mix  # [N, d]
+    b = torch.randn(n_ff, generator=g) - 1.0
+    return w, b, x
+
+
+def test_linear_predictor_scores_are_the_preactivation():
+    """With at least the gate's rank, the closed-form scorer's score is W x + b itself (brute-force matmul);
+    with fewer directions it is the least-squares rank-r fit over the inputs (checked against a
+    direct least-squares solve of W x on x's top directions)."""
+    from predictors.gate_rrr import linear_predictor, preactivation_basis
+    w, b, x = _low_rank_gate(3)
+    basis = preactivation_basis(x[:2000], w)
+    full = linear_predictor(basis, 6, b)
+    assert full.rank == 12
+    torch.testing.assert_close(predict_scores(full, x[2000:]), x[2000:] @ w.T + b, atol=2e-4, rtol=1e-4)
+    r = 3
+    approx = predict_scores(linear_predictor(basis, r), x[:2000])  # [N, F]
+    err = float(((approx - x[:2000] @ w.T) ** 2).mean())
+    # the optimum over every rank-3 map: regress W x on the span of x's projections onto its best r directions
+    target = x[:2000].double() @ w.T.double()
+    u, sv, vh = torch.linalg.svd(target, full_matrices=False)
+    best = float((((u[:, r:] * sv[r:]) @ vh[r:]) ** 2).mean())  # Eckart-Young bound of the fitted values
+    assert err <= best * 1.01 + 1e-9
+
+
+def test_fit_layer_takes_the_closed_form_scorer_on_a_low_rank_gate():
+    """Labels g > 0 of a rank-6 gate: the reduced-rank copy is (near) exact and beats trained scorers."""
+    w, b, x = _low_rank_gate(4)
+    y = (x @ w.T + b) > 0
+    tr, va, te = slice(0, 2000), slice(2000, 2500), slice(2500, 3000)
+    fit = fit_layer(x[tr], y[tr], x[va], y[va], gate_up_flops=10**9, settings=FAST, preactivation=(w, b))
+    chosen = [t for t in fit.tried if t["rank"] == fit.rank and t["precision"] == fit.point.precision]
+    assert chosen and chosen[0]["kind"] == "linear"
+    mask = predict_scores(fit.predictor, x[te]) >= fit.point.threshold
+    assert float((mask & y[te]).sum() / mask.sum()) >= 0.9  # precision on unseen tokens
+    assert float((mask & y[te]).sum() / y[te].sum()) >= 0.9
+
+
 @pytest.mark.parametrize("target", [0.5, 0.9, 0.95, 0.99])
 def test_operating_point_matches_scikit_learn(target):
     from sklearn.metrics import precision_recall_curve
