@@ -40,6 +40,7 @@ from .rrr_init import init_reduced_rank, reduced_rank_basis
 
 RANK_LADDER = (16, 32, 64, 128, 256, 512)
 LINEAR_PRECISION_ENOUGH = 0.9  # a closed-form scorer this precise leaves a trained one little to gain
+LINEAR_STEP = 16  # directions between closed-form scorers tried (rank 2 x 16 = 32: the C step's int8 blocks)
 
 
 @dataclass(frozen=True)
@@ -183,41 +184,45 @@ def fit_layer(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor,
     """Climb the rank ladder; keep the rank with the least remaining FFN work at the target recall.
 
     ``preactivation`` (weight [F, d], bias [F] or None): the projection whose sign decides firing
-    (the gate; up for plain FFNs). Each rank then also tries its closed-form reduced-rank copy
-    (gate_rrr.py) and keeps whichever scorer does less work; where that copy is already nearly
-    exact (precision >= LINEAR_PRECISION_ENOUGH) no scorer is trained at that rank."""
+    (the gate; up for plain FFNs). Its closed-form reduced-rank copies (gate_rrr.py) are tried first,
+    at every LINEAR_STEP directions while the work falls; a trained scorer is then trained only at
+    ranks where it could still do less work and where the copy of that rank is not nearly exact."""
     d, n_ff = x_train.shape[1], y_train.shape[1]
     active = float(y_train.float().mean())
-    ranks = [r for r in settings.ranks if r <= d]
-    best: LayerFit | None = None
     tried: list[dict] = []
+
+    def measure(kind: str, pred: LayerPredictor, epochs: int) -> LayerFit:
+        point = operating_point(predict_scores(pred, x_val), y_val, settings.target_recall)
+        work = pred.flops_per_token + point.active_fraction * gate_up_flops
+        tried.append({"rank": pred.rank, "kind": kind, "recall": point.recall, "precision": point.precision,
+                      "active_fraction": point.active_fraction, "work_flops": work, "epochs": epochs})
+        return LayerFit(pred, point, work)
+
+    linear: dict[int, LayerFit] = {}  # scorer rank -> the closed-form fit
+    if preactivation is not None:
+        pre_basis = preactivation_basis(x_train, preactivation[0])
+        best_linear = None
+        for k in range(LINEAR_STEP, d // 2 + 1, LINEAR_STEP):
+            fit = linear[2 * k] = measure("linear", linear_predictor(pre_basis, k, preactivation[1]), 0)
+            if best_linear is not None and fit.work_flops >= best_linear.work_flops * (1 - settings.rank_gain):
+                break
+            best_linear = fit if best_linear is None or fit.work_flops < best_linear.work_flops else best_linear
+    best: LayerFit | None = min(linear.values(), key=lambda f: f.work_flops) if linear else None
+    best_trained: LayerFit | None = None
     basis = None  # the trained scorers' closed-form start: once per layer, shared by the ranks tried
-    pre_basis = preactivation_basis(x_train, preactivation[0]) if preactivation is not None else None
-    for rank in ranks:
-        pred_flops = 2 * rank * (d + n_ff)
-        if best is not None and pred_flops + active * gate_up_flops >= best.work_flops:
+    for rank in (r for r in settings.ranks if r <= d):
+        floor = 2 * rank * (d + n_ff) + active * gate_up_flops  # a perfect scorer of this rank
+        if best is not None and floor >= best.work_flops:
             break  # even a perfect predictor of this size could not do less work
-        candidates = []  # (kind, scorer, operating point, epochs)
-        if pre_basis is not None and rank % 2 == 0:
-            pred = linear_predictor(pre_basis, rank // 2, preactivation[1])
-            candidates.append(("linear", pred, operating_point(predict_scores(pred, x_val), y_val,
-                                                               settings.target_recall), 0))
-        if not candidates or candidates[0][2].precision < LINEAR_PRECISION_ENOUGH:
-            basis = basis if basis is not None else reduced_rank_basis(x_train, y_train)
-            pred, epochs = train_predictor(x_train, y_train, x_val, y_val, rank, settings, w_train, progress, basis)
-            candidates.append(("trained", pred, operating_point(predict_scores(pred, x_val), y_val,
-                                                                settings.target_recall), epochs))
-        fits = []
-        for kind, pred, point, epochs in candidates:
-            work = pred_flops + point.active_fraction * gate_up_flops
-            tried.append({"rank": rank, "kind": kind, "recall": point.recall, "precision": point.precision,
-                          "active_fraction": point.active_fraction, "work_flops": work, "epochs": epochs})
-            fits.append(LayerFit(pred, point, work))
-        fit = min(fits, key=lambda f: f.work_flops)
-        if best is None or fit.work_flops < best.work_flops * (1 - settings.rank_gain):
-            best = fit
-        else:
-            break
+        if rank in linear and linear[rank].point.precision >= LINEAR_PRECISION_ENOUGH:
+            break  # the closed-form scorer of this rank is nearly exact: nothing left to train for
+        basis = basis if basis is not None else reduced_rank_basis(x_train, y_train)
+        pred, epochs = train_predictor(x_train, y_train, x_val, y_val, rank, settings, w_train, progress, basis)
+        fit = measure("trained", pred, epochs)
+        if best_trained is not None and fit.work_flops >= best_trained.work_flops * (1 - settings.rank_gain):
+            break  # a larger trained scorer no longer pays for itself
+        best_trained = fit if best_trained is None or fit.work_flops < best_trained.work_flops else best_trained
+        best = fit if best is None or fit.work_flops < best.work_flops else best
     if best is None:
         raise TandemError("no rank in the ladder fits this layer")
     best.tried = tried
