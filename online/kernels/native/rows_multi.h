@@ -9,6 +9,7 @@
 #ifndef TANDEM_ROWS_MULTI_H
 #define TANDEM_ROWS_MULTI_H
 #include "rows.h"
+#include "blocks_multi.h" /* the f16-scale (Q4_0 / Q4_1 / Q8_0 in place) twins */
 
 #ifdef TDM_SIMD
 /* sc[k * ng + g] = d[k * ss + g] * xd[g]: the block scales of four rows times a token's activation
@@ -175,7 +176,11 @@ static void dot_rows_multi(const tdm_weight *w, int64_t r0, int64_t n, const qve
         return;
     }
 #ifdef TDM_SIMD
-    if (packed_scales(w->kind)) { /* blocks.h: as dot_rows, four rows' scales expanded once for all T */
+    if (w->kind == KIND_I4H) /* blocks_multi.h: f16 scales widened once per four rows */
+        for (; j + 4 <= n; j += 4) dot4_i4h_multi(w, r0 + j, x, T, out + j, os);
+    else if (w->kind == KIND_I8H)
+        for (; j + 4 <= n; j += 4) dot4_i8h_multi(w, r0 + j, x, T, out + j, os);
+    else if (packed_scales(w->kind)) { /* blocks.h: as dot_rows, four rows' scales expanded once for all T */
         int64_t ng = w->cols / 32;
         float d[4 * ng], m[4 * ng];
         tdm_weight sh;
