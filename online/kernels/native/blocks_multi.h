@@ -22,19 +22,30 @@
  * the products of a whole chunk are stored first and read back from L1. */
 #define TDM_SCALE_CHUNK 8
 
-/* sc[k * ng8 + g] = dk[k * ng8 + g] * xd[g] for the four rows k, g < ng (xd read only below ng) */
-static inline void scale_products4(const float *dk, int64_t ng, int64_t ng8, const float *xd, float *sc) {
-    int64_t g = 0;
-    for (; g + 8 <= ng; g += 8) {
+/* sc[k * ng8 + g] = dk[k * ng8 + g] * xd[g] for the four rows k, g < ng8: xd is a token's activation
+ * scales padded with zeros to ng8 (pad_scales), dk the rows' widened scales (zeros past ng) */
+static inline void scale_products4(const float *dk, int64_t ng8, const float *xd, float *sc) {
+    for (int64_t g = 0; g < ng8; g += 8) {
         __m256 xv = _mm256_loadu_ps(xd + g);
         for (int k = 0; k < 4; k++)
             _mm256_storeu_ps(sc + k * ng8 + g, _mm256_mul_ps(_mm256_loadu_ps(dk + k * ng8 + g), xv));
     }
-    if (g < ng) { /* the last ng % 8 blocks: a masked load (nothing read past xd[ng - 1]), lanes past ng unused */
-        __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        __m256 xv = _mm256_maskload_ps(xd + g, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(ng - g)), lane));
-        for (int k = 0; k < 4; k++)
-            _mm256_storeu_ps(sc + k * ng8 + g, _mm256_mul_ps(_mm256_loadu_ps(dk + k * ng8 + g), xv));
+}
+
+/* xdp[i * ng8 + g]: token i's activation scales x[i].d[g], zeros from ng to ng8 (once per row range:
+ * the kernels then form scale products 8 at a time without a masked load per block) */
+static void pad_scales(const qvec *x, int64_t T, int64_t ng, int64_t ng8, float *xdp) {
+    for (int64_t i = 0; i < T; i++) {
+        memcpy(xdp + i * ng8, x[i].d, 4 * (size_t)ng);
+        for (int64_t g = ng; g < ng8; g++) xdp[i * ng8 + g] = 0.0f;
+    }
+}
+
+/* dk[k * ng8 + g] = the f16 scales of row k widened (exact), zeros from ng to ng8 */
+static inline void widen_scales4(const uint16_t *d16, int64_t ss, int64_t ng, int64_t ng8, float *dk) {
+    for (int k = 0; k < 4; k++) {
+        f16_row(d16 + k * ss, ng, dk + k * ng8);
+        for (int64_t g = ng; g < ng8; g++) dk[k * ng8 + g] = 0.0f;
     }
 }
 
@@ -85,7 +96,8 @@ static inline void i4_finish(const __m256i *codes, const float *dk, const __m256
 }
 
 /* dot4_i4h for tokens x[0..T): out[i * os + k] = row r+k . x[i] */
-static void dot4_i4h_multi(const tdm_weight *w, int64_t r, const qvec *x, int64_t T, float *out, int64_t os) {
+static void dot4_i4h_multi(const tdm_weight *w, int64_t r, const qvec *x, const float *xdp, int64_t T, float *out,
+                           int64_t os) {
     int64_t rb = w->row_bytes, ss = w->scale_stride, ng = w->cols / 32, ng8 = (ng + 7) & ~(int64_t)7, n8 = ng / 8;
     const uint8_t *p = w->data + r * rb;
     const uint16_t *d16 = (const uint16_t *)w->scale + r * ss;
@@ -100,16 +112,16 @@ static void dot4_i4h_multi(const tdm_weight *w, int64_t r, const qvec *x, int64_
         for (int k = 0; k < 4; k++) codes[4 * g + k] = nibbles32(p + k * rb + 16 * g);
     }
     float tail[8][4];
+    widen_scales4(d16, ss, ng, ng8, dk);
     for (int k = 0; k < 4; k++) {
         const uint16_t *dr = d16 + k * ss, *mr = m16 ? m16 + k * ss : NULL;
-        f16_row(dr, ng, dk + k * ng8);
         for (int64_t j = 0; j < n8; j++) mv[j * 4 + k] = minimum8_f16(dr + 8 * j, mr ? mr + 8 * j : NULL);
         for (int64_t g = 8 * n8; g < ng; g++) tail[g - 8 * n8][k] = minimum_f16(dr + g, mr ? mr + g : NULL);
     }
     for (int64_t g = 8 * n8; g < ng; g++) mt[g - 8 * n8] = _mm_loadu_ps(tail[g - 8 * n8]);
     for (int64_t i0 = 0; i0 < T; i0 += TDM_SCALE_CHUNK) {
         int64_t nc = T - i0 < TDM_SCALE_CHUNK ? T - i0 : TDM_SCALE_CHUNK, i = 0;
-        for (int64_t e = 0; e < nc; e++) scale_products4(dk, ng, ng8, x[i0 + e].d, sc + e * 4 * ng8);
+        for (int64_t e = 0; e < nc; e++) scale_products4(dk, ng8, xdp + (i0 + e) * ng8, sc + e * 4 * ng8);
         for (; i + 2 <= nc; i += 2) {
             const qvec *xa = x + i0 + i, *xb = xa + 1;
             __m256 a[4], b[4];
@@ -163,7 +175,8 @@ static inline void i8_finish(const int8_t *q, int64_t rb, const float *dk, int64
 }
 
 /* dot4_i8h for tokens x[0..T): out[i * os + k] = row r+k . x[i] */
-static void dot4_i8h_multi(const tdm_weight *w, int64_t r, const qvec *x, int64_t T, float *out, int64_t os) {
+static void dot4_i8h_multi(const tdm_weight *w, int64_t r, const qvec *x, const float *xdp, int64_t T, float *out,
+                           int64_t os) {
     int64_t rb = w->row_bytes, ss = w->scale_stride, nb = w->cols / 32, nb8 = (nb + 7) & ~(int64_t)7;
     const int8_t *q = (const int8_t *)(w->data + r * rb);
     const uint16_t *s16 = (const uint16_t *)w->scale + r * ss;
@@ -178,10 +191,10 @@ static void dot4_i8h_multi(const tdm_weight *w, int64_t r, const qvec *x, int64_
             aw[4 * bl + k] = _mm256_sign_epi8(wv, wv);
         }
     }
-    for (int k = 0; k < 4; k++) f16_row(s16 + k * ss, nb, dk + k * nb8);
+    widen_scales4(s16, ss, nb, nb8, dk);
     for (int64_t i0 = 0; i0 < T; i0 += TDM_SCALE_CHUNK) {
         int64_t nc = T - i0 < TDM_SCALE_CHUNK ? T - i0 : TDM_SCALE_CHUNK, i = 0;
-        for (int64_t e = 0; e < nc; e++) scale_products4(dk, nb, nb8, x[i0 + e].d, sc + e * 4 * nb8);
+        for (int64_t e = 0; e < nc; e++) scale_products4(dk, nb8, xdp + (i0 + e) * nb8, sc + e * 4 * nb8);
         for (; i + 2 <= nc; i += 2) {
             const qvec *xa = x + i0 + i, *xb = xa + 1;
             __m256 a[4], b[4];
