@@ -58,10 +58,19 @@ def interleaved_cpu_ms(step, libs: dict[str, NativeLibrary], fn, rounds: int) ->
     try:
         for r in range(rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
-                step.native = libs[name]
+                use_library(step, libs[name])
                 c0 = time.thread_time()
                 fn()
                 out[name].append((time.thread_time() - c0) * 1e3)
     finally:
-        step.native = original
+        use_library(step, original)
     return out
+
+
+def use_library(step, native: NativeLibrary) -> None:
+    """Route the step's C calls to ``native``: the step's own handle and, where the calls go through a
+    StepCalls object (online/kernels/native/step_calls.py, main after 2026-11-23 evening), its handle too."""
+    step.native = native
+    calls = getattr(step, "_calls", None)
+    if calls is not None and hasattr(calls, "native"):
+        calls.native = native
