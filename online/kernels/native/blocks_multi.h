@@ -35,17 +35,39 @@ static inline void scale_products4(const float *dk, int64_t ng8, const float *xd
 /* xdp[i * ng8 + g]: token i's activation scales x[i].d[g], zeros from ng to ng8 (once per row range:
  * the kernels then form scale products 8 at a time without a masked load per block) */
 static void pad_scales(const qvec *x, int64_t T, int64_t ng, int64_t ng8, float *xdp) {
-    for (int64_t i = 0; i < T; i++) {
-        memcpy(xdp + i * ng8, x[i].d, 4 * (size_t)ng);
-        for (int64_t g = ng; g < ng8; g++) xdp[i * ng8 + g] = 0.0f;
+    int64_t n8 = ng / 8;
+    __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(ng - 8 * n8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int64_t i = 0; i < T; i++) { /* whole-vector stores only (the scale products read them back as vectors) */
+        for (int64_t j = 0; j < n8; j++) _mm256_storeu_ps(xdp + i * ng8 + 8 * j, _mm256_loadu_ps(x[i].d + 8 * j));
+        if (ng8 > 8 * n8) _mm256_storeu_ps(xdp + i * ng8 + 8 * n8, _mm256_maskload_ps(x[i].d + 8 * n8, tail));
     }
+}
+
+/* the n < 8 f16 values at h widened, zeros past n: built in a register (the vector loads that read
+ * them back then forward from one 32-byte store, not from n scalar ones) */
+static inline __m256 f16_tail8(const uint16_t *h, int64_t n) {
+    __m128i v = _mm_setzero_si128();
+    switch (n) { /* falls through: lanes n-1 .. 0 */
+    case 7: v = _mm_insert_epi16(v, h[6], 6); /* fall through */
+    case 6: v = _mm_insert_epi16(v, h[5], 5); /* fall through */
+    case 5: v = _mm_insert_epi16(v, h[4], 4); /* fall through */
+    case 4: v = _mm_insert_epi16(v, h[3], 3); /* fall through */
+    case 3: v = _mm_insert_epi16(v, h[2], 2); /* fall through */
+    case 2: v = _mm_insert_epi16(v, h[1], 1); /* fall through */
+    case 1: v = _mm_insert_epi16(v, h[0], 0); /* fall through */
+    default: break;
+    }
+    return _mm256_cvtph_ps(v);
 }
 
 /* dk[k * ng8 + g] = the f16 scales of row k widened (exact), zeros from ng to ng8 */
 static inline void widen_scales4(const uint16_t *d16, int64_t ss, int64_t ng, int64_t ng8, float *dk) {
+    int64_t n8 = ng / 8;
     for (int k = 0; k < 4; k++) {
-        f16_row(d16 + k * ss, ng, dk + k * ng8);
-        for (int64_t g = ng; g < ng8; g++) dk[k * ng8 + g] = 0.0f;
+        const uint16_t *h = d16 + k * ss;
+        for (int64_t j = 0; j < n8; j++)
+            _mm256_storeu_ps(dk + k * ng8 + 8 * j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8 * j))));
+        if (ng8 > 8 * n8) _mm256_storeu_ps(dk + k * ng8 + 8 * n8, f16_tail8(h + 8 * n8, ng - 8 * n8));
     }
 }
 
@@ -111,14 +133,17 @@ static void dot4_i4h_multi(const tdm_weight *w, int64_t r, const qvec *x, const 
         _mm_prefetch(ahead + 64 * g, _MM_HINT_T0);
         for (int k = 0; k < 4; k++) codes[4 * g + k] = nibbles32(p + k * rb + 16 * g);
     }
-    float tail[8][4];
     widen_scales4(d16, ss, ng, ng8, dk);
+    const uint16_t *dr[4], *mr[4];
     for (int k = 0; k < 4; k++) {
-        const uint16_t *dr = d16 + k * ss, *mr = m16 ? m16 + k * ss : NULL;
-        for (int64_t j = 0; j < n8; j++) mv[j * 4 + k] = minimum8_f16(dr + 8 * j, mr ? mr + 8 * j : NULL);
-        for (int64_t g = 8 * n8; g < ng; g++) tail[g - 8 * n8][k] = minimum_f16(dr + g, mr ? mr + g : NULL);
+        dr[k] = d16 + k * ss, mr[k] = m16 ? m16 + k * ss : NULL;
+        for (int64_t j = 0; j < n8; j++) mv[j * 4 + k] = minimum8_f16(dr[k] + 8 * j, mr[k] ? mr[k] + 8 * j : NULL);
     }
-    for (int64_t g = 8 * n8; g < ng; g++) mt[g - 8 * n8] = _mm_loadu_ps(tail[g - 8 * n8]);
+    for (int64_t g = 8 * n8; g < ng; g++) /* in registers: no vector load of four scalar stores */
+        mt[g - 8 * n8] = _mm_setr_ps(minimum_f16(dr[0] + g, mr[0] ? mr[0] + g : NULL),
+                                     minimum_f16(dr[1] + g, mr[1] ? mr[1] + g : NULL),
+                                     minimum_f16(dr[2] + g, mr[2] ? mr[2] + g : NULL),
+                                     minimum_f16(dr[3] + g, mr[3] ? mr[3] + g : NULL));
     for (int64_t i0 = 0; i0 < T; i0 += TDM_SCALE_CHUNK) {
         int64_t nc = T - i0 < TDM_SCALE_CHUNK ? T - i0 : TDM_SCALE_CHUNK, i = 0;
         for (int64_t e = 0; e < nc; e++) scale_products4(dk, ng8, xdp + (i0 + e) * ng8, sc + e * 4 * ng8);
