@@ -5,7 +5,8 @@ For T = 1, 2, 4, 8, 16 the time of one ``step_many`` call over T consecutive tok
 (median of ``--rounds``; also this thread's CPU time, the step's own work with ``--threads 1``); the ratio that matters is step_many(T) / single(1): what verifying T
 drafted tokens costs in units of one decoded token. A second table times one decode step of 8
 sequences over a paged pool (``step_batch``, continuous batching). Prints markdown tables;
-``python -m bench.multi_token [--rounds 7] [--threads 2]``.
+``python -m bench.multi_token [--rounds 7] [--threads 2]``; ``--plan DIR --model M.gguf`` for a plan's weights,
+``--baseline-ref main`` for an A/B of the C kernels at that git ref against this checkout's (bench/native_ab.py).
 """
 from __future__ import annotations
 
@@ -80,16 +81,57 @@ def measure_batch(engine, context: int, rounds: int, n_seqs: int = 8, block_toke
             "single_cpu_ms": statistics.median(b[1] for b in single)}
 
 
+def measure_ab(engine, ref: str, context: int, rounds: int, counts=TOKEN_COUNTS) -> tuple[dict, dict]:
+    """step_many(T) and the single step with the kernels of git ``ref`` (A) and of this checkout (B),
+    interleaved in one process (bench/native_ab.py): ({T: {"A": [ms], "B": [ms]}}, single {"A", "B"})."""
+    from bench.native_ab import baseline_library, interleaved_cpu_ms
+    from tandem.core.kv_cache import KVCache
+    step, vocab = engine.compiled_decode, engine.model.cfg.vocab_size
+    libs = {"A": baseline_library(ref), "B": step.native}
+    cache = KVCache(engine.model.cfg, context + max(counts) + 1)
+    step.step_many([(7 * i + 3) % vocab for i in range(context)], 0, cache)
+    rows, singles = {}, {"A": [], "B": []}
+    for T in counts:
+        tokens = [(11 * i + 5) % vocab for i in range(T)]
+        step.step_many(tokens, context, cache)  # warm-up
+        rows[T] = interleaved_cpu_ms(step, libs, lambda: step.step_many(tokens, context, cache), rounds)
+        for k, v in interleaved_cpu_ms(step, libs, lambda: step(tokens[0], context, cache), rounds).items():
+            singles[k] += v
+    return rows, singles
+
+
+def print_ab(ref: str, rows: dict, singles: dict) -> None:
+    sa, sb = min(singles["A"]), min(singles["B"])
+    print(f"\nA = kernels at `{ref}`, B = this checkout; this thread's CPU ms, min (median) of the interleaved rounds; "
+          f"single step A {sa:.2f} ({statistics.median(singles['A']):.2f}), B {sb:.2f} ({statistics.median(singles['B']):.2f})")
+    print("\n| T | A step_many ms | B step_many ms | A / single | B / single | B / A |")
+    print("|---|---|---|---|---|---|")
+    for T, r in rows.items():
+        a, b = min(r["A"]), min(r["B"])
+        print(f"| {T} | {a:.2f} ({statistics.median(r['A']):.2f}) | {b:.2f} ({statistics.median(r['B']):.2f}) "
+              f"| {a / sa:.2f}x | {b / sb:.2f}x | {b / a:.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--context", type=int, default=128, help="history tokens before the timed steps")
+    ap.add_argument("--model", default="smollm2", help="alias, .gguf or folder (default: smollm2, packed int4)")
+    ap.add_argument("--plan", default=None, help="a plan folder (then the model's own weights, as planned)")
+    ap.add_argument("--baseline-ref", default=None,
+                    help="git ref whose C kernels run interleaved with this checkout's (A/B table, CPU time)")
     args = ap.parse_args()
     from online import Engine
-    engine = Engine.load("smollm2", threads=args.threads, weight_format="int4")
+    kwargs = {"plan": args.plan} if args.plan else {"weight_format": "int4"}
+    engine = Engine.load(args.model, threads=args.threads, **kwargs)
     if engine.compiled_decode is None:
         raise SystemExit(f"no fused decode step: {engine.decode_path_reason}")
+    if args.baseline_ref:
+        print(f"- Date: {dt.date.today().isoformat()}; threads: {args.threads}; model {args.model}, plan {args.plan}; "
+              f"{args.rounds} interleaved rounds")
+        print_ab(args.baseline_ref, *measure_ab(engine, args.baseline_ref, args.context, args.rounds))
+        return
     rows = measure(engine, args.context, args.rounds)
     print(f"- Date: {dt.date.today().isoformat()}; threads: {args.threads}; command: `python -m bench.multi_token "
           f"--rounds {args.rounds} --context {args.context}`; median of {args.rounds} interleaved rounds.")

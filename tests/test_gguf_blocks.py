@@ -113,6 +113,24 @@ def test_multi_token_rows_equal_single_token_rows(qtype):
                 assert np.array_equal(got[i], want), (T, r0, n, i)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_multi_token_f16_scale_rows_odd_widths_and_token_counts(qtype):
+    """blocks_multi.h: block counts below 8, not a multiple of 8 (576 columns: 18) and whole vectors;
+    token counts odd, past the scale chunk (8) and past one pass (64): dot_rows per token, bit for bit."""
+    lib = native.load_native().lib
+    for cols in (96, 576, 768):
+        d = describe(weight_from_gguf(_raw(qtype, 7, cols), qtype, (ROWS, cols)))
+        for T in (7, 9, 66):
+            x = _x(T, 8, cols)
+            x[T // 2, 64:96] = 0.0  # a zero block (scale 0) in one token
+            got = np.zeros((T, ROWS), np.float32)
+            lib.tdm_dot_rows_multi(ctypes.byref(d.desc), 0, ROWS, T, x.ctypes.data, 2.0, got.ctypes.data)
+            for i in range(T):
+                want = np.zeros(ROWS, np.float32)
+                lib.tdm_dot_rows(ctypes.byref(d.desc), 0, ROWS, x[i].ctypes.data, 2.0, want.ctypes.data)
+                assert np.array_equal(got[i], want), (cols, T, i)
+
+
 def test_quantizing_floats_stores_f16_scales_where_they_fit():
     rng = np.random.default_rng(2)
     w = rng.standard_normal((4, 64)).astype(np.float32)

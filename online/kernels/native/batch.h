@@ -181,8 +181,8 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
     }
 #pragma omp barrier
     chunk(T * m->n_heads, t, nt, &lo, &hi);
-    for (int64_t e = lo; e < hi; e++) {
-        int64_t i = e / m->n_heads, h = e % m->n_heads, pos = B->pos[i];
+    for (int64_t e = lo; e < hi; e++) { /* head-major: a KV group's rows stay in cache for all T tokens */
+        int64_t h = e / T, i = e % T, pos = B->pos[i];
         int64_t g = h / (m->n_heads / m->n_kv);
         int64_t start = window_start(m, L, pos);
         attend_head_rows(L->k_cache + g * B->kv_rows * hd, L->v_cache + g * B->kv_rows * hd, sb->rowmap + i * span,

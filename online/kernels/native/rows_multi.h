@@ -9,6 +9,8 @@
 #ifndef TANDEM_ROWS_MULTI_H
 #define TANDEM_ROWS_MULTI_H
 #include "rows.h"
+#include "blocks_multi.h" /* the f16-scale (Q4_0 / Q4_1 / Q8_0 in place) twins */
+#define TDM_MULTI_MAX_T 64 /* tokens per pass of the f16-scale kernels (their scale buffers are on the stack) */
 
 #ifdef TDM_SIMD
 /* sc[k * ng + g] = d[k * ss + g] * xd[g]: the block scales of four rows times a token's activation
@@ -175,7 +177,20 @@ static void dot_rows_multi(const tdm_weight *w, int64_t r0, int64_t n, const qve
         return;
     }
 #ifdef TDM_SIMD
-    if (packed_scales(w->kind)) { /* blocks.h: as dot_rows, four rows' scales expanded once for all T */
+    if ((w->kind == KIND_I4H || w->kind == KIND_I8H) && T > TDM_MULTI_MAX_T) { /* token chunks (stack bound) */
+        for (int64_t i = 0; i < T; i += TDM_MULTI_MAX_T)
+            dot_rows_multi(w, r0, n, x + i, T - i < TDM_MULTI_MAX_T ? T - i : TDM_MULTI_MAX_T, out + i * os, os);
+        return;
+    }
+    if (w->kind == KIND_I4H || w->kind == KIND_I8H) { /* blocks_multi.h: f16 scales widened once per four rows */
+        int64_t ng = w->cols / 32, ng8 = (ng + 7) & ~(int64_t)7;
+        float xdp[T * ng8]; /* the tokens' activation scales, zero-padded to whole vectors */
+        pad_scales(x, T, ng, ng8, xdp);
+        if (w->kind == KIND_I4H)
+            for (; j + 4 <= n; j += 4) dot4_i4h_multi(w, r0 + j, x, xdp, T, out + j, os);
+        else
+            for (; j + 4 <= n; j += 4) dot4_i8h_multi(w, r0 + j, x, xdp, T, out + j, os);
+    } else if (packed_scales(w->kind)) { /* blocks.h: as dot_rows, four rows' scales expanded once for all T */
         int64_t ng = w->cols / 32;
         float d[4 * ng], m[4 * ng];
         tdm_weight sh;
