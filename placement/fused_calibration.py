@@ -26,9 +26,13 @@ import numpy as np
 from tandem.core.artifacts import atomic_write_json
 from tandem.core.errors import TandemError
 
+from .step_reads import ACCESSES
+
 FORMATS = ("int4", "int8")
 # (layers, hidden, ffn) of the three timed models: fixed costs from the two small ones, bandwidth from the big one
 SIZES = ((2, 256, 1024), (10, 256, 1024), (2, 1536, 6144))
+# tiny layers (hidden 64, FFN 128: ~25 KB of weights each) whose time is the step's fixed costs
+FIXED_SIZES = ((2, 64, 128), (18, 64, 128))
 
 
 @dataclass(frozen=True)
@@ -45,11 +49,29 @@ class FusedTerms:
 
 
 @dataclass(frozen=True)
+class KindRate:
+    """The share of the read bandwidth the step's row kernels reach on one packed format and access
+    pattern (placement.step_reads: dense / gather / axpy), from one timed pass (online.kind_probe)."""
+    kind: str
+    access: str
+    share: float
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.access not in ACCESSES:
+            raise TandemError(f"invalid fused-step rate for {self.kind}: access {self.access!r} is not one of {ACCESSES}")
+        if not (isinstance(self.share, (int, float)) and 0 < self.share < 100):
+            raise TandemError(f"invalid fused-step rate for {self.kind} {self.access}: share {self.share!r}")
+
+
+@dataclass(frozen=True)
 class FusedCalibration:
     threads: int
     read_bandwidth_bytes_per_s: float
     terms: tuple[FusedTerms, ...]
     description: str = ""
+    rates: tuple[KindRate, ...] = ()  # per packed format and access (empty in files written before them)
 
     def term(self, weight_format: str) -> FusedTerms:
         for t in self.terms:
@@ -62,6 +84,27 @@ class FusedCalibration:
         t = self.term(weight_format)
         return t.call_s + n_layers * t.layer_s + read_bytes / (t.bandwidth_share * self.read_bandwidth_bytes_per_s)
 
+    def rate(self, kind: str, access: str) -> KindRate:
+        """The measured rate of (kind, access); a format measured only dense stands in for its other accesses."""
+        for want in (access, "dense"):
+            for r in self.rates:
+                if r.kind == kind and r.access == want:
+                    return r
+        raise TandemError(f"no fused-step rate for {kind} ({access}) in this calibration "
+                          f"(have {', '.join(sorted({r.kind for r in self.rates})) or 'none'}; rerun `tandem probe --fused`)")
+
+    def reads_seconds(self, n_layers: int, reads: dict, fixed: bool = True) -> float:
+        """Modeled seconds per token: the fixed costs (the int4 term's call_s and layer_s; ``fixed``
+        False: none) plus each (format, access)'s bytes at its measured share of the read bandwidth
+        (placement.step_reads)."""
+        seconds = 0.0
+        if fixed:
+            term = self.term("int4")
+            seconds = term.call_s + n_layers * term.layer_s
+        for (kind, access), nbytes in reads.items():
+            seconds += nbytes / (self.rate(kind, access).share * self.read_bandwidth_bytes_per_s)
+        return seconds
+
     def to_dict(self) -> dict:
         return {"kind": "tandem-fused-calibration", **asdict(self)}
 
@@ -69,9 +112,10 @@ class FusedCalibration:
     def from_dict(cls, d: dict) -> "FusedCalibration":
         try:
             terms = tuple(FusedTerms(**{**t, "samples": tuple(tuple(s) for s in t.get("samples", ()))}) for t in d["terms"])
+            rates = tuple(KindRate(**r) for r in d.get("rates", ()))
             return cls(threads=int(d["threads"]), read_bandwidth_bytes_per_s=float(d["read_bandwidth_bytes_per_s"]),
-                       terms=terms, description=str(d.get("description", "")))
-        except (KeyError, TypeError, ValueError) as e:
+                       terms=terms, description=str(d.get("description", "")), rates=rates)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise TandemError(f"invalid fused-step calibration: {e}") from None
 
 
@@ -100,6 +144,38 @@ def fit_terms(fmt: str, samples: list, bandwidth: float) -> FusedTerms:
         per_byte = seconds / read
     share = min(1.5, 1.0 / (per_byte * bandwidth))
     return FusedTerms(fmt, max(call_s, 0.0), max(layer_s, 0.0), share, tuple(samples))
+
+
+def fit_fixed_terms(fmt: str, samples: list, byte_seconds: list, share: float) -> FusedTerms:
+    """call_s and layer_s by least squares on what the reads do not explain: ``samples`` (layers,
+    read_bytes, measured seconds) of tiny models (FIXED_SIZES), ``byte_seconds`` their reads at the
+    measured per-format rates; ``share``: the format's dense share (kept for the nominal model)."""
+    a = np.array([[1.0, layers] for layers, _, _ in samples])
+    y = np.array([s - b for (_, _, s), b in zip(samples, byte_seconds)])
+    (call_s, layer_s), *_ = np.linalg.lstsq(a, y, rcond=None)
+    return FusedTerms(fmt, max(float(call_s), 0.0), max(float(layer_s), 0.0), share, tuple(samples))
+
+
+def best_of(cals: list[FusedCalibration]) -> FusedCalibration:
+    """One calibration from several taken under contention (which only ever slows a measurement): each
+    (format, access) at its fastest round, the read bandwidth at its highest, the fixed costs at their
+    smallest."""
+    if not cals:
+        raise TandemError("best_of needs at least one calibration")
+    bandwidth = max(c.read_bandwidth_bytes_per_s for c in cals)
+    fastest: dict = {}
+    for c in cals:
+        for r in c.rates:
+            rate = r.share * c.read_bandwidth_bytes_per_s
+            if rate > fastest.get((r.kind, r.access), (0.0, None))[0]:
+                fastest[(r.kind, r.access)] = (rate, r)
+    rates = tuple(KindRate(k, a, rate / bandwidth, r.bytes, r.seconds) for (k, a), (rate, r) in fastest.items())
+    terms = []
+    for t in cals[0].terms:
+        same = [c.term(t.weight_format) for c in cals]
+        terms.append(FusedTerms(t.weight_format, min(x.call_s for x in same), min(x.layer_s for x in same),
+                                max(x.bandwidth_share for x in same)))
+    return FusedCalibration(cals[0].threads, bandwidth, tuple(terms), f"best of {len(cals)} calibrations", rates)
 
 
 def calibrated_plan_tokens_per_s(plan, cal: FusedCalibration, weight_format: str = "int4") -> float | None:

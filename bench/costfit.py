@@ -1,0 +1,139 @@
+"""Modeled vs measured decode tok/s of CPU plans, the probe and the decodes interleaved (issue 13).
+
+Every engine is loaded once (no step cache written). In each round every plan decodes ``--tokens``
+greedy tokens per mode right after `tandem probe --fused`'s measurement (read bandwidth, the row
+kernels' rates per packed format and access, fixed costs) of the formats it reads, so contention hits
+the probe and the decodes alike. Modeled = the plan's reads by packed format and access
+(placement.step_reads: the step's real packed tensors x the row shares its profile / predictors give)
+at the measured rates, plus the fixed costs. Reported best of rounds (contention only slows a run) and
+the per-round ratios. Also printed: the plan's raw cost model (nominal bytes per weight, its hardware
+file) and the previous calibrated model (nominal bytes at the int4 term).
+
+    .venv/bin/python -m bench.costfit --rounds 5          # -> bench/costfit.md
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+SYN = Path("bench/synthetic-models")
+PLANS = {  # name: (model, plan, profile, predictors, modes)
+    "smollm2": ("models/SmolLM2-135M-Instruct.Q4_1.gguf", "profiles/SmolLM2-135M-Instruct.Q4_1/plan-probed-0",
+                "profiles/SmolLM2-135M-Instruct.Q4_1/profile", None, ("plan",)),
+    "gemma3": ("models/gemma-3-270m-q4_k_m.gguf", "profiles/gemma3-full/plan-cpu-only-0",
+               "profiles/gemma3-full/profile", None, ("plan",)),
+    "llama-1b-s90": (SYN / "llama-1b-synthetic-s90.Q4_0.gguf", SYN / "llama-1b-synthetic-s90.Q4_0/plan",
+                     SYN / "llama-1b-synthetic-s90.Q4_0/profile", SYN / "llama-1b-synthetic-s90.Q4_0/predictors",
+                     ("dense", "relu-exact", "predictor")),
+}
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def load(name: str, threads: int) -> dict:
+    from offline.profile_artifact import load_profile
+    from online import Engine
+    from online.step_inventory import step_units
+    from placement.plan import read_plan
+    from placement.predictor_info import load_predictor_info
+    from placement.settings import ActivationStats
+    from placement.step_reads import layer_fractions
+
+    model, plan, profile, preds, modes = PLANS[name]
+    engine = Engine.load(str(model), plan=str(plan), predictors=str(preds) if preds else None, threads=threads,
+                         step_cache=False)
+    if engine.decode_path != "fused":
+        raise SystemExit(f"{name}: no fused decode ({engine.decode_path_reason})")
+    cfg, step = engine.config, engine.compiled_decode
+    stats = ActivationStats.from_profile(load_profile(profile), cfg)
+    info = load_predictor_info(preds, cfg.num_layers) if preds else None
+    return dict(name=name, engine=engine, step=step, units=step_units(step, cfg), modes=modes, relu=stats.activity == "relu",
+                exact=layer_fractions(stats.activity, stats.neuron_freq, None),
+                predicted=layer_fractions(stats.activity, stats.neuron_freq, info), plan=read_plan(plan),
+                preds=[ctypes.pointer(layer.pred.contents) if layer.pred else None for layer in step._layers],
+                thresholds=[layer.threshold for layer in step._layers])
+
+
+def set_mode(p: dict, mode: str):
+    """Toggle the step's thresholds / predictors (bench/systems/tandem_synthetic.py); the mode's row fractions."""
+    from online.kernels.native.structs import TdmPredictor
+
+    null = ctypes.POINTER(TdmPredictor)()
+    for i, layer in enumerate(p["step"]._layers):
+        layer.threshold = -1.0 if mode == "dense" else p["thresholds"][i]
+        layer.pred = p["preds"][i] if mode in ("plan", "predictor") and p["preds"][i] else null
+    if mode == "dense":
+        return None
+    return p["exact"] if mode == "relu-exact" else p["predicted"]
+
+
+def measure(p: dict, tokens: int) -> float:
+    out = p["engine"].generate(PROMPT, max_new_tokens=tokens, ignore_eos=True)
+    return float(out.stats["decode_tokens_per_s"])
+
+
+def main() -> None:
+    from online.plan_measure import fixed_cost_engines, measure_fused_calibration
+    from placement.fused_calibration import best_of, calibrated_plan_tokens_per_s
+    from placement.step_reads import format_reads, modeled_reads
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--plans", default=",".join(PLANS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="bench/costfit.md")
+    args = ap.parse_args()
+    plans = [load(n, args.threads) for n in args.plans.split(",")]
+    rows: dict = {}
+    for p in plans:
+        p["needed"] = sorted({key for mode in p["modes"] for key in modeled_reads(p["units"], set_mode(p, mode), p["relu"])})
+        for mode in p["modes"]:
+            set_mode(p, mode)
+            measure(p, 4)  # warm-up
+    tmp = tempfile.TemporaryDirectory(prefix="costfit-")
+    engines = fixed_cost_engines(args.threads, Path(tmp.name))
+    for r in range(args.rounds):
+        for p in plans:  # each plan's decodes right after a probe of the formats it reads
+            cal = measure_fused_calibration(args.threads, reads=p["needed"], engines=engines)
+            p.setdefault("cals", []).append(cal)
+            n_layers = p["engine"].config.num_layers
+            for mode in p["modes"]:
+                reads = modeled_reads(p["units"], set_mode(p, mode), p["relu"])
+                rec = rows.setdefault((p["name"], mode), dict(modeled=[], measured=[], old=[], reads=reads, p=p))
+                rec["modeled"].append(1.0 / cal.reads_seconds(n_layers, reads))
+                rec["old"].append(calibrated_plan_tokens_per_s(p["plan"], cal, "int4") if mode == "plan" else float("nan"))
+                rec["measured"].append(measure(p, args.tokens))
+        print(f"round {r + 1}/{args.rounds} done ({time.strftime('%H:%M:%S')})", flush=True)
+    med = statistics.median
+    bw = max(c.read_bandwidth_bytes_per_s for p in plans for c in p["cals"]) / 1e9
+    lines = [f"## Modeled vs measured tok/s by packed format (`python -m bench.costfit`), {time.strftime('%Y-%m-%d %H:%M')}", "",
+             f"**Contended** (2 cores shared by 3 sessions; {args.threads} threads). {args.rounds} rounds; in each, every plan "
+             f"right after a probe of the formats it reads (`tandem probe --fused`'s measurement: read bandwidth, per-format "
+             f"row-kernel rates, fixed costs) decodes {args.tokens} greedy tokens per mode. **Best of rounds** (contention only "
+             f"slows a run): modeled from each rate's fastest round (placement.fused_calibration.best_of; best read "
+             f"bandwidth {bw:.1f} GB/s), measured = the fastest round; per-round ratios' median and range beside them. "
+             "Raw = the plan's cost model (nominal bytes, its hardware file); previous = nominal bytes at the fused int4 term.", "",
+             "| plan | mode | raw model | previous calibrated | modeled by format (best) | measured (best) | "
+             "modeled / measured (best) | per-round ratio median (range) | reads per token (format, access) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (name, mode), rec in rows.items():
+        p = rec["p"]
+        best = 1.0 / best_of(p["cals"]).reads_seconds(p["engine"].config.num_layers, rec["reads"])
+        ratios = [m / x for m, x in zip(rec["modeled"], rec["measured"])]
+        lines.append(f"| {name} | {mode} | {p['plan'].modeled['tokens_per_s']:.1f} | {max(rec['old']):.1f} | "
+                     f"{best:.1f} | {max(rec['measured']):.1f} | **{best / max(rec['measured']):.2f}** | {med(ratios):.2f} "
+                     f"({min(ratios):.2f}-{max(ratios):.2f}) | {format_reads(rec['reads'])} |")
+    cal = best_of([c for p in plans for c in p["cals"]])
+    lines += ["", "Best rates (share of the best read bandwidth): " + ", ".join(
+        f"{r.kind} {r.access} {r.share:.2f}" for r in cal.rates) + "; fixed: " + ", ".join(
+        f"{t.weight_format} {1e6 * t.call_s:.0f} us/call {1e6 * t.layer_s:.1f} us/layer" for t in cal.terms)]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
