@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+os.environ.setdefault("GOMP_SPINCOUNT", "30000")  # as the tandem CLI (tandem/cli.py), before the kernels load
+
+HEADING = "## Cost model check: modeled vs measured tok/s by packed format (`python -m bench.costfit`, issue 13)"
 SYN = Path("bench/synthetic-models")
 PLANS = {  # name: (model, plan, profile, predictors, modes)
     "smollm2": ("models/SmolLM2-135M-Instruct.Q4_1.gguf", "profiles/SmolLM2-135M-Instruct.Q4_1/plan-probed-0",
@@ -75,14 +79,40 @@ def measure(p: dict, tokens: int) -> float:
     return float(out.stats["decode_tokens_per_s"])
 
 
+def best_token_s(p: dict, tokens: int, mode: str):
+    """(the fastest single step of ``tokens``, the row fractions those steps read as the step counted them).
+    The step alone, no sampling: the decode's counterpart of the probe's best pass (ms-scale windows
+    without other processes on the cores)."""
+    from placement.step_reads import LayerFractions
+
+    engine, step, counters = p["engine"], p["engine"].compiled_decode, p["engine"].executor.counters
+    cache = engine._kv_cache(tokens + 1)
+    act0, tot0, rows0 = counters.ffn_neurons_active, counters.ffn_neurons_total, step.predictor_rows()
+    best = float("inf")
+    for pos in range(tokens):
+        t0 = time.perf_counter()
+        step(1 + pos % 100, pos, cache)
+        best = min(best, time.perf_counter() - t0)
+    total, rows = counters.ffn_neurons_total - tot0, step.predictor_rows()
+    down = (counters.ffn_neurons_active - act0) / total
+    if mode == "dense":
+        counted = None
+    elif mode == "predictor" or (mode == "plan" and any(p["preds"])):
+        counted = LayerFractions((rows[0] - rows0[0]) / total, (rows[1] - rows0[1]) / total, down, predicted=True)
+    else:
+        counted = LayerFractions(1.0, down if p["relu"] else 1.0, down)
+    return best, counted
+
+
 def main() -> None:
+    from bench.run import assemble_results, machine_line
     from online.plan_measure import fixed_cost_engines, measure_fused_calibration
     from placement.fused_calibration import best_of, calibrated_plan_tokens_per_s
     from placement.step_reads import format_reads, modeled_reads
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plans", default=",".join(PLANS))
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench/costfit.md")
@@ -96,6 +126,7 @@ def main() -> None:
             measure(p, 4)  # warm-up
     tmp = tempfile.TemporaryDirectory(prefix="costfit-")
     engines = fixed_cost_engines(args.threads, Path(tmp.name))
+    loads = [os.getloadavg()[0]]
     for r in range(args.rounds):
         for p in plans:  # each plan's decodes right after a probe of the formats it reads
             cal = measure_fused_calibration(args.threads, reads=p["needed"], engines=engines)
@@ -103,35 +134,51 @@ def main() -> None:
             n_layers = p["engine"].config.num_layers
             for mode in p["modes"]:
                 reads = modeled_reads(p["units"], set_mode(p, mode), p["relu"])
-                rec = rows.setdefault((p["name"], mode), dict(modeled=[], measured=[], old=[], reads=reads, p=p))
+                rec = rows.setdefault((p["name"], mode), dict(modeled=[], measured=[], old=[], step=[], counted=[], reads=reads, p=p))
                 rec["modeled"].append(1.0 / cal.reads_seconds(n_layers, reads))
                 rec["old"].append(calibrated_plan_tokens_per_s(p["plan"], cal, "int4") if mode == "plan" else float("nan"))
                 rec["measured"].append(measure(p, args.tokens))
-        print(f"round {r + 1}/{args.rounds} done ({time.strftime('%H:%M:%S')})", flush=True)
+                best_s, counted = best_token_s(p, args.tokens, mode)
+                rec["step"].append(best_s)
+                n = p["engine"].config.num_layers
+                rec["counted"].append(sum(modeled_reads(p["units"], None if counted is None else [counted] * n,
+                                                        p["relu"]).values()))
+        loads.append(os.getloadavg()[0])
+        print(f"round {r + 1}/{args.rounds} done ({time.strftime('%H:%M:%S')}, load {loads[-1]:.1f})", flush=True)
     med = statistics.median
     bw = max(c.read_bandwidth_bytes_per_s for p in plans for c in p["cals"]) / 1e9
-    lines = [f"## Modeled vs measured tok/s by packed format (`python -m bench.costfit`), {time.strftime('%Y-%m-%d %H:%M')}", "",
+    lines = [HEADING, "", f"- Date: {time.strftime('%Y-%m-%d %H:%M')} UTC; machine: {machine_line()}; command: "
+             f"`python -m bench.costfit --rounds {args.rounds} --tokens {args.tokens} --threads {args.threads}`.", "",
              f"**Contended** (2 cores shared by 3 sessions; {args.threads} threads). {args.rounds} rounds; in each, every plan "
              f"right after a probe of the formats it reads (`tandem probe --fused`'s measurement: read bandwidth, per-format "
              f"row-kernel rates, fixed costs) decodes {args.tokens} greedy tokens per mode. **Best of rounds** (contention only "
              f"slows a run): modeled from each rate's fastest round (placement.fused_calibration.best_of; best read "
              f"bandwidth {bw:.1f} GB/s), measured = the fastest round; per-round ratios' median and range beside them. "
-             "Raw = the plan's cost model (nominal bytes, its hardware file); previous = nominal bytes at the fused int4 term.", "",
+             "Raw = the plan's cost model (nominal bytes, its hardware file); previous = nominal bytes at the fused int4 term. "
+             "Measured = `generate`'s decode tok/s; best step = 1 / the fastest single step of all rounds (no sampling; the "
+             f"probe's best pass is its counterpart). 1-minute load average at the start and after each round: "
+             f"{', '.join(f'{x:.1f}' for x in loads)}.", "",
+             "Modeled MB/token: the profile's (and predictors') row shares; counted: the shares the step's own "
+             "counters report over the timed steps (all layers at their mean), same packed tensors.", "",
              "| plan | mode | raw model | previous calibrated | modeled by format (best) | measured (best) | "
-             "modeled / measured (best) | per-round ratio median (range) | reads per token (format, access) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "modeled / measured (best) | per-round ratio median (range) | best step tok/s (modeled / it) | "
+             "MB/token modeled / counted | reads per token (format, access) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (name, mode), rec in rows.items():
         p = rec["p"]
         best = 1.0 / best_of(p["cals"]).reads_seconds(p["engine"].config.num_layers, rec["reads"])
         ratios = [m / x for m, x in zip(rec["modeled"], rec["measured"])]
         lines.append(f"| {name} | {mode} | {p['plan'].modeled['tokens_per_s']:.1f} | {max(rec['old']):.1f} | "
                      f"{best:.1f} | {max(rec['measured']):.1f} | **{best / max(rec['measured']):.2f}** | {med(ratios):.2f} "
-                     f"({min(ratios):.2f}-{max(ratios):.2f}) | {format_reads(rec['reads'])} |")
+                     f"({min(ratios):.2f}-{max(ratios):.2f}) | {1 / min(rec['step']):.1f} ({best * min(rec['step']):.2f}) | "
+                     f"{sum(rec['reads'].values()) / 1e6:.0f} / {med(rec['counted']) / 1e6:.0f} | {format_reads(rec['reads'])} |")
     cal = best_of([c for p in plans for c in p["cals"]])
     lines += ["", "Best rates (share of the best read bandwidth): " + ", ".join(
         f"{r.kind} {r.access} {r.share:.2f}" for r in cal.rates) + "; fixed: " + ", ".join(
         f"{t.weight_format} {1e6 * t.call_s:.0f} us/call {1e6 * t.layer_s:.1f} us/layer" for t in cal.terms)]
     Path(args.out).write_text("\n".join(lines) + "\n")
+    if Path(args.out).resolve() == (Path(__file__).resolve().parent / "costfit.md"):
+        assemble_results()
     print("\n".join(lines))
 
 

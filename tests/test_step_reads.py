@@ -149,3 +149,21 @@ def test_probe_rates_schema(monkeypatch):
     assert all(r.share > 0 and r.seconds > 0 and np.isfinite(r.share) for r in rates)
     with pytest.raises(TandemError, match="cannot time"):
         kind_probe.plan_for([("q2_k", "dense")])
+
+
+def test_best_of_keeps_each_rate_at_its_fastest_round():
+    from placement.fused_calibration import best_of
+
+    slow = FusedCalibration(2, 10e9, (FusedTerms("int4", 3e-5, 4e-6, 0.5),), rates=(KindRate("q4_0", "dense", 0.5),
+                                                                                   KindRate("f16", "axpy", 0.4)))
+    fast = FusedCalibration(2, 20e9, (FusedTerms("int4", 5e-5, 1e-6, 0.9),), rates=(KindRate("q4_0", "dense", 0.2),
+                                                                                   KindRate("f16", "axpy", 0.3)))
+    best = best_of([slow, fast])
+    assert best.read_bandwidth_bytes_per_s == 20e9
+    # q4_0 dense: 5 GB/s (slow round) vs 4 GB/s; f16 axpy: 4 vs 6 GB/s -- shares of the best bandwidth
+    assert best.rate("q4_0", "dense").share == pytest.approx(5e9 / 20e9)
+    assert best.rate("f16", "axpy").share == pytest.approx(6e9 / 20e9)
+    t = best.term("int4")
+    assert (t.call_s, t.layer_s) == (3e-5, 1e-6)
+    with pytest.raises(TandemError, match="at least one"):
+        best_of([])
