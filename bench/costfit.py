@@ -33,6 +33,9 @@ PLANS = {  # name: (model, plan, profile, predictors, modes)
     "llama-1b-s90": (SYN / "llama-1b-synthetic-s90.Q4_0.gguf", SYN / "llama-1b-synthetic-s90.Q4_0/plan",
                      SYN / "llama-1b-synthetic-s90.Q4_0/profile", SYN / "llama-1b-synthetic-s90.Q4_0/predictors",
                      ("dense", "relu-exact", "predictor")),
+    "llama-1b-s50": (SYN / "llama-1b-synthetic-s50.Q4_0.gguf", SYN / "llama-1b-synthetic-s50.Q4_0/plan",
+                     SYN / "llama-1b-synthetic-s50.Q4_0/profile", SYN / "llama-1b-synthetic-s50.Q4_0/predictors",
+                     ("relu-exact", "predictor")),
 }
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
