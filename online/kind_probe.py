@@ -98,37 +98,48 @@ def _parallel(threads: int, work) -> float:
     return time.perf_counter() - t0
 
 
-def time_reads(lib, ref, access: str, threads: int, rng: np.random.Generator) -> tuple[int, float]:
-    """(bytes read per pass, median seconds per pass)."""
-    d = ref.desc
-    rows, cols = d.rows, d.cols
-    x = rng.standard_normal(cols, dtype=np.float32)
-    if access == "dense":
-        picks = [np.arange(rows, dtype=np.int32)]
-    else:  # fresh rows every pass: a repeated pick would come from the last-level cache
-        picks = [np.sort(rng.choice(rows, int(rows * GATHER_SHARE), replace=False)).astype(np.int32)
-                 for _ in range(REPEATS + 1)]
-    out = np.zeros((threads, max(rows, cols)), np.float32)
-    h = rng.standard_normal(len(picks[0]), dtype=np.float32)
-    row_share = weight_bytes(d) / rows
-    current = [picks[0]]
+class ReadPass:
+    """One timed pass of the step's row kernel over a probe matrix (``access`` as in time_reads); calling it
+    reads ``nbytes`` and returns the seconds it took. Gathered / added rows change every pass (a repeated
+    pick would come from the last-level cache)."""
 
-    def work(t: int, nt: int) -> None:
-        idx = current[0]
-        lo, hi = len(idx) * t // nt, len(idx) * (t + 1) // nt
-        o = out[t].ctypes.data
+    def __init__(self, lib, ref, access: str, threads: int, rng: np.random.Generator, picks: int = REPEATS + 1):
+        d = ref.desc
+        self.lib, self.ref, self.access, self.threads, self.calls = lib, ref, access, threads, 0
+        rows, cols = d.rows, d.cols
+        self.x = rng.standard_normal(cols, dtype=np.float32)
         if access == "dense":
-            lib.tdm_dot_rows(ctypes.byref(d), lo, hi - lo, x.ctypes.data, 2.0, o)
-        elif access == "gather":
-            lib.tdm_dot_rows_idx(ctypes.byref(d), idx[lo:].ctypes.data, hi - lo, x.ctypes.data, 2.0, o)
+            self.picks = [np.arange(rows, dtype=np.int32)]
         else:
-            lib.tdm_axpy_rows(ctypes.byref(d), idx[lo:].ctypes.data, h[lo:].ctypes.data, hi - lo, o)
+            self.picks = [np.sort(rng.choice(rows, int(rows * GATHER_SHARE), replace=False)).astype(np.int32)
+                          for _ in range(picks)]
+        self.out = np.zeros((threads, max(rows, cols)), np.float32)
+        self.h = rng.standard_normal(len(self.picks[0]), dtype=np.float32)
+        self.nbytes = int(len(self.picks[0]) * weight_bytes(d) / rows)
+        self._idx = self.picks[0]
 
-    times = []
-    for k in range(REPEATS + 1):  # the first pass warms up
-        current[0] = picks[k % len(picks)]
-        times.append(_parallel(threads, work))
-    return int(len(picks[0]) * row_share), min(times[1:])  # the best pass: contention only slows one
+    def _work(self, t: int, nt: int) -> None:
+        d, idx, lib = self.ref.desc, self._idx, self.lib
+        lo, hi = len(idx) * t // nt, len(idx) * (t + 1) // nt
+        o = self.out[t].ctypes.data
+        if self.access == "dense":
+            lib.tdm_dot_rows(ctypes.byref(d), lo, hi - lo, self.x.ctypes.data, 2.0, o)
+        elif self.access == "gather":
+            lib.tdm_dot_rows_idx(ctypes.byref(d), idx[lo:].ctypes.data, hi - lo, self.x.ctypes.data, 2.0, o)
+        else:
+            lib.tdm_axpy_rows(ctypes.byref(d), idx[lo:].ctypes.data, self.h[lo:].ctypes.data, hi - lo, o)
+
+    def __call__(self) -> float:
+        self._idx = self.picks[self.calls % len(self.picks)]
+        self.calls += 1
+        return _parallel(self.threads, self._work)
+
+
+def time_reads(lib, ref, access: str, threads: int, rng: np.random.Generator) -> tuple[int, float]:
+    """(bytes read per pass, seconds of the best of REPEATS passes after a warm-up one)."""
+    one = ReadPass(lib, ref, access, threads, rng)
+    times = [one() for _ in range(REPEATS + 1)]
+    return one.nbytes, min(times[1:])  # the best pass: contention only slows one
 
 
 def measure_kind_rates(threads: int, bandwidth: float, plan=DEFAULT_PLAN, seed: int = 0) -> tuple[KindRate, ...]:
