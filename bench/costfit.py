@@ -107,7 +107,7 @@ def best_token_s(p: dict, tokens: int, mode: str):
     return best, counted
 
 
-def interleaved_ratio(p: dict, reads: dict, cal, threads: int, pairs: int) -> tuple[float, float, float]:
+def interleaved_ratio(p: dict, reads: dict, shares: dict, cal, threads: int, pairs: int) -> tuple[float, float, float]:
     """Modeled / measured tok/s from ``pairs`` back-to-back pairs, contention hitting both alike: A = the
     modeled token (one probe pass per format and access the mode reads, scaled to its bytes, plus the
     fixed costs of ``cal``), B = one decode step. (median, min, max) of step seconds / modeled seconds."""
@@ -122,7 +122,7 @@ def interleaved_ratio(p: dict, reads: dict, cal, threads: int, pairs: int) -> tu
         if nbytes < 0.005 * total:  # the embedding row and the like: below the noise
             continue
         fmt, acc = plan_for([(kind, access)])[0]
-        one = ReadPass(lib, cached_weight(fmt, acc == "axpy")[1], acc, threads, rng, picks=4)
+        one = ReadPass(lib, cached_weight(fmt, acc == "axpy")[1], acc, threads, rng, picks=4, share=shares[(kind, access)])
         one()  # warm-up
         passes.append((one, nbytes / one.nbytes))
     n_layers = p["engine"].config.num_layers
@@ -144,7 +144,7 @@ def main() -> None:
     from bench.run import assemble_results, machine_line
     from online.plan_measure import fixed_cost_engines, measure_fused_calibration
     from placement.fused_calibration import best_of, calibrated_plan_tokens_per_s
-    from placement.step_reads import format_reads, modeled_reads
+    from placement.step_reads import format_reads, modeled_reads, read_fractions
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plans", default=",".join(PLANS))
@@ -170,9 +170,11 @@ def main() -> None:
             p.setdefault("cals", []).append(cal)
             n_layers = p["engine"].config.num_layers
             for mode in p["modes"]:
-                reads = modeled_reads(p["units"], set_mode(p, mode), p["relu"])
-                rec = rows.setdefault((p["name"], mode), dict(modeled=[], measured=[], old=[], step=[], counted=[], reads=reads, p=p))
-                rec["modeled"].append(1.0 / cal.reads_seconds(n_layers, reads))
+                fractions = set_mode(p, mode)
+                reads, shares = modeled_reads(p["units"], fractions, p["relu"]), read_fractions(p["units"], fractions, p["relu"])
+                rec = rows.setdefault((p["name"], mode), dict(modeled=[], measured=[], old=[], step=[], counted=[], reads=reads,
+                                                              shares=shares, p=p))
+                rec["modeled"].append(1.0 / cal.reads_seconds(n_layers, reads, fractions=shares))
                 rec["old"].append(calibrated_plan_tokens_per_s(p["plan"], cal, "int4") if mode == "plan" else float("nan"))
                 rec["measured"].append(measure(p, args.tokens))
                 best_s, counted = best_token_s(p, args.tokens, mode)
@@ -181,10 +183,10 @@ def main() -> None:
                 rec["counted"].append(sum(modeled_reads(p["units"], None if counted is None else [counted] * n,
                                                         p["relu"]).values()))
         loads.append(os.getloadavg()[0])
+        print(f"round {r + 1}/{args.rounds} done ({time.strftime('%H:%M:%S')}, load {loads[-1]:.1f})", flush=True)
     for (name, mode), rec in rows.items():  # the A/B pairs, at the best rates of the plan's rounds
         set_mode(rec["p"], mode)
-        rec["ab"] = interleaved_ratio(rec["p"], rec["reads"], best_of(rec["p"]["cals"]), args.threads, args.pairs)
-        print(f"round {r + 1}/{args.rounds} done ({time.strftime('%H:%M:%S')}, load {loads[-1]:.1f})", flush=True)
+        rec["ab"] = interleaved_ratio(rec["p"], rec["reads"], rec["shares"], best_of(rec["p"]["cals"]), args.threads, args.pairs)
     med = statistics.median
     bw = max(c.read_bandwidth_bytes_per_s for p in plans for c in p["cals"]) / 1e9
     lines = [HEADING.format(threads=args.threads), "", f"- Date: {time.strftime('%Y-%m-%d %H:%M')} UTC; machine: {machine_line()}; command: "
@@ -205,14 +207,16 @@ def main() -> None:
              "to the mode's bytes, plus the fixed costs) and B = one decode step; median (range) of B's seconds / A's "
              "= modeled / measured tok/s. With 2 threads on a loaded host the step's many OpenMP barriers per token "
              "wait on the scheduler (a step measured 188 ms alone where a probe pass of half its bytes took 5 ms), "
-             "which one join per probe pass does not: contended 2-thread ratios overstate; 1 thread has no barriers.", "",
+             "which one join per probe pass does not: contended 2-thread ratios overstate; 1 thread has no barriers. "
+             "Not modeled: `generate`'s own per-token work beyond the step (sampling, detokenizing; the tiny models' "
+             "fixed costs have no tokenizer): compare `generate` with the best step in the same row.", "",
              "| plan | mode | raw model | previous calibrated | modeled by format (best) | measured (best) | "
              "modeled / measured (best) | per-round ratio median (range) | best step tok/s (modeled / it) | "
              "**interleaved A/B modeled / measured** | MB/token modeled / counted | reads per token (format, access) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (name, mode), rec in rows.items():
         p = rec["p"]
-        best = 1.0 / best_of(p["cals"]).reads_seconds(p["engine"].config.num_layers, rec["reads"])
+        best = 1.0 / best_of(p["cals"]).reads_seconds(p["engine"].config.num_layers, rec["reads"], fractions=rec["shares"])
         ratios = [m / x for m, x in zip(rec["modeled"], rec["measured"])]
         lines.append(f"| {name} | {mode} | {p['plan'].modeled['tokens_per_s']:.1f} | {max(rec['old']):.1f} | "
                      f"{best:.1f} | {max(rec['measured']):.1f} | **{best / max(rec['measured']):.2f}** | {med(ratios):.2f} "
@@ -220,7 +224,7 @@ def main() -> None:
                      f"**{rec['ab'][0]:.2f}** ({rec['ab'][1]:.2f}-{rec['ab'][2]:.2f}) | {sum(rec['reads'].values()) / 1e6:.0f} / {med(rec['counted']) / 1e6:.0f} | {format_reads(rec['reads'])} |")
     cal = best_of([c for p in plans for c in p["cals"]])
     lines += ["", "Best rates (share of the best read bandwidth): " + ", ".join(
-        f"{r.kind} {r.access} {r.share:.2f}" for r in cal.rates) + "; fixed: " + ", ".join(
+        f"{r.kind} {r.access}{'' if r.access == 'dense' else f' {r.fraction:.0%}'} {r.share:.2f}" for r in cal.rates) + "; fixed: " + ", ".join(
         f"{t.weight_format} {1e6 * t.call_s:.0f} us/call {1e6 * t.layer_s:.1f} us/layer" for t in cal.terms)]
     Path(args.out).write_text("\n".join(lines) + "\n")
     if Path(args.out).resolve() == (Path(__file__).resolve().parent / "costfit.md"):

@@ -2,8 +2,8 @@
 
 Each format gets a random matrix of ``PROBE_BYTES`` (past the last-level cache) packed as the runtime packs
 it (GGUF blocks through weight_from_gguf, re-packed int4 / int8, f16 / int8 down rows) and is read the way
-the step reads it (placement.step_reads): ``dense`` (every row dotted, tdm_dot_rows), ``gather`` (a
-quarter of the rows, sorted, tdm_dot_rows_idx), ``axpy`` (a quarter of the down rows added, tdm_axpy_rows).
+the step reads it (placement.step_reads): ``dense`` (every row dotted, tdm_dot_rows), ``gather`` (10%,
+40% and all of the rows, sorted, tdm_dot_rows_idx), ``axpy`` (as many down rows added, tdm_axpy_rows).
 ``threads`` Python threads split the rows as the step's OpenMP threads do (ctypes releases the GIL).
 Rates are bytes read / the best pass's seconds (other processes only ever slow a pass); the share is
 that over the probe's torch read bandwidth.
@@ -31,7 +31,7 @@ from .step_inventory import kind_name, weight_bytes
 
 PROBE_BYTES = 48 * 2**20
 COLS = 2048
-GATHER_SHARE = 0.25
+SPARSE_SHARES = (0.1, 0.4, 1.0)  # shares of the rows a gather / axpy pass reads (rates interpolate between)
 REPEATS = 7
 # GGUF block layouts: (weights per block, bytes per block, offsets of the f16 fields) -- ggml-common.h
 GGUF_BLOCKS = {"Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q8_0": (32, 34, (0,)), "Q5_0": (32, 22, (0,)),
@@ -103,7 +103,8 @@ class ReadPass:
     reads ``nbytes`` and returns the seconds it took. Gathered / added rows change every pass (a repeated
     pick would come from the last-level cache)."""
 
-    def __init__(self, lib, ref, access: str, threads: int, rng: np.random.Generator, picks: int = REPEATS + 1):
+    def __init__(self, lib, ref, access: str, threads: int, rng: np.random.Generator, picks: int = REPEATS + 1,
+                 share: float = 1.0):
         d = ref.desc
         self.lib, self.ref, self.access, self.threads, self.calls = lib, ref, access, threads, 0
         rows, cols = d.rows, d.cols
@@ -111,8 +112,8 @@ class ReadPass:
         if access == "dense":
             self.picks = [np.arange(rows, dtype=np.int32)]
         else:
-            self.picks = [np.sort(rng.choice(rows, int(rows * GATHER_SHARE), replace=False)).astype(np.int32)
-                          for _ in range(picks)]
+            n = max(1, int(rows * share))
+            self.picks = [np.sort(rng.choice(rows, n, replace=False)).astype(np.int32) for _ in range(picks if n < rows else 1)]
         self.out = np.zeros((threads, max(rows, cols)), np.float32)
         self.h = rng.standard_normal(len(self.picks[0]), dtype=np.float32)
         self.nbytes = int(len(self.picks[0]) * weight_bytes(d) / rows)
@@ -135,9 +136,9 @@ class ReadPass:
         return _parallel(self.threads, self._work)
 
 
-def time_reads(lib, ref, access: str, threads: int, rng: np.random.Generator) -> tuple[int, float]:
+def time_reads(lib, ref, access: str, threads: int, rng: np.random.Generator, share: float = 1.0) -> tuple[int, float]:
     """(bytes read per pass, seconds of the best of REPEATS passes after a warm-up one)."""
-    one = ReadPass(lib, ref, access, threads, rng)
+    one = ReadPass(lib, ref, access, threads, rng, share=share)
     times = [one() for _ in range(REPEATS + 1)]
     return one.nbytes, min(times[1:])  # the best pass: contention only slows one
 
@@ -153,7 +154,8 @@ def measure_kind_rates(threads: int, bandwidth: float, plan=DEFAULT_PLAN, seed: 
     for fmt, accesses in by_format.items():
         for access in accesses:
             _, ref = cached_weight(fmt, access == "axpy")
-            read, seconds = time_reads(lib, ref, access, threads, rng)
-            out.append(KindRate(kind=kind_name(ref.desc), access=access, share=read / seconds / bandwidth,
-                                bytes=read, seconds=seconds))
+            for share in (1.0,) if access == "dense" else SPARSE_SHARES:
+                read, seconds = time_reads(lib, ref, access, threads, rng, share)
+                out.append(KindRate(kind=kind_name(ref.desc), access=access, share=read / seconds / bandwidth,
+                                    bytes=read, seconds=seconds, fraction=share))
     return tuple(out)

@@ -57,12 +57,15 @@ class KindRate:
     share: float
     bytes: int = 0
     seconds: float = 0.0
+    fraction: float = 1.0  # share of the matrix's rows the timed pass read (gather / axpy)
 
     def __post_init__(self) -> None:
         if self.access not in ACCESSES:
             raise TandemError(f"invalid fused-step rate for {self.kind}: access {self.access!r} is not one of {ACCESSES}")
         if not (isinstance(self.share, (int, float)) and 0 < self.share < 100):
             raise TandemError(f"invalid fused-step rate for {self.kind} {self.access}: share {self.share!r}")
+        if not (isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1):
+            raise TandemError(f"invalid fused-step rate for {self.kind} {self.access}: row fraction {self.fraction!r}")
 
 
 @dataclass(frozen=True)
@@ -84,25 +87,37 @@ class FusedCalibration:
         t = self.term(weight_format)
         return t.call_s + n_layers * t.layer_s + read_bytes / (t.bandwidth_share * self.read_bandwidth_bytes_per_s)
 
-    def rate(self, kind: str, access: str) -> KindRate:
-        """The measured rate of (kind, access); a format measured only dense stands in for its other accesses."""
+    def rate(self, kind: str, access: str, fraction: float | None = None) -> KindRate:
+        """The measured rate of (kind, access), at ``fraction`` of the rows linearly between the fractions
+        timed (clamped at the ends; None: the densest); a format measured only dense stands in for its
+        other accesses."""
         for want in (access, "dense"):
-            for r in self.rates:
-                if r.kind == kind and r.access == want:
-                    return r
+            found = sorted((r for r in self.rates if r.kind == kind and r.access == want), key=lambda r: r.fraction)
+            if not found:
+                continue
+            if fraction is None or fraction >= found[-1].fraction:
+                return found[-1]
+            if fraction <= found[0].fraction:
+                return found[0]
+            lo, hi = next((a, b) for a, b in zip(found, found[1:]) if a.fraction <= fraction <= b.fraction)
+            if hi.fraction == lo.fraction:
+                return lo
+            w = (fraction - lo.fraction) / (hi.fraction - lo.fraction)
+            return KindRate(kind, want, lo.share + w * (hi.share - lo.share), fraction=fraction)
         raise TandemError(f"no fused-step rate for {kind} ({access}) in this calibration "
                           f"(have {', '.join(sorted({r.kind for r in self.rates})) or 'none'}; rerun `tandem probe --fused`)")
 
-    def reads_seconds(self, n_layers: int, reads: dict, fixed: bool = True) -> float:
+    def reads_seconds(self, n_layers: int, reads: dict, fixed: bool = True, fractions: dict | None = None) -> float:
         """Modeled seconds per token: the fixed costs (the int4 term's call_s and layer_s; ``fixed``
         False: none) plus each (format, access)'s bytes at its measured share of the read bandwidth
-        (placement.step_reads)."""
+        (placement.step_reads), at the row fraction ``fractions`` gives it (step_reads.read_fractions)."""
         seconds = 0.0
         if fixed:
             term = self.term("int4")
             seconds = term.call_s + n_layers * term.layer_s
         for (kind, access), nbytes in reads.items():
-            seconds += nbytes / (self.rate(kind, access).share * self.read_bandwidth_bytes_per_s)
+            f = (fractions or {}).get((kind, access))
+            seconds += nbytes / (self.rate(kind, access, f).share * self.read_bandwidth_bytes_per_s)
         return seconds
 
     def to_dict(self) -> dict:
@@ -167,9 +182,9 @@ def best_of(cals: list[FusedCalibration]) -> FusedCalibration:
     for c in cals:
         for r in c.rates:
             rate = r.share * c.read_bandwidth_bytes_per_s
-            if rate > fastest.get((r.kind, r.access), (0.0, None))[0]:
-                fastest[(r.kind, r.access)] = (rate, r)
-    rates = tuple(KindRate(k, a, rate / bandwidth, r.bytes, r.seconds) for (k, a), (rate, r) in fastest.items())
+            if rate > fastest.get((r.kind, r.access, r.fraction), (0.0, None))[0]:
+                fastest[(r.kind, r.access, r.fraction)] = (rate, r)
+    rates = tuple(KindRate(k, a, rate / bandwidth, r.bytes, r.seconds, f) for (k, a, f), (rate, r) in fastest.items())
     terms = []
     for t in cals[0].terms:
         same = [c.term(t.weight_format) for c in cals]

@@ -16,7 +16,8 @@ Example::
 
     fractions = layer_fractions("relu", stats.neuron_freq, predictor_info)
     reads = modeled_reads(units, fractions, relu=True)    # {("q4_0", "dense"): 3.1e8, ("f16", "axpy"): ...}
-    cal.reads_seconds(n_layers, reads)                    # placement.fused_calibration
+    shares = read_fractions(units, fractions, relu=True)  # {("f16", "axpy"): 0.1, ...}: rows read, byte-weighted
+    cal.reads_seconds(n_layers, reads, fractions=shares)  # placement.fused_calibration
 """
 from __future__ import annotations
 
@@ -94,6 +95,22 @@ def unit_access(unit: StepUnit, fractions: LayerFractions | None, relu: bool) ->
 def modeled_reads(units: list[StepUnit], fractions: list[LayerFractions] | None, relu: bool) -> dict[tuple[str, str], float]:
     """Bytes per token by (format, access). ``fractions`` None: every row of every unit, no predictors."""
     reads: dict[tuple[str, str], float] = defaultdict(float)
+    for (key, nbytes), _ in _unit_reads(units, fractions, relu):
+        reads[key] += nbytes
+    return dict(reads)
+
+
+def read_fractions(units: list[StepUnit], fractions: list[LayerFractions] | None, relu: bool) -> dict[tuple[str, str], float]:
+    """The byte-weighted mean share of rows read per (format, access) (the row kernels' rate depends on it)."""
+    weighted: dict[tuple[str, str], float] = defaultdict(float)
+    for (key, nbytes), share in _unit_reads(units, fractions, relu):
+        weighted[key] += share * nbytes
+    reads = modeled_reads(units, fractions, relu)
+    return {key: min(1.0, weighted[key] / b) for key, b in reads.items() if b > 0}
+
+
+def _unit_reads(units, fractions, relu):
+    """((format, access), bytes read) and the unit's row share, per unit read at all."""
     for u in units:
         if fractions is None:
             access, share = ("axpy" if u.role == "down_t" else "dense"), (0.0 if u.role == "pred" else 1.0)
@@ -101,8 +118,7 @@ def modeled_reads(units: list[StepUnit], fractions: list[LayerFractions] | None,
             f = fractions[u.layer] if 0 <= u.layer < len(fractions) else None
             access, share = unit_access(u, f, relu)
         if share > 0:
-            reads[(u.kind, access)] += share * u.packed_bytes
-    return dict(reads)
+            yield ((u.kind, access), share * u.packed_bytes), share
 
 
 def bytes_by_kind(units: list[StepUnit]) -> dict[str, int]:

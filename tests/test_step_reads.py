@@ -118,12 +118,13 @@ def test_calibration_rates_model_and_schema(tmp_path):
     path = save_calibration(cal, tmp_path / "cal.json")
     assert load_calibration(path) == cal
     data = json.loads(path.read_text())
-    assert set(data["rates"][0]) == {"kind", "access", "share", "bytes", "seconds"}
+    assert set(data["rates"][0]) == {"kind", "access", "share", "bytes", "seconds", "fraction"}
     del data["rates"]  # files from before the per-format rates still load
     (tmp_path / "old.json").write_text(json.dumps(data))
     assert load_calibration(tmp_path / "old.json").rates == ()
     for bad in ([{"kind": "q8_0", "access": "sideways", "share": 0.5}], [{"kind": "q8_0", "access": "dense", "share": 0}],
-                [{"kind": "q8_0", "access": "dense", "share": 0.5, "extra": 1}], ["q8_0"]):
+                [{"kind": "q8_0", "access": "dense", "share": 0.5, "extra": 1}], ["q8_0"],
+                [{"kind": "q8_0", "access": "axpy", "share": 0.5, "fraction": 0}]):
         (tmp_path / "bad.json").write_text(json.dumps({**data, "rates": bad}))
         with pytest.raises(TandemError, match="invalid fused-step"):
             load_calibration(tmp_path / "bad.json")
@@ -141,14 +142,30 @@ def test_probe_rates_schema(monkeypatch):
         rates = kind_probe.measure_kind_rates(2, 10e9, plan)
     finally:
         kind_probe.cached_weight.cache_clear()
-    assert [(r.kind, r.access) for r in rates] == [("q4_1", "dense"), ("q6_k", "gather"), ("q8_0", "axpy"), ("f16", "axpy")]
+    sparse = kind_probe.SPARSE_SHARES
+    assert [(r.kind, r.access, r.fraction) for r in rates] == [("q4_1", "dense", 1.0)] + [
+        (k, a, f) for k, a in (("q6_k", "gather"), ("q8_0", "axpy"), ("f16", "axpy")) for f in sparse]
     rows = 256 * 1024 // (kind_probe.COLS // 32 * 20)
     assert rates[0].bytes == _ggml_bytes("Q4_1", rows, kind_probe.COLS)  # every row read once
     f16_rows = int(256 * 1024 // (2 * kind_probe.COLS))
-    assert rates[3].bytes == int(f16_rows * kind_probe.GATHER_SHARE) * 2 * kind_probe.COLS
+    assert [r.bytes for r in rates[-3:]] == [max(1, int(f16_rows * f)) * 2 * kind_probe.COLS for f in sparse]
     assert all(r.share > 0 and r.seconds > 0 and np.isfinite(r.share) for r in rates)
     with pytest.raises(TandemError, match="cannot time"):
         kind_probe.plan_for([("q2_k", "dense")])
+
+
+def test_rates_interpolate_over_the_row_fraction():
+    cal = _cal((KindRate("f16", "axpy", 0.2, fraction=0.1), KindRate("f16", "axpy", 0.6, fraction=0.5),
+                KindRate("f16", "axpy", 1.0, fraction=1.0)))
+    assert cal.rate("f16", "axpy", 0.3).share == pytest.approx(0.4)
+    assert cal.rate("f16", "axpy", 0.05).share == 0.2 and cal.rate("f16", "axpy", None).share == 1.0
+    reads = {("f16", "axpy"): 3e6}
+    assert cal.reads_seconds(0, reads, fixed=False, fractions={("f16", "axpy"): 0.75}) == pytest.approx(3e6 / (0.8 * 10e9))
+    # the byte-weighted row share per (format, access)
+    units = [StepUnit("down_t", 0, "f16", 1000), StepUnit("down_t", 1, "f16", 3000)]
+    layers = [LayerFractions(1.0, 1.0, 0.5), LayerFractions(1.0, 1.0, 0.1)]
+    from placement.step_reads import read_fractions
+    assert read_fractions(units, layers, relu=False) == {("f16", "axpy"): pytest.approx((500 * 0.5 + 300 * 0.1) / 800)}
 
 
 def test_best_of_keeps_each_rate_at_its_fastest_round():
