@@ -2,18 +2,23 @@
 
 The cost model (cost_model.py) charges bytes / bandwidth with the probe's raw read bandwidth and no
 fixed costs; it overrated the cpu-only SmolLM2 plan by 1.5-2.5x. ``tandem probe --fused FILE``
-times the real fused C step on random Llama models of three sizes per weight format and fits
+(online.plan_measure, online.kind_probe) measures
 
-    seconds per token = call_s + n_layers * layer_s + read_bytes / (bandwidth_share * read_bandwidth)
+    seconds per token = call_s + n_layers * layer_s
+                        + sum over (format, access) of bytes / (share(format, access, row fraction) * read_bandwidth)
 
-(call_s: one OpenMP region, embedding, output setup; layer_s: the barriers and small vectors of a
-layer; bandwidth_share: the share of the probe's read bandwidth the row kernels reach).
+(call_s: one OpenMP region, embedding, output setup, the token loop; layer_s: the barriers and small
+vectors of a layer, both fitted on tiny random Llama models; share: the row kernels' rate on that packed
+format and access pattern (dense / gather / axpy, at 10 / 40 / 100% of the rows) over the probe's read
+bandwidth). The bytes are the step's own packed tensors at the plan's row shares (placement.step_reads).
+``step_seconds`` keeps the earlier form: nominal bytes at one share per weight format.
 
 Example::
 
-    cal = measure_fused_calibration(threads=2)              # ~20 s (online.plan_measure: it times engines)
+    cal = measure_fused_calibration(threads=2)              # ~25 s (online.plan_measure: it times engines)
+    cal.reads_seconds(n_layers, reads, fractions=shares)    # reads, shares: placement.step_reads
     cal.step_seconds("int4", n_layers=16, read_bytes=600e6)
-    calibrated_plan_tokens_per_s(plan, cal)                   # cpu-only plans
+    calibrated_plan_tokens_per_s(plan, cal)                   # cpu-only plans, nominal bytes
 """
 from __future__ import annotations
 
