@@ -9,7 +9,7 @@ DEFAULT_GGUF := $(MODELS_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 THREADS ?= 2
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: setup run test test-fast bench bench-gpu bench-peers bench-spec clean
+.PHONY: setup run test test-fast bench bench-gpu bench-peers bench-spec bench-costfit clean
 
 setup: $(STAMP) $(DEFAULT_GGUF)
 
@@ -41,6 +41,10 @@ bench: setup
 # (without CUDA the same rows run on the CPU tier and are labelled so).
 bench-gpu: setup
 	bash bench/gpu.sh
+
+# The cost model check (issue 13): modeled (by packed format) vs measured tok/s of the CPU plans -> bench/costfit.md
+bench-costfit: setup
+	$(BIN)/python -m bench.costfit --threads $(THREADS)
 
 bench-spec: setup
 	$(BIN)/python -m bench.speculative --threads $(THREADS) $(if $(PLAN),--plan $(PLAN),)

@@ -120,9 +120,10 @@ def write_table(rows, args, calibration: Path) -> None:
              "low-rank predictor (int8) and reads only the predicted gate/up rows and active down rows.",
              "- bytes/token: weight bytes each mode reads per token (attention, output layer, FFN rows, predictor); "
              "limit: bytes/token against the read bandwidth measured in the same process; achieved = tok/s / limit.",
-             "- modeled: the fused-step cost terms from `tandem probe --fused` (per call, per layer, bandwidth share; "
-             "fitted on dense random Llama models, not on these) applied to each mode's bytes/token; in brackets "
-             "modeled / measured (goal: 0.75-1.25).",
+             "- modeled: `tandem probe --fused`'s terms (fixed cost per call and per layer from tiny random Llama "
+             "models; the row kernels' rate per packed format and access: dense rows, gathered rows, added down rows) "
+             "applied to each mode's reads by format and access (the step's own packed tensors at the rows the run "
+             "counted; placement.step_reads); in brackets modeled / measured (goal: 0.75-1.25).",
              "- read GB/s: torch-sum read bandwidth measured inside the Tandem process of that row: the 2 cores are "
              "shared with other jobs, and rows where it falls far below ~30 GB/s ran under contention (all "
              "systems of a row share it, so compare within a row).",

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from placement.fused_calibration import FORMATS, SIZES, FusedCalibration, fit_terms
+from placement.fused_calibration import FIXED_SIZES, FORMATS, FusedCalibration, fit_fixed_terms
+from placement.step_reads import modeled_reads
 from placement.plan import read_plan
 from placement.probe import measure_read_bandwidth
 from placement.quality import DEFAULT_QUALITY_TOKENS, WINDOW_TOKENS, held_out_tokens, scores
@@ -53,8 +54,11 @@ def measure_plan_quality(model: str | Path, plan_dir: str | Path, *, max_tokens:
             "path": "batched module path (tier units, packed CPU weights, thresholds, predictors)"}
 
 
-def measure_plan_tokens_per_s(model: str, plan_dir: str, predictors: str | None, threads: int | None) -> tuple[float, str]:
-    """(decode tok/s over MEASURE_TOKENS greedy tokens after a short prompt, decode path)."""
+def measure_plan_tokens_per_s(model: str, plan_dir: str, predictors: str | None, threads: int | None,
+                              want_units: bool = False):
+    """(decode tok/s over MEASURE_TOKENS greedy tokens after a short prompt, decode path); with
+    ``want_units`` also (the fused step's packed tensors, config) for placement.step_reads (None: no
+    fused step)."""
     engine = Engine.load(model, threads=threads, plan=plan_dir, predictors=predictors)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     engine.generate(prompt, max_new_tokens=4, ignore_eos=True)  # warm-up (native build, caches)
@@ -63,7 +67,16 @@ def measure_plan_tokens_per_s(model: str, plan_dir: str, predictors: str | None,
     rate = out.stats.get("decode_tokens_per_s") if hasattr(out, "stats") else None
     if not rate:
         rate = MEASURE_TOKENS / (time.perf_counter() - t0)
-    return float(rate), engine.decode_path
+    if not want_units:
+        return float(rate), engine.decode_path
+    step = None
+    if engine.decode_path == "fused":
+        from .step_inventory import step_units
+        try:
+            step = (step_units(engine.compiled_decode, engine.config), engine.config)
+        except TandemError:  # MoE layers: reads that follow the router are not modeled by format
+            step = None
+    return float(rate), engine.decode_path, step
 
 
 def _random_llama(folder: Path, layers: int, hidden: int, ffn: int) -> Path:
@@ -92,27 +105,60 @@ def _time_step(engine, tokens: int = 64, rounds: int = 5) -> float:
     return statistics.median(times)
 
 
-def measure_fused_calibration(threads: int, formats: tuple[str, ...] = FORMATS) -> FusedCalibration:
-    """Time the fused step on three random Llama models per format and fit the three terms."""
+def _time_generate(engine, tokens: int = 16, runs: int = 7) -> float:
+    """Seconds per decoded token as ``generate`` reports them (the step plus the token loop's own work),
+    the best of ``runs`` short runs (a few ms each on the tiny models: the probe passes' time scale)."""
+    rates = [engine.generate([1, 2, 3, 4, 5, 6, 7, 8], max_new_tokens=tokens, ignore_eos=True).stats["decode_tokens_per_s"]
+             for _ in range(runs)]
+    return 1.0 / float(max(rates))
+
+
+def fixed_cost_engines(threads: int, folder: Path, formats: tuple[str, ...] = FORMATS) -> list[tuple]:
+    """(layers, format, engine, units) of tiny random Llama models (FIXED_SIZES) written under ``folder``."""
+    from .step_inventory import step_units
+
+    out = []
+    for i, (layers, hidden, ffn) in enumerate(FIXED_SIZES):
+        path = _random_llama(Path(folder) / f"m{i}", layers, hidden, ffn)
+        for fmt in formats:
+            engine = Engine.load(str(path), threads=threads, weight_format=fmt)
+            if engine.decode_path != "fused":
+                raise TandemError(f"no fused decode step here: {engine.decode_path_reason}")
+            engine.generate([1, 2, 3], max_new_tokens=2, ignore_eos=True)  # warm-up
+            out.append((layers, fmt, engine, step_units(engine.compiled_decode, engine.config)))
+    return out
+
+
+def measure_fused_calibration(threads: int, formats: tuple[str, ...] = FORMATS, reads=None,
+                              engines: list | None = None) -> FusedCalibration:
+    """The probe's read bandwidth, the row kernels' share of it per packed format and access
+    (online.kind_probe), and the fixed costs per call and per layer: least squares on what the reads at
+    those rates leave of tiny random Llama models' decode time through ``generate`` (~20 s the first
+    time, a few seconds with ``engines`` from fixed_cost_engines). ``reads``: only these (kind, access)
+    pairs and the tiny models' own; None: every format the step reads."""
     import torch
 
+    from .kind_probe import DEFAULT_PLAN, measure_kind_rates, plan_for
+
+    if engines is None:
+        with tempfile.TemporaryDirectory(prefix="tandem-probe-") as tmp:
+            return measure_fused_calibration(threads, formats, reads, fixed_cost_engines(threads, Path(tmp), formats))
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         bandwidth = measure_read_bandwidth("cpu")
     finally:
         torch.set_num_threads(previous)
-    samples = {f: [] for f in formats}
-    with tempfile.TemporaryDirectory(prefix="tandem-probe-") as tmp:
-        for i, (layers, hidden, ffn) in enumerate(SIZES):
-            folder = _random_llama(Path(tmp) / f"m{i}", layers, hidden, ffn)
-            for fmt in formats:
-                engine = Engine.load(str(folder), threads=threads, weight_format=fmt)
-                if engine.decode_path != "fused":
-                    raise TandemError(f"no fused decode step here: {engine.decode_path_reason}")
-                samples[fmt].append((layers, float(engine.weight_bytes_per_token), _time_step(engine)))
-                del engine
-    terms = tuple(fit_terms(fmt, samples[fmt], bandwidth) for fmt in formats)
+    fixed_reads = [("q4_1", "dense"), ("int8", "dense"), ("f16", "axpy"), ("f32", "dense")]  # the tiny models'
+    rates = measure_kind_rates(threads, bandwidth, DEFAULT_PLAN if reads is None else plan_for([*fixed_reads, *reads]))
+    partial = FusedCalibration(threads=threads, read_bandwidth_bytes_per_s=bandwidth, terms=(), rates=rates)
+    samples, byte_s = {f: [] for f in formats}, {f: [] for f in formats}
+    for layers, fmt, engine, units in engines:
+        step_reads = modeled_reads(units, None, relu=False)
+        byte_s[fmt].append(partial.reads_seconds(0, step_reads, fixed=False))
+        samples[fmt].append((layers, float(sum(step_reads.values())), _time_generate(engine)))
+    dense_share = {"int4": partial.rate("q4_1", "dense").share, "int8": partial.rate("int8", "dense").share}
+    terms = tuple(fit_fixed_terms(fmt, samples[fmt], byte_s[fmt], dense_share.get(fmt, 1.0)) for fmt in formats)
     stamp = time.strftime("%Y-%m-%d %H:%M")
-    return FusedCalibration(threads=threads, read_bandwidth_bytes_per_s=bandwidth, terms=terms,
+    return FusedCalibration(threads=threads, read_bandwidth_bytes_per_s=bandwidth, terms=terms, rates=rates,
                             description=f"measured by `tandem probe --fused` on {stamp} ({threads} threads)")

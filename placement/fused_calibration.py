@@ -2,18 +2,23 @@
 
 The cost model (cost_model.py) charges bytes / bandwidth with the probe's raw read bandwidth and no
 fixed costs; it overrated the cpu-only SmolLM2 plan by 1.5-2.5x. ``tandem probe --fused FILE``
-times the real fused C step on random Llama models of three sizes per weight format and fits
+(online.plan_measure, online.kind_probe) measures
 
-    seconds per token = call_s + n_layers * layer_s + read_bytes / (bandwidth_share * read_bandwidth)
+    seconds per token = call_s + n_layers * layer_s
+                        + sum over (format, access) of bytes / (share(format, access, row fraction) * read_bandwidth)
 
-(call_s: one OpenMP region, embedding, output setup; layer_s: the barriers and small vectors of a
-layer; bandwidth_share: the share of the probe's read bandwidth the row kernels reach).
+(call_s: one OpenMP region, embedding, output setup, the token loop; layer_s: the barriers and small
+vectors of a layer, both fitted on tiny random Llama models; share: the row kernels' rate on that packed
+format and access pattern (dense / gather / axpy, at 10 / 40 / 100% of the rows) over the probe's read
+bandwidth). The bytes are the step's own packed tensors at the plan's row shares (placement.step_reads).
+``step_seconds`` keeps the earlier form: nominal bytes at one share per weight format.
 
 Example::
 
-    cal = measure_fused_calibration(threads=2)              # ~20 s (online.plan_measure: it times engines)
+    cal = measure_fused_calibration(threads=2)              # ~25 s (online.plan_measure: it times engines)
+    cal.reads_seconds(n_layers, reads, fractions=shares)    # reads, shares: placement.step_reads
     cal.step_seconds("int4", n_layers=16, read_bytes=600e6)
-    calibrated_plan_tokens_per_s(plan, cal)                   # cpu-only plans
+    calibrated_plan_tokens_per_s(plan, cal)                   # cpu-only plans, nominal bytes
 """
 from __future__ import annotations
 
@@ -26,9 +31,13 @@ import numpy as np
 from tandem.core.artifacts import atomic_write_json
 from tandem.core.errors import TandemError
 
+from .step_reads import ACCESSES
+
 FORMATS = ("int4", "int8")
 # (layers, hidden, ffn) of the three timed models: fixed costs from the two small ones, bandwidth from the big one
 SIZES = ((2, 256, 1024), (10, 256, 1024), (2, 1536, 6144))
+# tiny layers (hidden 64, FFN 128: ~25 KB of weights each) whose time is the step's fixed costs
+FIXED_SIZES = ((2, 64, 128), (18, 64, 128))
 
 
 @dataclass(frozen=True)
@@ -45,11 +54,32 @@ class FusedTerms:
 
 
 @dataclass(frozen=True)
+class KindRate:
+    """The share of the read bandwidth the step's row kernels reach on one packed format and access
+    pattern (placement.step_reads: dense / gather / axpy), from one timed pass (online.kind_probe)."""
+    kind: str
+    access: str
+    share: float
+    bytes: int = 0
+    seconds: float = 0.0
+    fraction: float = 1.0  # share of the matrix's rows the timed pass read (gather / axpy)
+
+    def __post_init__(self) -> None:
+        if self.access not in ACCESSES:
+            raise TandemError(f"invalid fused-step rate for {self.kind}: access {self.access!r} is not one of {ACCESSES}")
+        if not (isinstance(self.share, (int, float)) and 0 < self.share < 100):
+            raise TandemError(f"invalid fused-step rate for {self.kind} {self.access}: share {self.share!r}")
+        if not (isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1):
+            raise TandemError(f"invalid fused-step rate for {self.kind} {self.access}: row fraction {self.fraction!r}")
+
+
+@dataclass(frozen=True)
 class FusedCalibration:
     threads: int
     read_bandwidth_bytes_per_s: float
     terms: tuple[FusedTerms, ...]
     description: str = ""
+    rates: tuple[KindRate, ...] = ()  # per packed format and access (empty in files written before them)
 
     def term(self, weight_format: str) -> FusedTerms:
         for t in self.terms:
@@ -62,6 +92,39 @@ class FusedCalibration:
         t = self.term(weight_format)
         return t.call_s + n_layers * t.layer_s + read_bytes / (t.bandwidth_share * self.read_bandwidth_bytes_per_s)
 
+    def rate(self, kind: str, access: str, fraction: float | None = None) -> KindRate:
+        """The measured rate of (kind, access), at ``fraction`` of the rows linearly between the fractions
+        timed (clamped at the ends; None: the densest); a format measured only dense stands in for its
+        other accesses."""
+        for want in (access, "dense"):
+            found = sorted((r for r in self.rates if r.kind == kind and r.access == want), key=lambda r: r.fraction)
+            if not found:
+                continue
+            if fraction is None or fraction >= found[-1].fraction:
+                return found[-1]
+            if fraction <= found[0].fraction:
+                return found[0]
+            lo, hi = next((a, b) for a, b in zip(found, found[1:]) if a.fraction <= fraction <= b.fraction)
+            if hi.fraction == lo.fraction:
+                return lo
+            w = (fraction - lo.fraction) / (hi.fraction - lo.fraction)
+            return KindRate(kind, want, lo.share + w * (hi.share - lo.share), fraction=fraction)
+        raise TandemError(f"no fused-step rate for {kind} ({access}) in this calibration "
+                          f"(have {', '.join(sorted({r.kind for r in self.rates})) or 'none'}; rerun `tandem probe --fused`)")
+
+    def reads_seconds(self, n_layers: int, reads: dict, fixed: bool = True, fractions: dict | None = None) -> float:
+        """Modeled seconds per token: the fixed costs (the int4 term's call_s and layer_s; ``fixed``
+        False: none) plus each (format, access)'s bytes at its measured share of the read bandwidth
+        (placement.step_reads), at the row fraction ``fractions`` gives it (step_reads.read_fractions)."""
+        seconds = 0.0
+        if fixed:
+            term = self.term("int4")
+            seconds = term.call_s + n_layers * term.layer_s
+        for (kind, access), nbytes in reads.items():
+            f = (fractions or {}).get((kind, access))
+            seconds += nbytes / (self.rate(kind, access, f).share * self.read_bandwidth_bytes_per_s)
+        return seconds
+
     def to_dict(self) -> dict:
         return {"kind": "tandem-fused-calibration", **asdict(self)}
 
@@ -69,9 +132,10 @@ class FusedCalibration:
     def from_dict(cls, d: dict) -> "FusedCalibration":
         try:
             terms = tuple(FusedTerms(**{**t, "samples": tuple(tuple(s) for s in t.get("samples", ()))}) for t in d["terms"])
+            rates = tuple(KindRate(**r) for r in d.get("rates", ()))
             return cls(threads=int(d["threads"]), read_bandwidth_bytes_per_s=float(d["read_bandwidth_bytes_per_s"]),
-                       terms=terms, description=str(d.get("description", "")))
-        except (KeyError, TypeError, ValueError) as e:
+                       terms=terms, description=str(d.get("description", "")), rates=rates)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise TandemError(f"invalid fused-step calibration: {e}") from None
 
 
@@ -100,6 +164,38 @@ def fit_terms(fmt: str, samples: list, bandwidth: float) -> FusedTerms:
         per_byte = seconds / read
     share = min(1.5, 1.0 / (per_byte * bandwidth))
     return FusedTerms(fmt, max(call_s, 0.0), max(layer_s, 0.0), share, tuple(samples))
+
+
+def fit_fixed_terms(fmt: str, samples: list, byte_seconds: list, share: float) -> FusedTerms:
+    """call_s and layer_s by least squares on what the reads do not explain: ``samples`` (layers,
+    read_bytes, measured seconds) of tiny models (FIXED_SIZES), ``byte_seconds`` their reads at the
+    measured per-format rates; ``share``: the format's dense share (kept for the nominal model)."""
+    a = np.array([[1.0, layers] for layers, _, _ in samples])
+    y = np.array([s - b for (_, _, s), b in zip(samples, byte_seconds)])
+    (call_s, layer_s), *_ = np.linalg.lstsq(a, y, rcond=None)
+    return FusedTerms(fmt, max(float(call_s), 0.0), max(float(layer_s), 0.0), share, tuple(samples))
+
+
+def best_of(cals: list[FusedCalibration]) -> FusedCalibration:
+    """One calibration from several taken under contention (which only ever slows a measurement): each
+    (format, access) at its fastest round, the read bandwidth at its highest, the fixed costs at their
+    smallest."""
+    if not cals:
+        raise TandemError("best_of needs at least one calibration")
+    bandwidth = max(c.read_bandwidth_bytes_per_s for c in cals)
+    fastest: dict = {}
+    for c in cals:
+        for r in c.rates:
+            rate = r.share * c.read_bandwidth_bytes_per_s
+            if rate > fastest.get((r.kind, r.access, r.fraction), (0.0, None))[0]:
+                fastest[(r.kind, r.access, r.fraction)] = (rate, r)
+    rates = tuple(KindRate(k, a, rate / bandwidth, r.bytes, r.seconds, f) for (k, a, f), (rate, r) in fastest.items())
+    terms = []
+    for t in cals[0].terms:
+        same = [c.term(t.weight_format) for c in cals]
+        terms.append(FusedTerms(t.weight_format, min(x.call_s for x in same), min(x.layer_s for x in same),
+                                max(x.bandwidth_share for x in same)))
+    return FusedCalibration(cals[0].threads, bandwidth, tuple(terms), f"best of {len(cals)} calibrations", rates)
 
 
 def calibrated_plan_tokens_per_s(plan, cal: FusedCalibration, weight_format: str = "int4") -> float | None:

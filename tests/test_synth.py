@@ -129,10 +129,19 @@ def test_readme_pipeline_on_a_synthetic_model_decodes_fused(tiny90, tmp_path, ca
     assert runs[0]["decode_path"] == "fused" and runs[1]["decode_path"] == "modules"
     # int8 scores/activations vs the module path's float ones: near-ties of a random model may flip late tokens
     assert runs[0]["token_ids"][:4] == runs[1]["token_ids"][:4]
-    from placement.fused_calibration import FusedCalibration, FusedTerms, save_calibration
-    cal = FusedCalibration(2, 30e9, (FusedTerms("int4", 20e-6, 2e-6, 0.8), FusedTerms("int8", 20e-6, 2e-6, 0.8)))
+    from placement.fused_calibration import FusedCalibration, FusedTerms, KindRate, save_calibration
+    terms = (FusedTerms("int4", 20e-6, 2e-6, 0.8), FusedTerms("int8", 20e-6, 2e-6, 0.8))
+    cal = FusedCalibration(2, 30e9, terms)
     save_calibration(cal, d / "cal.json")
     assert main(["show-plan", str(d / "plan"), "--calibration", str(d / "cal.json"), "--measure", m,
                  "--predictors", str(d / "predictors"), "--threads", "2"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "modeled (calibrated" in line and "measured" in line and "fused decode path" in line
+    # per-format rates: the reads of the step the runtime built, by format and access
+    kinds = ("q4_0", "q4_1", "q8_0", "q6_k", "q4_k", "q5_0", "q5_k", "f32", "f16", "int8", "int8b", "int4")
+    rates = tuple(KindRate(k, a, 0.5) for k in kinds for a in ("dense", "gather", "axpy"))
+    save_calibration(FusedCalibration(2, 30e9, terms, rates=rates), d / "cal.json")
+    assert main(["show-plan", str(d / "plan"), "--calibration", str(d / "cal.json"), "--measure", m,
+                 "--predictors", str(d / "predictors"), "--threads", "2"]) == 0
+    side, reads = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert "modeled (by packed format)" in side and "n/a" not in side and reads.startswith("modeled reads per token: ")

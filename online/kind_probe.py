@@ -1,0 +1,161 @@
+"""The fused step's row kernels timed per packed format and access pattern: the share of the read bandwidth each reaches.
+
+Each format gets a random matrix of ``PROBE_BYTES`` (past the last-level cache) packed as the runtime packs
+it (GGUF blocks through weight_from_gguf, re-packed int4 / int8, f16 / int8 down rows) and is read the way
+the step reads it (placement.step_reads): ``dense`` (every row dotted, tdm_dot_rows), ``gather`` (10%,
+40% and all of the rows, sorted, tdm_dot_rows_idx), ``axpy`` (as many down rows added, tdm_axpy_rows).
+``threads`` Python threads split the rows as the step's OpenMP threads do (ctypes releases the GIL).
+Rates are bytes read / the best pass's seconds (other processes only ever slow a pass); the share is
+that over the probe's torch read bandwidth.
+
+Example::
+
+    rates = measure_kind_rates(threads=2, bandwidth=19e9)     # ~3 s: KindRate per (format, access)
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+import time
+
+import numpy as np
+
+from placement.fused_calibration import KindRate
+from tandem.core.errors import TandemError
+
+from .kernels.native import load_native
+from .kernels.native.structs import describe
+from .kernels.quantize import quantize, weight_from_gguf
+from .step_inventory import kind_name, weight_bytes
+
+PROBE_BYTES = 48 * 2**20
+COLS = 2048
+SPARSE_SHARES = (0.1, 0.4, 1.0)  # shares of the rows a gather / axpy pass reads (rates interpolate between)
+REPEATS = 7
+# GGUF block layouts: (weights per block, bytes per block, offsets of the f16 fields) -- ggml-common.h
+GGUF_BLOCKS = {"Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q8_0": (32, 34, (0,)), "Q5_0": (32, 22, (0,)),
+               "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,))}
+# (name, access) pairs measured by default: every in-place format read dense and gathered, the down-row formats added
+# (re-packed int4 / int8b rows are the q4_1 / q8_0 kinds: the same dot kernels, so only their axpy is timed)
+DEFAULT_PLAN = tuple((q, a) for q in GGUF_BLOCKS for a in ("dense", "gather")) + (("int8", "dense"), ("fp32", "dense")) + tuple(
+    (f, "axpy") for f in ("fp16", "int8", "int8b", "int4"))
+# the probe format that packs each step kind (placement.step_reads names), per access: a down row kind is
+# re-packed from float as the runtime packs sparse down rows (int4 -> q4_1 rows, int8b -> q8_0 rows)
+PROBE_FORMAT = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q5_0": "Q5_0", "q4_k": "Q4_K", "q5_k": "Q5_K",
+                "q6_k": "Q6_K", "int8": "int8", "f32": "fp32", "f16": "fp16", "int8b": "int8b", "int4": "int4"}
+AXPY_FORMAT = {"q4_1": "int4", "q8_0": "int8b", "f16": "fp16", "int8": "int8", "f32": "fp32"}
+
+
+def plan_for(reads) -> tuple[tuple[str, str], ...]:
+    """The (probe format, access) pairs that time the given (kind, access) reads (unknown kinds: dense)."""
+    out = []
+    for kind, access in reads:
+        fmt = (AXPY_FORMAT if access == "axpy" else PROBE_FORMAT).get(kind)
+        if fmt is None:
+            raise TandemError(f"the probe cannot time {kind} ({access}) reads")
+        if (fmt, access) not in out:
+            out.append((fmt, access))
+    return tuple(out)
+
+
+def random_gguf(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks [rows, row bytes] with small finite f16 scales (no NaN / subnormal timing effects)."""
+    per, nbytes, f16 = GGUF_BLOCKS[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // per, nbytes), dtype=np.uint8)
+    for k, off in enumerate(f16):
+        blocks[:, off:off + 2] = np.full(blocks.shape[0], 0.01 / (1 + k), np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+@functools.lru_cache(maxsize=None)
+def cached_weight(fmt: str, axpy: bool):
+    """probe_weight, packed once per process (a bench's rounds reuse it)."""
+    return probe_weight(fmt, "axpy" if axpy else "dense", np.random.default_rng(sorted(PROBE_FORMAT.values()).index(fmt)))
+
+
+def probe_weight(fmt: str, access: str, rng: np.random.Generator):
+    """(packed weight, its descriptor ref) of about PROBE_BYTES in format ``fmt`` (a GGUF type or a re-pack)."""
+    if fmt in GGUF_BLOCKS:
+        per, nbytes, _ = GGUF_BLOCKS[fmt]
+        rows = max(64, PROBE_BYTES // (COLS // per * nbytes))
+        w = weight_from_gguf(random_gguf(fmt, rows, COLS, rng), fmt, (rows, COLS))
+    else:
+        per_row = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int8b": 34 / 32, "int4": 0.625}[fmt] * COLS
+        rows = int(PROBE_BYTES // per_row)
+        w = quantize(rng.standard_normal((rows, COLS), dtype=np.float32) * 0.05, fmt)
+    return w, describe(w, dot_input=access != "axpy")
+
+
+def _parallel(threads: int, work) -> float:
+    """Seconds for ``work(t, n_threads)`` run on ``threads`` Python threads at once."""
+    pool = [threading.Thread(target=work, args=(t, threads)) for t in range(threads)]
+    t0 = time.perf_counter()
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    return time.perf_counter() - t0
+
+
+class ReadPass:
+    """One timed pass of the step's row kernel over a probe matrix (``access`` as in time_reads); calling it
+    reads ``nbytes`` and returns the seconds it took. Gathered / added rows change every pass (a repeated
+    pick would come from the last-level cache)."""
+
+    def __init__(self, lib, ref, access: str, threads: int, rng: np.random.Generator, picks: int = REPEATS + 1,
+                 share: float = 1.0):
+        d = ref.desc
+        self.lib, self.ref, self.access, self.threads, self.calls = lib, ref, access, threads, 0
+        rows, cols = d.rows, d.cols
+        self.x = rng.standard_normal(cols, dtype=np.float32)
+        if access == "dense":
+            self.picks = [np.arange(rows, dtype=np.int32)]
+        else:
+            n = max(1, int(rows * share))
+            self.picks = [np.sort(rng.choice(rows, n, replace=False)).astype(np.int32) for _ in range(picks if n < rows else 1)]
+        self.out = np.zeros((threads, max(rows, cols)), np.float32)
+        self.h = rng.standard_normal(len(self.picks[0]), dtype=np.float32)
+        self.nbytes = int(len(self.picks[0]) * weight_bytes(d) / rows)
+        self._idx = self.picks[0]
+
+    def _work(self, t: int, nt: int) -> None:
+        d, idx, lib = self.ref.desc, self._idx, self.lib
+        lo, hi = len(idx) * t // nt, len(idx) * (t + 1) // nt
+        o = self.out[t].ctypes.data
+        if self.access == "dense":
+            lib.tdm_dot_rows(ctypes.byref(d), lo, hi - lo, self.x.ctypes.data, 2.0, o)
+        elif self.access == "gather":
+            lib.tdm_dot_rows_idx(ctypes.byref(d), idx[lo:].ctypes.data, hi - lo, self.x.ctypes.data, 2.0, o)
+        else:
+            lib.tdm_axpy_rows(ctypes.byref(d), idx[lo:].ctypes.data, self.h[lo:].ctypes.data, hi - lo, o)
+
+    def __call__(self) -> float:
+        self._idx = self.picks[self.calls % len(self.picks)]
+        self.calls += 1
+        return _parallel(self.threads, self._work)
+
+
+def time_reads(lib, ref, access: str, threads: int, rng: np.random.Generator, share: float = 1.0) -> tuple[int, float]:
+    """(bytes read per pass, seconds of the best of REPEATS passes after a warm-up one)."""
+    one = ReadPass(lib, ref, access, threads, rng, share=share)
+    times = [one() for _ in range(REPEATS + 1)]
+    return one.nbytes, min(times[1:])  # the best pass: contention only slows one
+
+
+def measure_kind_rates(threads: int, bandwidth: float, plan=DEFAULT_PLAN, seed: int = 0) -> tuple[KindRate, ...]:
+    """One KindRate per (format, access) of ``plan``; names as the step inventory names them."""
+    if threads < 1:
+        raise TandemError(f"threads must be >= 1, got {threads}")
+    lib, rng, out = load_native().lib, np.random.default_rng(seed), []
+    by_format: dict[str, list[str]] = {}
+    for fmt, access in plan:
+        by_format.setdefault(fmt, []).append(access)
+    for fmt, accesses in by_format.items():
+        for access in accesses:
+            _, ref = cached_weight(fmt, access == "axpy")
+            for share in (1.0,) if access == "dense" else SPARSE_SHARES:
+                read, seconds = time_reads(lib, ref, access, threads, rng, share)
+                out.append(KindRate(kind=kind_name(ref.desc), access=access, share=read / seconds / bandwidth,
+                                    bytes=read, seconds=seconds, fraction=share))
+    return tuple(out)

@@ -1,0 +1,134 @@
+"""What the fused decode step reads per token, by packed format and access pattern (the cost model's bytes).
+
+The step reads each weight in the format the runtime packed it in: GGUF blocks in place (q4_0 / q4_1 with
+f16 scales, q8_0, q4_k, q5_0, q5_k, q6_k), dense down projections in their blocks, sparse down rows (f16,
+int8), re-packed int4 / int8 and float32. A ``StepUnit`` is one such packed tensor with its real bytes
+(online.step_inventory lists them for a built step); ``layer_fractions`` gives the share of its rows a
+token reads (from the profile's neuron frequencies and the predictors' recall, as problem.py models
+them); ``modeled_reads`` sums bytes per token by (format, access):
+
+- ``dense``: the whole matrix streamed row after row (attention, output layer, gate/up of non-ReLU exact
+  layers, dense downs, predictors);
+- ``gather``: selected rows dotted (ReLU layers' up rows, predicted gate/up rows);
+- ``axpy``: selected down rows added into the output (sparse down_t).
+
+Example::
+
+    fractions = layer_fractions("relu", stats.neuron_freq, predictor_info)
+    reads = modeled_reads(units, fractions, relu=True)    # {("q4_0", "dense"): 3.1e8, ("f16", "axpy"): ...}
+    shares = read_fractions(units, fractions, relu=True)  # {("f16", "axpy"): 0.1, ...}: rows read, byte-weighted
+    cal.reads_seconds(n_layers, reads, fractions=shares)  # placement.fused_calibration
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem.core.errors import TandemError
+
+ACCESSES = ("dense", "gather", "axpy")
+ROLES = ("qkv", "k", "v", "o", "gate", "up", "down", "down_t", "pred", "head", "embed_row")
+
+
+@dataclass(frozen=True)
+class StepUnit:
+    """One packed tensor the step reads: ``packed_bytes`` of its data, scales and minimums."""
+    role: str  # one of ROLES (qkv: the stacked q/k/v, or q alone where k / v are kept apart)
+    layer: int  # -1 for the output layer and the embedding row
+    kind: str  # packed format name (online.step_inventory.KIND_NAMES)
+    packed_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise TandemError(f"unknown step unit role {self.role!r}")
+        if self.packed_bytes < 0:
+            raise TandemError(f"step unit {self.role} of layer {self.layer} has negative bytes")
+
+
+@dataclass(frozen=True)
+class LayerFractions:
+    """Share of each FFN matrix's rows one token reads, and whether the layer runs a predictor."""
+    gate: float
+    up: float
+    down: float
+    predicted: bool = False
+
+
+def layer_fractions(activity: str, neuron_freq: np.ndarray, predictors=None) -> list[LayerFractions]:
+    """Per layer: the exact path reads gate (and, non-ReLU, up) in full and the active down rows; ReLU
+    layers skip the up rows their gate zeroes; predictor layers read the predicted gate rows and, of those,
+    the truly active up/down rows (``recall`` x frequency). ``neuron_freq``: [L, F] active fractions."""
+    out = []
+    relu = activity == "relu"
+    for i, freq in enumerate(np.asarray(neuron_freq, dtype=np.float64)):
+        active = float(freq.mean()) if freq.size else 0.0
+        info = predictors.layers[i] if predictors is not None else None
+        if info is not None and info.used:
+            fpr = 0.0
+            if active < 1.0:
+                fpr = min(max((info.predicted_active_fraction - info.recall * active) / (1.0 - active), 0.0), 1.0)
+            predicted = float(np.clip(info.recall * freq + fpr * (1.0 - freq), 0.0, 1.0).mean())
+            found = info.recall * active
+            out.append(LayerFractions(gate=predicted, up=found if relu else predicted, down=found, predicted=True))
+        else:
+            out.append(LayerFractions(gate=1.0, up=active if relu else 1.0, down=active))
+    return out
+
+
+def unit_access(unit: StepUnit, fractions: LayerFractions | None, relu: bool) -> tuple[str, float]:
+    """(access pattern, share of the unit's bytes read per token)."""
+    if unit.role in ("gate", "up", "down_t") and fractions is None:
+        raise TandemError(f"no row fractions for layer {unit.layer}'s {unit.role}")
+    if unit.role == "gate":
+        return ("gather", fractions.gate) if fractions.predicted else ("dense", 1.0)
+    if unit.role == "up":
+        return ("gather", fractions.up) if (fractions.predicted or relu) else ("dense", 1.0)
+    if unit.role == "down_t":
+        return "axpy", fractions.down
+    if unit.role == "pred":  # read only where the layer runs its predictor
+        return "dense", 1.0 if fractions is not None and fractions.predicted else 0.0
+    return "dense", 1.0
+
+
+def modeled_reads(units: list[StepUnit], fractions: list[LayerFractions] | None, relu: bool) -> dict[tuple[str, str], float]:
+    """Bytes per token by (format, access). ``fractions`` None: every row of every unit, no predictors."""
+    reads: dict[tuple[str, str], float] = defaultdict(float)
+    for (key, nbytes), _ in _unit_reads(units, fractions, relu):
+        reads[key] += nbytes
+    return dict(reads)
+
+
+def read_fractions(units: list[StepUnit], fractions: list[LayerFractions] | None, relu: bool) -> dict[tuple[str, str], float]:
+    """The byte-weighted mean share of rows read per (format, access) (the row kernels' rate depends on it)."""
+    weighted: dict[tuple[str, str], float] = defaultdict(float)
+    for (key, nbytes), share in _unit_reads(units, fractions, relu):
+        weighted[key] += share * nbytes
+    reads = modeled_reads(units, fractions, relu)
+    return {key: min(1.0, weighted[key] / b) for key, b in reads.items() if b > 0}
+
+
+def _unit_reads(units, fractions, relu):
+    """((format, access), bytes read) and the unit's row share, per unit read at all."""
+    for u in units:
+        if fractions is None:
+            access, share = ("axpy" if u.role == "down_t" else "dense"), (0.0 if u.role == "pred" else 1.0)
+        else:
+            f = fractions[u.layer] if 0 <= u.layer < len(fractions) else None
+            access, share = unit_access(u, f, relu)
+        if share > 0:
+            yield ((u.kind, access), share * u.packed_bytes), share
+
+
+def bytes_by_kind(units: list[StepUnit]) -> dict[str, int]:
+    """Packed bytes per format over all units (each counted once)."""
+    out: dict[str, int] = defaultdict(int)
+    for u in units:
+        out[u.kind] += u.packed_bytes
+    return dict(out)
+
+
+def format_reads(reads: dict[tuple[str, str], float]) -> str:
+    """One line: 'q4_0 dense 412.3 MB, f16 axpy 20.1 MB, ...' (largest first)."""
+    return ", ".join(f"{k} {a} {b / 1e6:.1f} MB" for (k, a), b in sorted(reads.items(), key=lambda kv: -kv[1]))

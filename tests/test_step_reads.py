@@ -1,0 +1,186 @@
+"""The cost model's bytes per packed format (placement.step_reads, online.step_inventory) against the packed
+tensors themselves and ggml's block sizes; the per-format probe's output and the calibration file's schema."""
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from online.kernels.quantize import quantize, weight_from_gguf
+from placement.fused_calibration import FusedCalibration, FusedTerms, KindRate, load_calibration, save_calibration
+from placement.predictor_info import LayerPredictorInfo, PredictorInfo
+from placement.step_reads import LayerFractions, StepUnit, bytes_by_kind, layer_fractions, modeled_reads
+from tandem.core.errors import TandemError
+
+QTYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_K", "Q6_K"]
+D, N_FF, VOCAB = 256, 512, 64
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    import transformers as tf
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=D, intermediate_size=N_FF, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    folder = tmp_path_factory.mktemp("wide-llama-reads")
+    tf.LlamaForCausalLM(cfg).eval().save_pretrained(folder)
+    return folder
+
+
+def _ggml_bytes(qtype: str, rows: int, cols: int) -> int:
+    per, nbytes = gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, qtype)]
+    return rows * cols // per * nbytes
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_step_bytes_per_format_equal_the_packed_tensors(wide_llama, qtype):
+    from online.execution.fused_decode import FusedDecodeStep
+    from online.execution.quantized_linear import QuantizedLinearModule
+    from online.kernels.ffn import QuantizedFFN, QuantizedLinear
+    from online.kind_probe import random_gguf
+    from online.step_inventory import step_units
+    from test_fused_decode import packed
+
+    model, executor = packed(wide_llama, "int8", thresholds=[0.02])
+    rng = np.random.default_rng(3)
+
+    def blocks(rows: int, cols: int):
+        return weight_from_gguf(random_gguf(qtype, rows, cols, rng), qtype, (rows, cols))
+
+    attn = model.layers[0].self_attn
+    weights = {"qkv": blocks(512, D), "o": blocks(D, D), "up": blocks(N_FF, D), "gate": blocks(N_FF, D),
+               "head": blocks(VOCAB, D)}
+    attn.qkv_proj = QuantizedLinearModule(QuantizedLinear(weights["qkv"]))  # q 256 + k 128 + v 128
+    attn.o_proj = QuantizedLinearModule(QuantizedLinear(weights["o"]))
+    down_t = quantize(np.random.default_rng(4).standard_normal((N_FF, D)).astype(np.float32), "fp16")
+    executor.splits[0].cpu = QuantizedFFN(up=weights["up"], down_t=down_t, gate=weights["gate"], act="silu", threads=2)
+    executor.head = QuantizedLinear(weights["head"])
+    units = step_units(FusedDecodeStep.build(model, executor), model.cfg)
+
+    by_kind = bytes_by_kind(units)
+    name = qtype.lower()
+    assert by_kind[name] == sum(w.nbytes for w in weights.values())  # the packed arrays' own bytes
+    assert by_kind[name] == sum(_ggml_bytes(qtype, *w.shape) for w in weights.values())  # ggml's block sizes
+    assert by_kind["f16"] == down_t.w.nbytes == N_FF * D * 2
+    assert by_kind["f32"] == 4 * D  # one embedding row
+    assert set(by_kind) == {name, "f16", "f32"}
+    assert {u.role for u in units} == {"qkv", "o", "gate", "up", "down_t", "head", "embed_row"}
+
+    # the dense GGUF down of non-ReLU layers: the same blocks, read dense in place
+    down = blocks(D, N_FF)
+    executor.splits[0].cpu = QuantizedFFN(up=weights["up"], down_t=None, gate=weights["gate"], down=down, act="silu")
+    units = step_units(FusedDecodeStep.build(model, executor), model.cfg)
+    assert bytes_by_kind(units)[name] == sum(w.nbytes for w in weights.values()) + down.nbytes
+    assert [u for u in units if u.role == "down"][0].packed_bytes == _ggml_bytes(qtype, D, N_FF)
+
+
+def test_modeled_reads_follow_the_row_fractions():
+    units = [StepUnit("qkv", 0, "q8_0", 1000), StepUnit("gate", 0, "q4_0", 400), StepUnit("up", 0, "q4_0", 400),
+             StepUnit("down_t", 0, "f16", 800), StepUnit("head", -1, "q8_0", 5000), StepUnit("embed_row", -1, "f32", 16)]
+    exact = [LayerFractions(gate=1.0, up=0.25, down=0.25)]
+    assert modeled_reads(units, exact, relu=True) == {
+        ("q8_0", "dense"): 6000, ("q4_0", "dense"): 400, ("q4_0", "gather"): 100, ("f16", "axpy"): 200, ("f32", "dense"): 16}
+    # a non-ReLU exact layer reads up in full; a predictor layer gathers gate and up
+    assert modeled_reads(units, exact, relu=False)[("q4_0", "dense")] == 800
+    predicted = [LayerFractions(gate=0.5, up=0.25, down=0.25, predicted=True)]
+    reads = modeled_reads(units, predicted, relu=True)
+    assert reads[("q4_0", "gather")] == 400 * 0.5 + 400 * 0.25 and ("q4_0", "dense") not in reads
+    assert modeled_reads(units, None, relu=True)[("f16", "axpy")] == 800  # every row
+
+
+def test_layer_fractions_count_the_rows_read():
+    freq = np.array([[1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # 2 of 8 neurons always fire, the rest never
+    relu, = layer_fractions("relu", freq)
+    assert (relu.gate, relu.up, relu.down, relu.predicted) == (1.0, 0.25, 0.25, False)
+    silu, = layer_fractions("threshold", freq)
+    assert (silu.gate, silu.up, silu.down) == (1.0, 1.0, 0.25)
+    # a predictor marking the 2 active neurons (recall 1) and 1 of the 6 silent ones: 3 of 8 gate rows
+    info = PredictorInfo((LayerPredictorInfo(True, 100, recall=1.0, predicted_active_fraction=3 / 8),), "p")
+    pred, = layer_fractions("relu", freq, info)
+    assert pred.predicted and pred.gate == pytest.approx(3 / 8) and pred.up == pred.down == pytest.approx(2 / 8)
+
+
+def _cal(rates) -> FusedCalibration:
+    return FusedCalibration(threads=2, read_bandwidth_bytes_per_s=10e9, terms=(FusedTerms("int4", 1e-4, 1e-5, 1.0),),
+                            rates=rates)
+
+
+def test_calibration_rates_model_and_schema(tmp_path):
+    cal = _cal((KindRate("q8_0", "dense", 0.5, 10, 1e-3), KindRate("q8_0", "axpy", 0.25)))
+    reads = {("q8_0", "dense"): 5e6, ("q8_0", "gather"): 1e6, ("q8_0", "axpy"): 1e6}
+    want = 1e-4 + 3 * 1e-5 + 5e6 / 5e9 + 1e6 / 5e9 + 1e6 / 2.5e9  # gather: no rate, the dense one stands in
+    assert cal.reads_seconds(3, reads) == pytest.approx(want)
+    with pytest.raises(TandemError, match="no fused-step rate for q6_k"):
+        cal.reads_seconds(3, {("q6_k", "dense"): 1.0})
+    path = save_calibration(cal, tmp_path / "cal.json")
+    assert load_calibration(path) == cal
+    data = json.loads(path.read_text())
+    assert set(data["rates"][0]) == {"kind", "access", "share", "bytes", "seconds", "fraction"}
+    del data["rates"]  # files from before the per-format rates still load
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert load_calibration(tmp_path / "old.json").rates == ()
+    for bad in ([{"kind": "q8_0", "access": "sideways", "share": 0.5}], [{"kind": "q8_0", "access": "dense", "share": 0}],
+                [{"kind": "q8_0", "access": "dense", "share": 0.5, "extra": 1}], ["q8_0"],
+                [{"kind": "q8_0", "access": "axpy", "share": 0.5, "fraction": 0}]):
+        (tmp_path / "bad.json").write_text(json.dumps({**data, "rates": bad}))
+        with pytest.raises(TandemError, match="invalid fused-step"):
+            load_calibration(tmp_path / "bad.json")
+
+
+def test_probe_rates_schema(monkeypatch):
+    from online import kind_probe
+
+    monkeypatch.setattr(kind_probe, "PROBE_BYTES", 256 * 1024)
+    monkeypatch.setattr(kind_probe, "REPEATS", 2)
+    kind_probe.cached_weight.cache_clear()
+    try:
+        plan = kind_probe.plan_for([("q4_1", "dense"), ("q6_k", "gather"), ("q8_0", "axpy"), ("f16", "axpy")])
+        assert plan == (("Q4_1", "dense"), ("Q6_K", "gather"), ("int8b", "axpy"), ("fp16", "axpy"))
+        rates = kind_probe.measure_kind_rates(2, 10e9, plan)
+    finally:
+        kind_probe.cached_weight.cache_clear()
+    sparse = kind_probe.SPARSE_SHARES
+    assert [(r.kind, r.access, r.fraction) for r in rates] == [("q4_1", "dense", 1.0)] + [
+        (k, a, f) for k, a in (("q6_k", "gather"), ("q8_0", "axpy"), ("f16", "axpy")) for f in sparse]
+    rows = 256 * 1024 // (kind_probe.COLS // 32 * 20)
+    assert rates[0].bytes == _ggml_bytes("Q4_1", rows, kind_probe.COLS)  # every row read once
+    f16_rows = int(256 * 1024 // (2 * kind_probe.COLS))
+    assert [r.bytes for r in rates[-3:]] == [max(1, int(f16_rows * f)) * 2 * kind_probe.COLS for f in sparse]
+    assert all(r.share > 0 and r.seconds > 0 and np.isfinite(r.share) for r in rates)
+    with pytest.raises(TandemError, match="cannot time"):
+        kind_probe.plan_for([("q2_k", "dense")])
+
+
+def test_rates_interpolate_over_the_row_fraction():
+    cal = _cal((KindRate("f16", "axpy", 0.2, fraction=0.1), KindRate("f16", "axpy", 0.6, fraction=0.5),
+                KindRate("f16", "axpy", 1.0, fraction=1.0)))
+    assert cal.rate("f16", "axpy", 0.3).share == pytest.approx(0.4)
+    assert cal.rate("f16", "axpy", 0.05).share == 0.2 and cal.rate("f16", "axpy", None).share == 1.0
+    reads = {("f16", "axpy"): 3e6}
+    assert cal.reads_seconds(0, reads, fixed=False, fractions={("f16", "axpy"): 0.75}) == pytest.approx(3e6 / (0.8 * 10e9))
+    # the byte-weighted row share per (format, access)
+    units = [StepUnit("down_t", 0, "f16", 1000), StepUnit("down_t", 1, "f16", 3000)]
+    layers = [LayerFractions(1.0, 1.0, 0.5), LayerFractions(1.0, 1.0, 0.1)]
+    from placement.step_reads import read_fractions
+    assert read_fractions(units, layers, relu=False) == {("f16", "axpy"): pytest.approx((500 * 0.5 + 300 * 0.1) / 800)}
+
+
+def test_best_of_keeps_each_rate_at_its_fastest_round():
+    from placement.fused_calibration import best_of
+
+    slow = FusedCalibration(2, 10e9, (FusedTerms("int4", 3e-5, 4e-6, 0.5),), rates=(KindRate("q4_0", "dense", 0.5),
+                                                                                   KindRate("f16", "axpy", 0.4)))
+    fast = FusedCalibration(2, 20e9, (FusedTerms("int4", 5e-5, 1e-6, 0.9),), rates=(KindRate("q4_0", "dense", 0.2),
+                                                                                   KindRate("f16", "axpy", 0.3)))
+    best = best_of([slow, fast])
+    assert best.read_bandwidth_bytes_per_s == 20e9
+    # q4_0 dense: 5 GB/s (slow round) vs 4 GB/s; f16 axpy: 4 vs 6 GB/s -- shares of the best bandwidth
+    assert best.rate("q4_0", "dense").share == pytest.approx(5e9 / 20e9)
+    assert best.rate("f16", "axpy").share == pytest.approx(6e9 / 20e9)
+    t = best.term("int4")
+    assert (t.call_s, t.layer_s) == (3e-5, 1e-6)
+    with pytest.raises(TandemError, match="at least one"):
+        best_of([])
