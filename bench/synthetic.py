@@ -116,8 +116,8 @@ def write_table(rows, args, calibration: Path) -> None:
              "the text they produce is meaningless). llama.cpp computes the file's FFN as SiLU-gated; inactive gates "
              "are strongly negative so SiLU ~= ReLU (the output gap is measured by `tandem synth`).",
              "- Tandem modes, all through the fused C step: *dense* reads every FFN row; *exact* computes every gate "
-             "row and only the up/down rows of active neurons (exact ReLU zeros); *predictor* runs the trained "
-             "low-rank predictor (int8) and reads only the predicted gate/up rows and active down rows.",
+             "row and only the up/down rows of active neurons (exact ReLU zeros); *predictor* runs the layer's "
+             "low-rank predictor (int8; closed-form reduced-rank gate or trained scorer, whichever `train-predictors` kept) and reads only the predicted gate/up rows and active down rows.",
              "- bytes/token: weight bytes each mode reads per token (attention, output layer, FFN rows, predictor); "
              "limit: bytes/token against the read bandwidth measured in the same process; achieved = tok/s / limit.",
              "- modeled: `tandem probe --fused`'s terms (fixed cost per call and per layer from tiny random Llama "
