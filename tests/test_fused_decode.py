@@ -124,26 +124,25 @@ def test_step_continues_a_prefill_like_the_module_path(tiny_model_dir, kind):
         torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
 
 
-def test_short_prompts_prefill_through_the_step_like_single_steps(tiny_model_dir, monkeypatch):
-    """A prompt of at most FUSED_PREFILL_MAX_TOKENS tokens is prefilled in one fused call: its logits and
-    every KV row equal feeding the prompt token by token through the single-token step. Longer prompts
-    (and all-logits requests) go through the module graph."""
-    from tandem.core import generate
+def test_prompts_prefill_through_the_step_like_single_steps(tiny_model_dir):
+    """A prompt, short or longer than one 64-token call, is prefilled through the fused step: its logits
+    and every KV row equal feeding it token by token through the single-token step (so the module
+    engine, the cached engine and speculation start from the same cache). All-logits requests go
+    through the module graph."""
     folder, _ = tiny_model_dir("llama")
     model, executor = packed(folder, "int4")
     step = FusedDecodeStep.build(model, executor)
-    one_call, by_token = KVCache(model.cfg, 32), KVCache(model.cfg, 32)
-    got = prefill(model, executor, one_call, PROMPT, compiled=step)  # [vocab]
-    ref = decode_all(step, model, executor, by_token, PROMPT, 0)[-1]
-    assert torch.equal(got, ref)
-    n = len(PROMPT)
-    assert torch.equal(one_call.keys[:, :, :n], by_token.keys[:, :, :n])
-    assert torch.equal(one_call.values[:, :, :n], by_token.values[:, :, :n])
-    module_cache = KVCache(model.cfg, 32)
-    via_modules = prefill(model, executor, module_cache, PROMPT)
-    monkeypatch.setattr(generate, "FUSED_PREFILL_MAX_TOKENS", n - 1)  # over the limit: the module graph
-    assert torch.equal(prefill(model, executor, KVCache(model.cfg, 32), PROMPT, compiled=step), via_modules)
-    assert not torch.equal(via_modules, got)  # the two paths differ in arithmetic (int8 activations)
+    for prompt in (PROMPT, [(7 * i + 3) % 100 for i in range(100)]):  # 100: two step calls
+        n = len(prompt)
+        one_call, by_token = KVCache(model.cfg, 120), KVCache(model.cfg, 120)
+        got = prefill(model, executor, one_call, prompt, compiled=step)  # [vocab]
+        ref = decode_all(step, model, executor, by_token, prompt, 0)[-1]
+        assert torch.equal(got, ref)
+        assert torch.equal(one_call.keys[:, :, :n], by_token.keys[:, :, :n])
+        assert torch.equal(one_call.values[:, :, :n], by_token.values[:, :, :n])
+    all_logits = prefill(model, executor, KVCache(model.cfg, 32), PROMPT, all_logits=True, compiled=step)
+    via_modules = prefill(model, executor, KVCache(model.cfg, 32), PROMPT, all_logits=True)
+    assert torch.equal(all_logits, via_modules)
 
 
 def test_plain_int8_activations_stay_close_to_float(tiny_model_dir):

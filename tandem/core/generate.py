@@ -10,14 +10,13 @@ from .kv_cache import KVCache
 from .sampling import DecodeOptions, SamplingParams, choose_token, make_generator
 from .step_loop import LoopTimings, TokenEvent
 
-__all__ = ["FUSED_PREFILL_MAX_TOKENS", "LoopTimings", "TokenEvent", "decode_one_token", "prefill", "token_loop"]
+__all__ = ["LoopTimings", "TokenEvent", "decode_one_token", "prefill", "token_loop"]
 
 PREFILL_CHUNK_TOKENS = 512
 # Prompts up to this many tokens are prefilled through the fused C step (``compiled.prefill_logits``):
 # it has no per-call setup, while the module graph's first call dequantizes and re-blocks weights for
 # GEMM. Longer prompts go through the module graph, whose GEMM kernels win once the prompt is long
 # (bench/RESULTS.md, "Cold start": the crossover was measured there).
-FUSED_PREFILL_MAX_TOKENS = 64
 
 
 @torch.inference_mode()
@@ -25,11 +24,12 @@ def prefill(model, executor, cache: KVCache, token_ids: list[int], start_pos: in
             all_logits: bool = False, compiled=None) -> torch.Tensor:
     """Run the prompt through the model in chunks; logits of the last position [vocab] (or all [T, vocab]).
 
-    ``compiled``: the fused C step; a prompt of at most FUSED_PREFILL_MAX_TOKENS tokens goes through it
-    in one call (every KV row and the logits equal the single-token step's), unless all logits are asked for.
+    ``compiled``: the fused C step, which prefills the whole prompt (in calls of at most 64 tokens; every
+    KV row and the logits equal the single-token step's, as the torch-free cached engine's prefill),
+    unless all logits are asked for: then the module graph. So a prompt gives the same KV cache on
+    every path that decodes through the step (plain, speculative, served).
     """
-    if (compiled is not None and not all_logits and len(token_ids) <= FUSED_PREFILL_MAX_TOKENS
-            and compiled.prefills_natively):
+    if compiled is not None and not all_logits and compiled.prefills_natively:
         return compiled.prefill_logits(token_ids, start_pos, cache)
     outputs = []
     for begin in range(0, len(token_ids), PREFILL_CHUNK_TOKENS):
