@@ -44,7 +44,7 @@ def preactivation_basis(x: torch.Tensor, weight: torch.Tensor) -> PreactivationB
     root = (evecs * evals.sqrt()) @ evecs.T  # S^(1/2)
     inv_root = (evecs * evals.rsqrt()) @ evecs.T  # S^(-1/2)
     m = weight.double() @ root  # [F, d]
-    svals2, v = torch.linalg.eigh(m.T @ m)  # right singular vectors of m, ascending
+    _, v = torch.linalg.eigh(m.T @ m)  # right singular vectors of m, ascending
     v = v.flip(1)  # [d, d] strongest first
     return PreactivationBasis(a=(v.T @ inv_root).float(), b=(m @ v).float())
 

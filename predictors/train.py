@@ -199,15 +199,15 @@ def fit_layer(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor,
         return LayerFit(pred, point, work)
 
     linear: dict[int, LayerFit] = {}  # scorer rank -> the closed-form fit
+    best: LayerFit | None = None
     if preactivation is not None:
         pre_basis = preactivation_basis(x_train, preactivation[0])
-        best_linear = None
         for k in range(LINEAR_STEP, d // 2 + 1, LINEAR_STEP):
             fit = linear[2 * k] = measure("linear", linear_predictor(pre_basis, k, preactivation[1]), 0)
-            if best_linear is not None and fit.work_flops >= best_linear.work_flops * (1 - settings.rank_gain):
-                break
-            best_linear = fit if best_linear is None or fit.work_flops < best_linear.work_flops else best_linear
-    best: LayerFit | None = min(linear.values(), key=lambda f: f.work_flops) if linear else None
+            if best is not None and fit.work_flops >= best.work_flops * (1 - settings.rank_gain):
+                best = min(best, fit, key=lambda f: f.work_flops)
+                break  # more directions no longer pay for themselves
+            best = fit
     best_trained: LayerFit | None = None
     basis = None  # the trained scorers' closed-form start: once per layer, shared by the ranks tried
     for rank in (r for r in settings.ranks if r <= d):

@@ -180,7 +180,7 @@ def test_step_batch_several_sequences_random_tables(tiny_model_dir, block_tokens
 
 def test_step_batch_splits_long_calls_in_order(tiny_model_dir):
     """More tokens than one C call takes (a long prefill chunk): split in order, still exact."""
-    from online.execution.fused_decode import MAX_BATCH_TOKENS
+    from online.kernels.native.step_calls import MAX_BATCH_TOKENS
     folder, _ = tiny_model_dir("llama")
     model, executor = packed(folder, "int8", thresholds=[0.02] * 2)
     step = FusedDecodeStep.build(model, executor)

@@ -49,7 +49,6 @@ from .quantized_linear import describe_qkv
 
 
 DEFAULT_RESIDUAL_RATIO = 2.0
-MAX_BATCH_TOKENS = 64  # tokens per C call of the multi-token step (larger calls are split, in order)
 
 
 class FusedDecodeUnavailable(TandemError):
@@ -311,7 +310,7 @@ class FusedDecodeStep:
 
     def _run_batch(self, token_ids: list, positions: list, tables: np.ndarray, block_tokens: int,
                    keys: torch.Tensor, values: torch.Tensor, want: list) -> torch.Tensor:
-        """tdm_decode_batch over chunks of MAX_BATCH_TOKENS tokens (validated inputs)."""
+        """tdm_decode_batch over chunks of MAX_BATCH_TOKENS tokens (step_calls.py; validated inputs)."""
         cfg = self.cfg
         for t in token_ids:
             if not 0 <= t < cfg.vocab_size:
@@ -328,13 +327,8 @@ class FusedDecodeStep:
             self._kv_key = kv_key(keys, values)
             self._bound_cache = None  # the single-token step rebinds its cache next time
         out = torch.empty(sum(want), self._desc.vocab, dtype=torch.float32)  # [sum(want), vocab]
-        done, active = 0, 0
-        for a in range(0, len(token_ids), MAX_BATCH_TOKENS):
-            b = min(a + MAX_BATCH_TOKENS, len(token_ids))
-            rows = out[done:]
-            active += self._calls.decode_batch(token_ids[a:b], positions[a:b], tables[a:b], block_tokens,
-                                               keys.shape[2], want[a:b], rows.data_ptr() if rows.numel() else None)
-            done += sum(want[a:b])
+        active = self._calls.decode_batches(token_ids, positions, tables, block_tokens, keys.shape[2], want,
+                                            out.data_ptr() if out.numel() else None)
         counters = self.executor.counters
         counters.ffn_neurons_total += self._neurons_per_token * len(token_ids)
         counters.ffn_neurons_active += active

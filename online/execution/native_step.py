@@ -1,7 +1,7 @@
 """The fused C decode step rebuilt from its cache file (online/execution/step_cache.py), without torch.
 
 The same C calls as FusedDecodeStep (``tdm_decode`` for one token, ``tdm_decode_batch`` for a
-prompt in pieces of at most MAX_BATCH_TOKENS tokens: bit-identical to single steps), on the same
+prompt in pieces of at most step_calls.MAX_BATCH_TOKENS tokens: bit-identical to single steps), on the same
 packed arrays, read in place from the mapped cache file; logits and the KV cache are numpy arrays.
 This is what a plain ``tandem generate --plan`` runs: no torch, no GGUF dequantization, no packing.
 
@@ -26,8 +26,6 @@ from ..kernels.native import load_native
 from ..kernels.native.step_calls import StepCalls
 from ..kernels.native.structs import TdmLayer, TdmModel, TdmPredictor, addr
 from .step_cache import RUNTIME_POINTERS, StepCacheError
-
-MAX_BATCH_TOKENS = 64  # as FusedDecodeStep: tokens per C call of the multi-token step
 
 
 class ArrayKVCache:
@@ -104,16 +102,13 @@ class NativeStep:
         if self._bound is not cache:
             self._bind(cache)
         logits = np.empty(self._desc.vocab, dtype=np.float32)
-        for a in range(0, len(token_ids), MAX_BATCH_TOKENS):
-            b = min(a + MAX_BATCH_TOKENS, len(token_ids))
-            last = b == len(token_ids)
-            want = [False] * (b - a - 1) + [last]
-            tables = np.zeros((b - a, 1), dtype=np.int32)  # [T, 1]: the cache is one block
-            active = self._calls.decode_batch(token_ids[a:b], range(start_pos + a, start_pos + b), tables,
-                                              cache.capacity_tokens, cache.capacity_tokens, want,
-                                              logits.ctypes.data if last else None)
-            self.ffn_neurons_total += self._desc.n_layers * self._desc.n_ff * (b - a)
-            self.ffn_neurons_active += active
+        n = len(token_ids)
+        tables = np.zeros((n, 1), dtype=np.int32)  # [T, 1]: the cache is one block
+        want = [False] * (n - 1) + [True]
+        active = self._calls.decode_batches(token_ids, range(start_pos, start_pos + n), tables, cache.capacity_tokens,
+                                            cache.capacity_tokens, want, logits.ctypes.data)
+        self.ffn_neurons_total += self._desc.n_layers * self._desc.n_ff * n
+        self.ffn_neurons_active += active
         return logits
 
 

@@ -12,11 +12,7 @@ from .step_loop import LoopTimings, TokenEvent
 
 __all__ = ["LoopTimings", "TokenEvent", "decode_one_token", "prefill", "token_loop"]
 
-PREFILL_CHUNK_TOKENS = 512
-# Prompts up to this many tokens are prefilled through the fused C step (``compiled.prefill_logits``):
-# it has no per-call setup, while the module graph's first call dequantizes and re-blocks weights for
-# GEMM. Longer prompts go through the module graph, whose GEMM kernels win once the prompt is long
-# (bench/RESULTS.md, "Cold start": the crossover was measured there).
+PREFILL_CHUNK_TOKENS = 512  # tokens per module-graph forward of a prefill without the fused step
 
 
 @torch.inference_mode()

@@ -11,7 +11,7 @@ Example::
     calls = StepCalls(desc, layers, load_native())
     calls.bind(keys, values, capacity_tokens=256)          # float32 [L, KV, C, hd] each
     active = calls.decode(token_id, pos, logits_address)    # one token; returns active FFN rows
-    active = calls.decode_batch([5, 9], [0, 1], np.zeros((2, 1), np.int32), 256, 256, [False, True], logits_address)
+    active = calls.decode_batches([5, 9], [0, 1], np.zeros((2, 1), np.int32), 256, 256, [False, True], logits_address)
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import numpy as np
 from .structs import TdmBatch, addr
 
 SCRATCH_ALIGN_BYTES = 64
+MAX_BATCH_TOKENS = 64  # tokens per tdm_decode_batch call (longer runs are split, in order)
 
 
 class StepCalls:
@@ -50,10 +51,26 @@ class StepCalls:
         """One token through every layer (``tdm_decode``); logits [vocab] float32 at the address."""
         return int(self.native.lib.tdm_decode(ctypes.byref(self.desc), int(token_id), int(pos), logits_address))
 
-    def decode_batch(self, token_ids, positions, tables: np.ndarray, block_tokens: int, kv_rows: int, want,
-                     logits_address: int | None) -> int:
-        """At most 64 tokens in one ``tdm_decode_batch`` call (batch.h); ``tables`` [n, width] int32 block
-        ids per token, ``want[i]``: whether token i's logits are written (in order, at the address)."""
+    def decode_batches(self, token_ids, positions, tables: np.ndarray, block_tokens: int, kv_rows: int, want,
+                       logits_address: int | None) -> int:
+        """Any number of tokens in ``tdm_decode_batch`` calls of at most MAX_BATCH_TOKENS, in order; the
+        wanted tokens' logits rows [vocab] float32 follow one another from the address. Returns the
+        active FFN rows summed over the calls."""
+        row_bytes = 4 * int(self.desc.vocab)
+        active = done = 0
+        for a in range(0, len(token_ids), MAX_BATCH_TOKENS):
+            b = min(a + MAX_BATCH_TOKENS, len(token_ids))
+            wanted = sum(bool(w) for w in want[a:b])
+            address = logits_address + done * row_bytes if logits_address is not None and wanted else None
+            active += self._decode_batch(token_ids[a:b], positions[a:b], tables[a:b], block_tokens, kv_rows,
+                                         want[a:b], address)
+            done += wanted
+        return active
+
+    def _decode_batch(self, token_ids, positions, tables: np.ndarray, block_tokens: int, kv_rows: int, want,
+                      logits_address: int | None) -> int:
+        """At most MAX_BATCH_TOKENS tokens in one ``tdm_decode_batch`` call (batch.h); ``tables`` [n, width]
+        int32 block ids per token, ``want[i]``: whether token i's logits are written (in order, at the address)."""
         n = len(token_ids)
         span = max(int(p) for p in positions) + 1
         n_bytes = int(self.native.lib.tdm_batch_work_bytes(ctypes.byref(self.desc), n, span))
