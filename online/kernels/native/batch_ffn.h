@@ -90,23 +90,19 @@ static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B
             batch_keep(tb, m, i, h, rows, b0, k, thr);
         }
     }
-    for (int64_t i = 0; P && i < T; i++) { /* predicted rows: token by token */
+    for (int64_t i = 0; P && i < T; i++) { /* predicted rows: token by token (ffn_rows' sparse pass) */
+        int64_t cap = (nf / (nt * SPARSE_SLICE) + 1) * SPARSE_SLICE; /* this thread's slices */
+        float g[cap], u[cap];
+        int32_t rows[cap];
         qvec zq;
-        if (P) predict_hidden(P, tb->x + i, t, nt, (float)m->residual_ratio, &zq);
-        for (int64_t b0 = t * SPARSE_SLICE; b0 < nf; b0 += nt * SPARSE_SLICE) {
-            float g[SPARSE_SLICE], u[SPARSE_SLICE], h[SPARSE_SLICE];
-            int32_t rows[SPARSE_SLICE];
-            int64_t n = b0 + SPARSE_SLICE < nf ? SPARSE_SLICE : nf - b0;
-            n = sparse_rows(P, &L->gate, &L->up, m->gated, gate_cut, m->act == ACT_FATRELU ? alpha : 0.0f, b0, n, &zq,
-                            tb->x + i, rows, g, u, t);
-            if (ub)
-                for (int64_t j = 0; j < n; j++) u[j] += ub[rows[j]];
-            activate(m->act, alpha, m->gated, g, u, h, n);
-            batch_keep(tb, m, i, h, rows, b0, n, thr);
-        }
-        if (P) {
+        predict_hidden(P, tb->x + i, t, nt, (float)m->residual_ratio, &zq);
+        int64_t n = sparse_rows(P, &L->gate, &L->up, m->gated, gate_cut, m->act == ACT_FATRELU ? alpha : 0.0f, nf, &zq,
+                                tb->x + i, rows, g, u, t, nt);
+        if (ub)
+            for (int64_t j = 0; j < n; j++) u[j] += ub[rows[j]];
+        activate(m->act, alpha, m->gated, g, u, g, n);
+        batch_keep(tb, m, i, g, rows, 0, n, thr);
 #pragma omp barrier /* P->z is the next token's */
-        }
     }
     for (int64_t b0 = t * FFN_SLICE; !(P || gate_cut) && b0 < nf; b0 += nt * FFN_SLICE) {
         int64_t n = b0 + FFN_SLICE < nf ? FFN_SLICE : nf - b0;

@@ -100,36 +100,66 @@ static void dot4_i4h_idx(const tdm_weight *w, const int32_t *rows, const int32_t
     else dot4_i4h_core(p, d, m, x, w->cols / 32, NULL, NULL, NULL, out);
 }
 
-/* out[0..3] = rows r..r+3 . x for KIND_I8H (dot4_i8's blocked arithmetic on f16 scales) */
-static void dot4_i8h(const tdm_weight *w, int64_t r, const qvec *x, float *out) {
-    int64_t rb = w->row_bytes, ss = w->scale_stride, nb = w->cols / 32;
-    const int8_t *q = (const int8_t *)(w->data + r * rb);
-    const uint16_t *s = (const uint16_t *)w->scale + r * ss;
+/* out[k] = row k . x for four KIND_I8H rows: codes q[k], f16 scales s[k] (dot4_i8's blocked arithmetic on
+ * f16 scales). Prefetches ahead + 128 b (four contiguous rows on), or the rows at next_q / next_s
+ * (gathered), or nothing. */
+static inline __attribute__((always_inline)) void dot4_i8h_core(const int8_t *const q[4], const uint16_t *const s[4],
+                                                                const qvec *x, int64_t nb, const char *ahead,
+                                                                const int8_t *const *next_q,
+                                                                const uint16_t *const *next_s, float *out) {
     __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    const char *ahead = (const char *)(q + 8 * rb);
-    const uint16_t *sk[4] = {s, s + ss, s + 2 * ss, s + 3 * ss};
     float sc[32];
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
         int64_t n = nb - b0 < 8 ? nb - b0 : 8;
-        scales4_f16(sk, x->d, b0, n, sc);
+        scales4_f16(s, x->d, b0, n, sc);
         for (int64_t j = 0; j < n; j++) {
             int64_t b = b0 + j;
-            _mm_prefetch(ahead + 128 * b, _MM_HINT_T0);
-            _mm_prefetch(ahead + 128 * b + 64, _MM_HINT_T0);
+            if (ahead) {
+                _mm_prefetch(ahead + 128 * b, _MM_HINT_T0);
+                _mm_prefetch(ahead + 128 * b + 64, _MM_HINT_T0);
+            }
+            if (next_q && (b & 1) == 0)
+                for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(next_q[k] + 32 * b), _MM_HINT_T0);
+            if (next_s && (b & 31) == 0)
+                for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(next_s[k] + b), _MM_HINT_T0);
             __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
             for (int k = 0; k < 4; k++)
                 a[k] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + 8 * k + j),
-                                       dot32_s8s8(_mm256_loadu_si256((const __m256i *)(q + k * rb + 32 * b)), xv), a[k]);
+                                       dot32_s8s8(_mm256_loadu_si256((const __m256i *)(q[k] + 32 * b)), xv), a[k]);
         }
     }
     for (int64_t f = 0; f < x->n_flagged; f++) {
         int64_t b = x->flagged[f];
         __m256i xv = _mm256_loadu_si256((const __m256i *)(x->r + 32 * b));
         for (int k = 0; k < 4; k++)
-            a[k] = _mm256_fmadd_ps(_mm256_set1_ps(f16_value(s[k * ss + b]) * x->dr[b]),
-                                   dot32_s8s8(_mm256_loadu_si256((const __m256i *)(q + k * rb + 32 * b)), xv), a[k]);
+            a[k] = _mm256_fmadd_ps(_mm256_set1_ps(f16_value(s[k][b]) * x->dr[b]),
+                                   dot32_s8s8(_mm256_loadu_si256((const __m256i *)(q[k] + 32 * b)), xv), a[k]);
     }
     _mm_storeu_ps(out, hsum4x8(a[0], a[1], a[2], a[3]));
+}
+
+/* out[0..3] = rows r..r+3 . x for KIND_I8H */
+static void dot4_i8h(const tdm_weight *w, int64_t r, const qvec *x, float *out) {
+    int64_t rb = w->row_bytes, ss = w->scale_stride;
+    const int8_t *q0 = (const int8_t *)(w->data + r * rb);
+    const uint16_t *s0 = (const uint16_t *)w->scale + r * ss;
+    const int8_t *q[4] = {q0, q0 + rb, q0 + 2 * rb, q0 + 3 * rb};
+    const uint16_t *s[4] = {s0, s0 + ss, s0 + 2 * ss, s0 + 3 * ss};
+    dot4_i8h_core(q, s, x, w->cols / 32, (const char *)(q0 + 8 * rb), NULL, NULL, out);
+}
+
+/* four gathered KIND_I8H rows rows[0..3]; fetches the rows at next[] meanwhile (NULL: none) */
+static void dot4_i8h_idx(const tdm_weight *w, const int32_t *rows, const int32_t *next, const qvec *x, float *out) {
+    int64_t rb = w->row_bytes, ss = w->scale_stride;
+    const int8_t *q[4], *nq[4];
+    const uint16_t *s[4], *ns[4];
+    for (int k = 0; k < 4; k++) {
+        q[k] = (const int8_t *)(w->data + rows[k] * rb);
+        s[k] = (const uint16_t *)w->scale + rows[k] * ss;
+        if (next) nq[k] = (const int8_t *)(w->data + next[k] * rb), ns[k] = (const uint16_t *)w->scale + next[k] * ss;
+    }
+    if (next) dot4_i8h_core(q, s, x, w->cols / 32, NULL, nq, ns, out);
+    else dot4_i8h_core(q, s, x, w->cols / 32, NULL, NULL, NULL, out);
 }
 
 #endif

@@ -52,19 +52,18 @@ static int64_t ffn_rows(const tdm_model *m, const ffn_view *F, const qvec *x, fl
     int gate_cut = m->gated && zero_act && thr >= 0.0f;
     qvec zq;
     if (P) predict_hidden(P, x, t, nt, (float)m->residual_ratio, &zq);
-    for (int64_t b0 = t * SPARSE_SLICE; (P || gate_cut) && b0 < n_ff; b0 += nt * SPARSE_SLICE) {
-        float g[SPARSE_SLICE], u[SPARSE_SLICE], h[SPARSE_SLICE];
-        int32_t rows[SPARSE_SLICE];
-        int64_t n = b0 + SPARSE_SLICE < n_ff ? SPARSE_SLICE : n_ff - b0;
-        n = sparse_rows(P, F->gate, F->up, m->gated, gate_cut, m->act == ACT_FATRELU ? alpha : 0.0f, b0, n, &zq,
-                        x, rows, g, u, t);
+    if (P || gate_cut) { /* g in hbuf, rows in idx: both compacted in place below (n_act <= i) */
+        float u[(n_ff / (nt * SPARSE_SLICE) + 1) * SPARSE_SLICE]; /* this thread's slices */
+        int64_t n = sparse_rows(P, F->gate, F->up, m->gated, gate_cut, m->act == ACT_FATRELU ? alpha : 0.0f, n_ff, &zq,
+                                x, idx, hbuf, u, t, nt);
         if (F->up_bias)
-            for (int64_t i = 0; i < n; i++) u[i] += F->up_bias[rows[i]];
-        activate(m->act, alpha, m->gated, g, u, h, n);
+            for (int64_t i = 0; i < n; i++) u[i] += F->up_bias[idx[i]];
+        activate(m->act, alpha, m->gated, hbuf, u, hbuf, n);
         for (int64_t i = 0; i < n; i++) {
-            hbuf[n_act] = h[i];
-            idx[n_act] = rows[i];
-            n_act += fabsf(h[i]) > thr;
+            float h = hbuf[i];
+            hbuf[n_act] = h;
+            idx[n_act] = idx[i];
+            n_act += fabsf(h) > thr;
         }
     }
     for (int64_t b0 = t * FFN_SLICE; !(P || gate_cut) && b0 < n_ff; b0 += nt * FFN_SLICE) {
