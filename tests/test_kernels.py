@@ -304,3 +304,23 @@ def test_ffn_from_gguf_blocks():
     x = torch.randn(1, 96)
     expect = (F.silu(x.double() @ ref(gate).T) * (x.double() @ ref(up).T)) @ ref(down).T
     _close(ffn.forward_dense(x).numpy(), expect.numpy())
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 129, 1000])
+def test_attention_softmax_exponentials_are_correctly_rounded(n, native_kernels):
+    """Attention's softmax (attention.h softmax_exp, vectorized) against float64 numpy: e^(s - max) (the
+    difference in float32) rounded once to float32, so every value is within one ulp of the correctly rounded one and almost all equal
+    it; the sum in key order; the tail past a multiple of four (padded lanes) alike."""
+    import ctypes
+    from online.kernels.native import load_native
+    softmax_exp = load_native().lib.tdm_softmax_exp  # a self-check entry: bound here, not by bind_signatures
+    softmax_exp.argtypes, softmax_exp.restype = [ctypes.c_void_p, ctypes.c_int64], ctypes.c_double
+    scores = (RNG.standard_normal(n) * 12.0).astype(np.float32)
+    scores[::7] -= 95.0  # values down where e^x is subnormal or zero in float32
+    got = scores.copy()
+    total = softmax_exp(got.ctypes.data, n)
+    shifted = scores - scores.max()  # [n] float32 subtraction, as the step (and expf before it) does
+    exact = np.exp(shifted.astype(np.float64)).astype(np.float32)  # [n]
+    ulps = np.abs(got.view(np.int32).astype(np.int64) - exact.view(np.int32).astype(np.int64))
+    assert ulps.max() <= 1 and (ulps > 0).mean() <= 0.01
+    assert total == float(np.add.accumulate(got, dtype=np.float32)[-1])

@@ -125,13 +125,7 @@ static void key_scores_rows(const float *q, const float *K, const int32_t *rows,
 static void attend_head_rows(const float *K, const float *V, const int32_t *rows, int64_t start, int64_t pos,
                              int64_t hd, float scale, const float *q, float *out, float *scores) {
     key_scores_rows(q, K, rows, start, pos + 1, hd, scale, scores);
-    float mx = -INFINITY;
-    for (int64_t s = start; s <= pos; s++) mx = scores[s] > mx ? scores[s] : mx;
-    float sum = 0.0f;
-    for (int64_t s = start; s <= pos; s++) {
-        scores[s] = expf(scores[s] - mx);
-        sum += scores[s];
-    }
+    float sum = softmax_exp(scores, start, pos);
     for (int64_t k = 0; k < hd; k++) out[k] = 0.0f;
     for (int64_t s = start; s <= pos; s++) {
         const float *restrict vs = V + (int64_t)rows[s] * hd;

@@ -286,6 +286,9 @@ void tdm_dot_rows(const tdm_weight *w, int64_t r0, int64_t n, const float *x, do
     dot_rows(w, r0, n, &v, out);
 }
 
+/* Self-check for the tests: scores[0..n) = e^(scores - max) as attention's softmax forms them; returns the sum */
+double tdm_softmax_exp(float *scores, int64_t n) { return n > 0 ? softmax_exp(scores, 0, n - 1) : 0.0; }
+
 int64_t tdm_has_avx2(void) {
 #ifdef TDM_SIMD
     return 1;
