@@ -99,9 +99,9 @@ def _parallel(threads: int, work) -> float:
 
 
 class ReadPass:
-    """One timed pass of the step's row kernel over a probe matrix (``access`` as in time_reads); calling it
-    reads ``nbytes`` and returns the seconds it took. Gathered / added rows change every pass (a repeated
-    pick would come from the last-level cache)."""
+    """One timed pass of the step's row kernel over a probe matrix (``access`` as in time_reads) on OpenMP
+    threads (tdm_read_pass, as the step runs them); calling it reads ``nbytes`` and returns the seconds it
+    took. Gathered / added rows change every pass (a repeated pick would come from the last-level cache)."""
 
     def __init__(self, lib, ref, access: str, threads: int, rng: np.random.Generator, picks: int = REPEATS + 1,
                  share: float = 1.0):
@@ -133,7 +133,27 @@ class ReadPass:
     def __call__(self) -> float:
         self._idx = self.picks[self.calls % len(self.picks)]
         self.calls += 1
-        return _parallel(self.threads, self._work)
+        read_pass = _read_pass(self.lib)
+        if read_pass is None:  # kernels from before tdm_read_pass (bench/native_ab.py's baselines)
+            return _parallel(self.threads, self._work)
+        idx, out = self._idx, self.out
+        t0 = time.perf_counter()
+        read_pass(ctypes.addressof(self.ref.desc), ACCESS_CODES[self.access], idx.ctypes.data, len(idx), self.x.ctypes.data,
+                  self.h.ctypes.data, self.threads, out.ctypes.data, out.shape[1])
+        return time.perf_counter() - t0
+
+
+ACCESS_CODES = {"dense": 0, "gather": 1, "axpy": 2}  # tdm_read_pass (predict.h)
+
+
+def _read_pass(lib):
+    """The library's tdm_read_pass bound (its row kernels on OpenMP threads, as the step runs them), or None."""
+    fn = getattr(lib, "tdm_read_pass", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+        fn.restype = None
+    return fn
 
 
 def time_reads(lib, ref, access: str, threads: int, rng: np.random.Generator, share: float = 1.0) -> tuple[int, float]:

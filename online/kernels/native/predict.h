@@ -202,4 +202,28 @@ static int64_t sparse_rows(const tdm_predictor *P, const tdm_weight *gate, const
     return kept;
 }
 
+/* Benchmark entry (online/kind_probe.py ReadPass): one pass of the step's row kernels on `threads` OpenMP
+ * threads, as the step runs them (no Python thread starts inside the timed span: they cost ~0.1 ms, a
+ * third of a 10%-share gathered pass). access 0: rows rows[0] .. rows[0] + n - 1 dotted (dot_rows);
+ * 1: the n rows at rows[] dotted (dot_rows_idx); 2: those rows added with weights h (axpy_rows). Thread t
+ * takes [n t / T, n (t + 1) / T) and writes at out + t * out_stride; x is quantized once, before. */
+void tdm_read_pass(const tdm_weight *w, int64_t access, const int32_t *rows, int64_t n, const float *x,
+                   const float *h, int64_t threads, float *out, int64_t out_stride) {
+    int64_t cols = w->cols, nb = cols / QB + 1;
+    int8_t q[cols], rq[cols];
+    float d[nb], dr[nb], s[nb];
+    int32_t flagged[nb];
+    qvec v = {x, q, rq, d, dr, s, flagged, 0};
+    if (access != 2) quantize_q8(x, cols, &v, 2.0f);
+#pragma omp parallel num_threads((int)threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t lo = n * t / nt, hi = n * (t + 1) / nt;
+        float *o = out + t * out_stride;
+        if (access == 0) dot_rows(w, rows[0] + lo, hi - lo, &v, o);
+        else if (access == 1) dot_rows_idx(w, rows + lo, hi - lo, &v, o);
+        else axpy_rows(w, rows + lo, h + lo, hi - lo, o);
+    }
+}
+
 #endif
