@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.core.sampling import SamplingParams, sampling_probs
+from tandem.core.sampling import SamplingParams, greedy_token, sampling_probs
 from .lookup import LookupDrafter
 
 
@@ -58,7 +58,7 @@ class SparseDrafter:
         for i in range(k):
             logits = self.draft_logits(token, pos + i, cache)  # [vocab]
             if params.greedy:
-                token = int(torch.argmax(logits))
+                token = greedy_token(logits)
             else:
                 q = sampling_probs(logits, params)  # [vocab]
                 token = int(torch.multinomial(q, 1, generator=generator))
