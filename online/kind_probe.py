@@ -137,11 +137,11 @@ class ReadPass:
     def __call__(self) -> float:
         self._idx = self.picks[self.calls % len(self.picks)]
         self.calls += 1
+        _evict_buffer().sum()  # the matrix out of the last-level cache, as after a step's other reads
         read_pass = self._read_pass
         if read_pass is None:
             return _parallel(self.threads, self._work)
         idx, out = self._idx, self.out
-        _evict_buffer().sum()  # the matrix out of the last-level cache, as after a step's other reads
         t0 = time.perf_counter()
         read_pass(ctypes.addressof(self.ref.desc), ACCESS_CODES[self.access], idx.ctypes.data, len(idx), self.x.ctypes.data,
                   self.h.ctypes.data, self.threads, out.ctypes.data, out.shape[1])

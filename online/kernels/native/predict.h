@@ -121,25 +121,20 @@ static void dot4_i4g32_idx(const tdm_weight *w, const int32_t *rows, const int32
 static void dot_rows_idx(const tdm_weight *w, const int32_t *rows, int64_t n, const qvec *x, float *out) {
     int64_t i = 0;
 #ifdef TDM_SIMD
-    if (w->kind == KIND_I4H) { /* blocks_dot.h: f16 scales widened in registers */
-        gather_prime(w, rows, n);
+    gather_prime(w, rows, n);
+    if (w->kind == KIND_I4H) /* blocks_dot.h: f16 scales widened in registers */
         for (; i + 4 <= n; i += 4) dot4_i4h_idx(w, rows + i, gather_next(rows, i, n), x, out + i);
-    }
-    else if (w->kind == KIND_I8H) {
-        gather_prime(w, rows, n);
+    else if (w->kind == KIND_I8H)
         for (; i + 4 <= n; i += 4) dot4_i8h_idx(w, rows + i, gather_next(rows, i, n), x, out + i);
-    } else if (w->kind == KIND_Q4K) {
+    else if (w->kind == KIND_Q4K) {
         int64_t ng = w->cols / 32;
         float d[4 * ng], m[4 * ng];
-        gather_prime(w, rows, n);
         for (; i + 4 <= n; i += 4) {
             for (int k = 0; k < 4; k++) expand_scales(w, rows[i + k], 1, d + k * ng, m + k * ng);
             dot4_i4g32_idx(w, rows + i, gather_next(rows, i, n), d, m, x, out + i);
         }
-    } else if (w->kind == KIND_I4 && w->group == 32) {
-        gather_prime(w, rows, n);
+    } else if (w->kind == KIND_I4 && w->group == 32)
         for (; i + 4 <= n; i += 4) dot4_i4g32_idx(w, rows + i, gather_next(rows, i, n), NULL, NULL, x, out + i);
-    }
 #endif
     for (; i < n; i++) out[i] = dot_row(w, rows[i], x);
 }
