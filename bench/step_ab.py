@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 from bench.native_ab import baseline_library, use_library
+from tandem.core.errors import TandemError
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a .gguf file")
-    ap.add_argument("--plan", default=None, help="a plan folder")
+    ap.add_argument("--plan", default=None, help="a plan folder (default: none, the model packed int4)")
     ap.add_argument("--predictors", default=None, help="predictor folder (default: the plan's own, if any)")
     ap.add_argument("--ref", default="main", help="git ref of the baseline kernels (A); B = this checkout")
     ap.add_argument("--rounds", type=int, default=12)
@@ -30,10 +32,11 @@ def main() -> None:
     from online import Engine
     from tandem.core.generate import prefill
 
-    engine = Engine.load(args.model, threads=args.threads, plan=args.plan, predictors=args.predictors)
-    if engine.decode_path != "fused":
-        raise SystemExit(f"no fused decode: {engine.decode_path_reason}")
-    step = engine.compiled_decode
+    kwargs = {"plan": args.plan, "predictors": args.predictors} if args.plan else {"weight_format": "int4"}
+    engine = Engine.load(args.model, threads=args.threads, **kwargs)
+    step = engine.compiled_decode  # built on first use
+    if step is None:
+        raise TandemError(f"no fused decode step: {engine.decode_path_reason}")
     libs = {"A": baseline_library(args.ref), "B": step.native}
     text = "The history of the city begins with a small settlement on the river, where traders met. " * 64
     ids = engine.tokenizer.encode(text)[:args.context]
@@ -59,4 +62,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except TandemError as exc:  # a bad model, plan or git ref: one line, exit 2
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
