@@ -16,7 +16,7 @@ from helpers_fused import matvec
 from online.kernels import native
 from online.kernels.cpu_kernels import dequantize_into, kernel_weight
 from online.kernels.native.structs import describe
-from online.kernels.quantize import BlockInt8Weight, Int4Weight, quantize
+from online.kernels.quantize import KIND_I4X8, BlockInt8Weight, Int4Weight, quantize
 from online.kernels.superblocks import Q4KWeight
 from online.kernels.quantize import weight_from_gguf
 from test_kquants import random_blocks
@@ -166,7 +166,11 @@ def test_fused_step_on_f16_blocks_and_quantized_down_rows(tiny_model_dir, kind, 
     split = executor.splits[0].cpu
     assert split.down_t.scale.dtype == np.float16 and split.up.scale.dtype == np.float16
     step = FusedDecodeStep.build(model, executor, residual_ratio=0.0)
-    assert step._layers[0].down_t.kind == {"int8b": 6, "int4": 5}[down] and step._layers[0].up.kind == 5  # in place
+    # down rows in place; gate and up interleaved eight rows at a time where read by whole row ranges
+    # (blocks_x8.h), up in place where the ReLU gate cut gathers its rows
+    layer = step._layers[0]
+    assert layer.down_t.kind == {"int8b": 6, "int4": 5}[down] and layer.gate.kind == KIND_I4X8
+    assert layer.up.kind == (5 if kind == "llama-relu" else KIND_I4X8)
     cache, ref_cache, module_cache = (KVCache(model.cfg, 32) for _ in range(3))
     for pos, tok in enumerate(PROMPT):
         got = step(tok, pos, cache)

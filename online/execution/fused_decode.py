@@ -40,7 +40,7 @@ from ..kernels.cpu_kernels import clamp_threads
 from ..kernels.quantize import ACT_IDS
 from ..kernels.native import NativeUnavailable, load_native
 from ..kernels.native.step_calls import StepCalls
-from ..kernels.native.structs import TdmLayer, TdmModel, WeightRef, addr, describe
+from ..kernels.native.structs import TdmLayer, TdmModel, WeightRef, addr, describe, interleave
 from tandem.core.kv_cache import KVCache
 from .fused_arch import MoeRef, build_moe, check_moe, expert_width, layer_arrays, model_fields
 from .fused_predict import PredictorRef, build_predictor
@@ -68,6 +68,19 @@ def _bias(b) -> np.ndarray | None:
         return None
     b = np.asarray(b, dtype=np.float32)
     return b if b.size else None
+
+
+def dense_rows(cfg, split, refs: dict) -> list[str]:
+    """The layer's matrices the fused step reads only by whole row ranges (dot_rows): attention's,
+    a dense down, and gate / up unless predicted rows (predict.h) or a ReLU-family gate cut (up rows
+    where the gate passes) gather them. These can take the interleaved layout (structs.interleave)."""
+    names = [k for k in ("qkv", "q", "k", "v", "o", "down") if k in refs]
+    if split is not None and split.predictor is None:
+        names.append("gate")
+        gate_cut = cfg.mlp_gated and cfg.hidden_act in ("relu", "fatrelu", "drelu") and float(split.threshold) >= 0
+        if not gate_cut:
+            names.append("up")
+    return names
 
 
 def _check_model(model, executor) -> None:
@@ -172,6 +185,8 @@ class FusedDecodeStep:
                 refs["down" if dense is not None else "down_t"] = (describe(dense) if dense is not None
                                                                    else describe(ffn.down_t, dot_input=False))
                 arrays["down_bias"] = _np(split.down_bias) if split.down_bias is not None else _bias(ffn.down_bias)
+            for name in dense_rows(model.cfg, split, refs):  # read by whole row ranges: eight rows interleaved
+                refs[name] = interleave(refs[name], native.lib)
             layer = TdmLayer(threshold=float(split.threshold) if split is not None else -1.0,
                              window=int(attn.sliding_window), n_ff=ffn.n_neurons if split is not None else 0,
                              **{k: r.desc for k, r in refs.items()}, **{k: addr(a) for k, a in arrays.items()})
@@ -190,7 +205,7 @@ class FusedDecodeStep:
     def _describe_model(self) -> TdmModel:
         """The model descriptor; layers carry their own windows (``window`` 0 here when they differ)."""
         cfg, model, ex = self.cfg, self.model, self.executor
-        head: WeightRef = describe(ex.head.weight)
+        head: WeightRef = interleave(describe(ex.head.weight), self.native.lib)
         embed, final_norm = _np(model.embed_tokens.weight), _np(model.norm.weight)
         cos, sin = _np(model.rope_cos), _np(model.rope_sin)
         opt, opt_keep, positions = model_fields(model)  # LayerNorm, learned positions (fused_arch.py)
