@@ -27,7 +27,7 @@ from placement.fused_calibration import KindRate
 from tandem.core.errors import TandemError
 
 from .kernels.native import load_native
-from .kernels.native.structs import describe
+from .kernels.native.structs import describe, interleave
 from .kernels.quantize import quantize, weight_from_gguf
 from .step_inventory import kind_name, weight_bytes
 
@@ -184,6 +184,8 @@ def measure_kind_rates(threads: int, bandwidth: float, plan=DEFAULT_PLAN, seed: 
     for fmt, accesses in by_format.items():
         for access in accesses:
             _, ref = cached_weight(fmt, access == "axpy")
+            if access == "dense":  # whole row ranges: the fused step's layout (GGUF int4 / Q8_0 eight rows interleaved)
+                ref = interleave(ref, lib)
             for share in (1.0,) if access == "dense" else SPARSE_SHARES:
                 read, seconds = time_reads(lib, ref, access, threads, rng, share)
                 out.append(KindRate(kind=kind_name(ref.desc), access=access, share=read / seconds / bandwidth,

@@ -14,12 +14,13 @@ from __future__ import annotations
 from placement.step_reads import StepUnit
 from tandem.core.errors import TandemError
 
-from .kernels.quantize import (KIND_F16, KIND_F32, KIND_I4, KIND_I4H, KIND_I8, KIND_I8B, KIND_I8H, KIND_Q4K,
-                               KIND_Q50, KIND_Q5K, KIND_Q6K)
+from .kernels.quantize import (KIND_F16, KIND_F32, KIND_I4, KIND_I4H, KIND_I4X8, KIND_I8, KIND_I8B, KIND_I8H,
+                               KIND_I8X8, KIND_Q4K, KIND_Q50, KIND_Q5K, KIND_Q6K)
 
 # kind -> format name; Q4_0 and Q4_1 share one kind (f16 scales, with / without a minimum): told apart below
 KIND_NAMES = {KIND_F32: "f32", KIND_I8: "int8", KIND_I8B: "int8b", KIND_I4: "int4", KIND_F16: "f16",
-              KIND_I4H: "q4_0", KIND_I8H: "q8_0", KIND_Q4K: "q4_k", KIND_Q50: "q5_0", KIND_Q6K: "q6_k", KIND_Q5K: "q5_k"}
+              KIND_I4H: "q4_0", KIND_I8H: "q8_0", KIND_Q4K: "q4_k", KIND_Q50: "q5_0", KIND_Q6K: "q6_k", KIND_Q5K: "q5_k",
+              KIND_I4X8: "q4_0", KIND_I8X8: "q8_0"}  # interleaved eight rows at a time (blocks_x8.h): GGUF's bytes
 # bytes of one scale (and one minimum) entry per kind; GGUF blocks in place keep theirs inside the rows
 _SCALE_BYTES = {KIND_I8: 4, KIND_I8B: 4, KIND_I4: 4, KIND_I4H: 2, KIND_I8H: 2, KIND_Q4K: 1}
 
@@ -28,6 +29,8 @@ def kind_name(w) -> str:
     if w.kind not in KIND_NAMES:
         raise TandemError(f"unknown packed weight kind {w.kind}")
     if w.kind == KIND_I4H and w.minimum:
+        return "q4_1"
+    if w.kind == KIND_I4X8 and w.row_bytes * 8 == 160 * (w.cols // 32):  # blocks with minimums
         return "q4_1"
     return KIND_NAMES[w.kind]
 

@@ -128,7 +128,7 @@ def test_smollm2_chat_on_the_cache_matches_the_torch_path(smollm2_path, tmp_path
     plan_src = ROOT / "profiles" / "SmolLM2-135M-Instruct.Q4_1"
     if not (plan_src / "plan-probed-0").is_dir():
         pytest.skip("no SmolLM2 plan in profiles/")
-    shutil.copytree(plan_src / "plan-probed-0", tmp_path / "plan")
+    shutil.copytree(plan_src / "plan-probed-0", tmp_path / "plan", ignore=shutil.ignore_patterns("step-cache"))
     shutil.copytree(plan_src / "profile", tmp_path / "profile")
     engine = Engine.load(str(smollm2_path), plan=tmp_path / "plan", threads=2)  # builds, writes, runs on the cache
     assert engine.runs_on_cached_step and engine._model is not None

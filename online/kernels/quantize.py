@@ -40,7 +40,7 @@ from tandem.core.errors import TandemError
 KIND_F32, KIND_I8, KIND_I8B, KIND_I4, KIND_F16 = 0, 1, 2, 3, 4
 KIND_I4H, KIND_I8H, KIND_Q4K = 5, 6, 7  # native only (blocks.h): f16-scaled int4 / int8, Q4_K super-blocks
 KIND_Q50, KIND_Q6K, KIND_Q5K = 8, 9, 10  # native only (kquants.h): GGUF Q5_0 / Q6_K / Q5_K blocks
-KIND_I4X8 = 11  # native only (blocks_x8.h): Q4_0 / Q4_1 rows interleaved eight at a time (fused step)
+KIND_I4X8, KIND_I8X8 = 11, 12  # native only (blocks_x8.h): Q4_0 / Q4_1 and Q8_0 rows interleaved eight at a time
 ACT_IDS = {"silu": 0, "relu": 1, "fatrelu": 2, "drelu": 3, "gelu": 4, "gelu_tanh": 5}
 F16_VECTOR = 8  # Fp16Weight rows are read 8 values at a time
 Q8_BLOCK = 32  # Q8_0 block size (BlockInt8Weight)

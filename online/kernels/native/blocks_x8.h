@@ -1,12 +1,13 @@
 /* KIND_I4X8: Q4_0 / Q4_1 rows interleaved eight at a time (llama.cpp's "repacked" Q4_0x8 idea), so
  * that one vector lane is one row and a block's integer dot product needs no horizontal sum.
  *
- * Layout (tdm_repack_i4x8 builds it from a KIND_I4H weight): row group R (rows 8R..8R+7, the last
- * one zero-padded), block g (32 columns) is X8_BLOCK_BYTES = 160 bytes at data + (R * ng + g) * 160:
+ * Layout (tdm_repack_x8 builds it from a KIND_I4H weight): row group R (rows 8R..8R+7, the last
+ * one zero-padded), block g (32 columns) is B bytes at data + (R * ng + g) * B, B = 160 (Q4_1) or
+ * 144 (Q4_0: no minimums; they are -8 d, formed exactly in the kernel):
  *   bytes [32 v, 32 v + 32), v < 4: lane j (4 bytes) holds row 8R+j's codes of columns 32 g + 8 v + b
  *     (low nibble) and 32 g + 8 v + 4 + b (high nibble), b < 4;
- *   bytes [128, 144): the eight rows' f16 scales d; [144, 160): their f16 minimums (Q4_0: -8 d, exact).
- * row_bytes is 20 (160 / 8), so rows * row_bytes is the data a full group holds per row.
+ *   bytes [128, 144): the eight rows' f16 scales d; Q4_1: [144, 160) their f16 minimums.
+ * row_bytes is ng * B / 8 (the same bytes per row as the GGUF blocks), which tells B apart.
  *
  * Arithmetic, per row and token (every lane, and the scalar dot_row_x8, does exactly this):
  *   acc = 0; for g: acc = fma(d[g] * xd[g], (float)(codes_g . xq_g), acc)      (exact int32 block dot)
@@ -27,21 +28,17 @@ enum { KIND_I4X8 = 11 };
 /* Keeps a vector in a register (see blocks_multi.h's TDM_IN_REGISTER) */
 #define TDM_X8_IN_REGISTER(v) __asm__("" : "+x"(v))
 
-/* *out = v as f16 when v is exactly an f16 value; nonzero otherwise */
-static int f16_exact(float v, uint16_t *out) {
-    uint16_t sign = signbit(v) ? 0x8000 : 0;
-    float a = fabsf(v);
-    int e;
-    if (!(a <= 65504.0f)) return 1;
-    if (a == 0.0f) *out = sign;
-    else if (frexpf(a, &e), e + 14 >= 1) /* normal: a = (1 + m / 1024) 2^(E - 15) */
-        *out = (uint16_t)(sign | (e + 14) << 10 | ((uint32_t)ldexpf(a, 25 - e - 14) - 1024));
-    else *out = (uint16_t)(sign | (uint32_t)ldexpf(a, 24)); /* subnormal: a = m 2^-24 */
-    return f16_value(*out) != v;
-}
+/* bytes per block of eight rows: 160 with minimums (Q4_1), 144 without (Q4_0) */
+static inline int64_t x8_block_bytes(const tdm_weight *w) { return w->row_bytes * X8_ROWS / (w->cols / 32); }
 
 static inline const uint8_t *x8_block(const tdm_weight *w, int64_t group, int64_t g) {
-    return w->data + (group * (w->cols / 32) + g) * X8_BLOCK_BYTES;
+    return w->data + (group * (w->cols / 32) + g) * x8_block_bytes(w);
+}
+
+/* lane j's minimum of block o: Q4_1's f16 minimum, or Q4_0's -8 d (exact) */
+static inline float x8_minimum(const uint8_t *o, int64_t block_bytes, int64_t j) {
+    return block_bytes == X8_BLOCK_BYTES ? f16_value(((const uint16_t *)(o + 144))[j])
+                                         : -8.0f * f16_value(((const uint16_t *)(o + 128))[j]);
 }
 
 /* row r . x in the lane arithmetic above (edge rows of a range, gathered rows, the portable build) */
@@ -63,7 +60,7 @@ static float dot_row_x8(const tdm_weight *w, int64_t r, const qvec *x) {
             acc = fmaf(f16_value(((const uint16_t *)(o + 128))[j]) * xd, (float)s, acc);
         }
     }
-    for (int64_t g = 0; g < ng; g++) m = fmaf(f16_value(((const uint16_t *)(x8_block(w, r / X8_ROWS, g) + 144))[j]), x->s[g], m);
+    for (int64_t g = 0; g < ng; g++) m = fmaf(x8_minimum(x8_block(w, r / X8_ROWS, g), x8_block_bytes(w), j), x->s[g], m);
     return acc + m;
 }
 
@@ -81,6 +78,12 @@ static inline __m256i x8_block_dot(const __m256i *c, const int8_t *q) {
     return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 }
 
+/* the eight rows' minimums of block o (Q4_0: -8 d, exact) */
+static inline __m256 x8_minimum8(const uint8_t *o, int64_t block_bytes) {
+    if (block_bytes == X8_BLOCK_BYTES) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 144)));
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 128))), _mm256_set1_ps(-8.0f));
+}
+
 static inline void x8_unpack(const uint8_t *o, __m256i *c) {
     const __m256i lo = _mm256_set1_epi8(15);
     for (int v = 0; v < 4; v++) {
@@ -92,11 +95,11 @@ static inline void x8_unpack(const uint8_t *o, __m256i *c) {
 
 /* out[0..8) = rows 8 group .. 8 group + 7 . x (one token; nibbles unpacked in registers) */
 static void dot8_x8(const tdm_weight *w, int64_t group, const qvec *x, float *out) {
-    int64_t ng = w->cols / 32;
+    int64_t ng = w->cols / 32, bb = x8_block_bytes(w);
     const uint8_t *o = x8_block(w, group, 0);
     __m256 acc = _mm256_setzero_ps(), m = _mm256_setzero_ps();
     __m256i c[8];
-    for (int64_t g = 0; g < ng; g++, o += X8_BLOCK_BYTES) {
+    for (int64_t g = 0; g < ng; g++, o += bb) {
         _mm_prefetch((const char *)o + 1280, _MM_HINT_T0);
         _mm_prefetch((const char *)o + 1280 + 64, _MM_HINT_T0);
         _mm_prefetch((const char *)o + 1280 + 128, _MM_HINT_T0);
@@ -104,7 +107,7 @@ static void dot8_x8(const tdm_weight *w, int64_t group, const qvec *x, float *ou
         __m256 dk = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 128)));
         acc = _mm256_fmadd_ps(_mm256_mul_ps(dk, _mm256_broadcast_ss(x->d + g)),
                               _mm256_cvtepi32_ps(x8_block_dot(c, x->q + 32 * g)), acc);
-        m = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 144))), _mm256_broadcast_ss(x->s + g), m);
+        m = _mm256_fmadd_ps(x8_minimum8(o, bb), _mm256_broadcast_ss(x->s + g), m);
     }
     for (int64_t f = 0; f < x->n_flagged; f++) {
         int64_t g = x->flagged[f];
@@ -152,17 +155,17 @@ static inline __attribute__((always_inline)) void x8_tokens(const __m256i *cb, c
 
 /* out[i * os + j] = row 8 group + j . x[i] for T tokens: the group's nibbles and scales unpacked once */
 static void dot8_x8_multi(const tdm_weight *w, int64_t group, const qvec *x, int64_t T, float *out, int64_t os) {
-    int64_t ng = w->cols / 32, i = 0;
+    int64_t ng = w->cols / 32, bb = x8_block_bytes(w), i = 0;
     __m256i cb[8 * ng] __attribute__((aligned(32)));
     __m256 dk[ng], mk[ng];
     const uint8_t *o = x8_block(w, group, 0);
-    for (int64_t g = 0; g < ng; g++, o += X8_BLOCK_BYTES) {
-        _mm_prefetch((const char *)o + ng * X8_BLOCK_BYTES, _MM_HINT_T0); /* the next group, as far ahead */
-        _mm_prefetch((const char *)o + ng * X8_BLOCK_BYTES + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)o + ng * X8_BLOCK_BYTES + 128, _MM_HINT_T0);
+    for (int64_t g = 0; g < ng; g++, o += bb) {
+        _mm_prefetch((const char *)o + ng * bb, _MM_HINT_T0); /* the next group, as far ahead */
+        _mm_prefetch((const char *)o + ng * bb + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)o + ng * bb + 128, _MM_HINT_T0);
         x8_unpack(o, cb + 8 * g);
         dk[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 128)));
-        mk[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 144)));
+        mk[g] = x8_minimum8(o, bb);
     }
     for (; i + 4 <= T; i += 4) x8_tokens(cb, dk, mk, ng, x + i, 4, out + i * os, os);
     if (i + 2 <= T) x8_tokens(cb, dk, mk, ng, x + i, 2, out + i * os, os), i += 2;
@@ -170,14 +173,24 @@ static void dot8_x8_multi(const tdm_weight *w, int64_t group, const qvec *x, int
 }
 #endif
 
+#include "blocks_x8_i8.h" /* the Q8_0 twin (KIND_I8X8) */
+
+static inline int is_x8(int64_t kind) { return kind == KIND_I4X8 || kind == KIND_I8X8; }
+
+static inline float dot_row_any_x8(const tdm_weight *w, int64_t r, const qvec *x) {
+    return w->kind == KIND_I8X8 ? dot_row_x8_i8(w, r, x) : dot_row_x8(w, r, x);
+}
+
 /* out[i] = W[r0 + i] . x, i < n: whole row groups eight at a time, the rows either side one by one */
 static void dot_rows_x8(const tdm_weight *w, int64_t r0, int64_t n, const qvec *x, float *out) {
     int64_t i = 0;
-    for (; i < n && (r0 + i) % X8_ROWS; i++) out[i] = dot_row_x8(w, r0 + i, x);
+    for (; i < n && (r0 + i) % X8_ROWS; i++) out[i] = dot_row_any_x8(w, r0 + i, x);
 #ifdef TDM_SIMD
-    for (; i + X8_ROWS <= n; i += X8_ROWS) dot8_x8(w, (r0 + i) / X8_ROWS, x, out + i);
+    for (; i + X8_ROWS <= n; i += X8_ROWS)
+        if (w->kind == KIND_I8X8) dot8_x8_i8(w, (r0 + i) / X8_ROWS, x, out + i);
+        else dot8_x8(w, (r0 + i) / X8_ROWS, x, out + i);
 #endif
-    for (; i < n; i++) out[i] = dot_row_x8(w, r0 + i, x);
+    for (; i < n; i++) out[i] = dot_row_any_x8(w, r0 + i, x);
 }
 
 /* dot_rows_x8 for T tokens (out[t * os + i]); each token's values are dot_rows_x8's */
@@ -185,34 +198,38 @@ static void dot_rows_x8_multi(const tdm_weight *w, int64_t r0, int64_t n, const 
                               int64_t os) {
     int64_t i = 0;
     for (; i < n && (r0 + i) % X8_ROWS; i++)
-        for (int64_t t = 0; t < T; t++) out[t * os + i] = dot_row_x8(w, r0 + i, x + t);
+        for (int64_t t = 0; t < T; t++) out[t * os + i] = dot_row_any_x8(w, r0 + i, x + t);
 #ifdef TDM_SIMD
-    for (; i + X8_ROWS <= n; i += X8_ROWS) dot8_x8_multi(w, (r0 + i) / X8_ROWS, x, T, out + i, os);
+    for (; i + X8_ROWS <= n; i += X8_ROWS)
+        if (w->kind == KIND_I8X8) dot8_x8_i8_multi(w, (r0 + i) / X8_ROWS, x, T, out + i, os);
+        else dot8_x8_multi(w, (r0 + i) / X8_ROWS, x, T, out + i, os);
 #endif
     for (; i < n; i++)
-        for (int64_t t = 0; t < T; t++) out[t * os + i] = dot_row_x8(w, r0 + i, x + t);
+        for (int64_t t = 0; t < T; t++) out[t * os + i] = dot_row_any_x8(w, r0 + i, x + t);
 }
 
-/* out (uint8 [ceil(rows / 8) * ng * 160]) = the KIND_I4H weight w interleaved as above. Returns 0, or
- * -1 where a Q4_0 scale's -8 d does not fit f16 (the caller keeps w as it is). */
-int tdm_repack_i4x8(const tdm_weight *w, uint8_t *out) {
+/* out (uint8 [ceil(rows / 8) * ng * B]) = the KIND_I4H weight w interleaved as above (KIND_I8H: the
+ * KIND_I8X8 layout, blocks_x8_i8.h). Returns 0. */
+int tdm_repack_x8(const tdm_weight *w, uint8_t *out) {
+    if (w->kind == KIND_I8H) {
+        repack_i8x8(w, out);
+        return 0;
+    }
     int64_t ng = w->cols / 32, groups = (w->rows + X8_ROWS - 1) / X8_ROWS;
+    int64_t bb = w->minimum ? X8_BLOCK_BYTES : X8_BLOCK_BYTES - 16;
     const uint16_t *d16 = (const uint16_t *)w->scale, *m16 = (const uint16_t *)w->minimum;
-    memset(out, 0, (size_t)(groups * ng * X8_BLOCK_BYTES));
+    memset(out, 0, (size_t)(groups * ng * bb));
     for (int64_t r = 0; r < w->rows; r++) {
         int64_t j = r % X8_ROWS;
         for (int64_t g = 0; g < ng; g++) {
-            uint8_t *o = out + ((r / X8_ROWS) * ng + g) * X8_BLOCK_BYTES;
+            uint8_t *o = out + ((r / X8_ROWS) * ng + g) * bb;
             const uint8_t *p = w->data + r * w->row_bytes + 16 * g; /* GGUF: low nibbles 0..15, high 16..31 */
             uint8_t c[32];
             for (int k = 0; k < 16; k++) c[k] = p[k] & 15, c[k + 16] = p[k] >> 4;
             for (int v = 0; v < 4; v++)
                 for (int b = 0; b < 4; b++) o[32 * v + 4 * j + b] = (uint8_t)(c[8 * v + b] | c[8 * v + 4 + b] << 4);
-            uint16_t d = d16[r * w->scale_stride + g], m;
-            if (m16) m = m16[r * w->scale_stride + g];
-            else if (f16_exact(-8.0f * f16_value(d), &m)) return -1; /* Q4_0: -8 d (exact unless it overflows) */
-            ((uint16_t *)(o + 128))[j] = d;
-            ((uint16_t *)(o + 144))[j] = m;
+            ((uint16_t *)(o + 128))[j] = d16[r * w->scale_stride + g];
+            if (m16) ((uint16_t *)(o + 144))[j] = m16[r * w->scale_stride + g];
         }
     }
     return 0;

@@ -353,7 +353,7 @@ static void dot4_i8(const tdm_weight *w, int64_t r, const qvec *x, float *out) {
 
 static float dot_row(const tdm_weight *w, int64_t r, const qvec *x) {
     float o;
-    if (w->kind == KIND_I4X8) return dot_row_x8(w, r, x); /* blocks_x8.h */
+    if (is_x8(w->kind)) return dot_row_any_x8(w, r, x); /* blocks_x8.h */
     if (is_kquant(w->kind)) return kq_dot_rows(w, r, 1, x, &o), o; /* kquants.h */
     if (packed_scales(w->kind)) { /* blocks.h: this row's scales expanded, then the float-scale kernel */
         int64_t ng = w->cols / 32;
@@ -373,7 +373,7 @@ static float dot_row(const tdm_weight *w, int64_t r, const qvec *x) {
 static void dot_rows(const tdm_weight *w, int64_t r0, int64_t n, const qvec *x, float *out) {
     int64_t i = 0;
     if (is_kquant(w->kind)) { kq_dot_rows(w, r0, n, x, out); return; } /* kquants.h */
-    if (w->kind == KIND_I4X8) { dot_rows_x8(w, r0, n, x, out); return; } /* blocks_x8.h */
+    if (is_x8(w->kind)) { dot_rows_x8(w, r0, n, x, out); return; } /* blocks_x8.h */
 #ifdef TDM_SIMD
     if (w->kind == KIND_I4H) /* blocks_dot.h: f16 scales widened in registers */
         for (; i + 4 <= n; i += 4) dot4_i4h(w, r0 + i, x, out + i);

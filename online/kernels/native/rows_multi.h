@@ -176,7 +176,7 @@ static void dot_rows_multi(const tdm_weight *w, int64_t r0, int64_t n, const qve
         kq_dot_rows_multi(w, r0, n, x, T, out, os);
         return;
     }
-    if (w->kind == KIND_I4X8) { /* blocks_x8.h: each row group unpacked once for all T */
+    if (is_x8(w->kind)) { /* blocks_x8.h: each row group unpacked once for all T */
         dot_rows_x8_multi(w, r0, n, x, T, out, os);
         return;
     }

@@ -11,7 +11,7 @@ import numpy as np
 
 from tandem.core.errors import TandemError
 
-from ..quantize import KIND_F16, KIND_F32, KIND_I4, KIND_I4X8, KIND_I8, KIND_I8B, KIND_I4H, KIND_I8H, KIND_Q4K, BlockInt8Weight, Fp16Weight, Fp32Weight, Int4Weight, Int8Weight
+from ..quantize import KIND_F16, KIND_F32, KIND_I4, KIND_I4X8, KIND_I8X8, KIND_I8, KIND_I8B, KIND_I4H, KIND_I8H, KIND_Q4K, BlockInt8Weight, Fp16Weight, Fp32Weight, Int4Weight, Int8Weight
 from ..superblocks import GGUFBlockWeight, Q4KWeight
 
 _P = ctypes.c_void_p
@@ -153,31 +153,33 @@ def describe(w, dot_input: bool = True) -> WeightRef:
     raise TandemError(f"native kernels do not read {type(w).__name__}")
 
 
-X8_ROWS, X8_BLOCK_BYTES = 8, 160  # blocks_x8.h: rows per interleaved group, bytes per group and block of 32
+X8_ROWS = 8  # blocks_x8.h: rows per interleaved group
+X8_KINDS = {KIND_I4H: KIND_I4X8, KIND_I8H: KIND_I8X8}  # in-place kind -> interleaved kind
 
 
 def interleave(ref: WeightRef, lib) -> WeightRef:
-    """The row-dot weight ``ref`` as KIND_I4X8 (blocks_x8.h: eight rows per vector, each block's
-    integer dot product without a horizontal sum; the multi-token step unpacks a group once for all
-    its tokens), or ``ref`` itself where that does not apply: not Q4_0 / Q4_1 with f16 scales
-    (KIND_I4H), a library without the kernel (an older build), or a Q4_0 scale whose -8 d is not an
-    f16. The copy is new memory (ceil(rows / 8) * 8 rows of 20 bytes per 32 columns); read only by
-    whole row ranges (dot_rows), so gathered rows (predictor layers) keep the original.
+    """The row-dot weight ``ref`` with eight rows interleaved per vector (blocks_x8.h: Q4_0 / Q4_1 as
+    KIND_I4X8, Q8_0 as KIND_I8X8; a block's integer dot product needs no horizontal sum, and the
+    multi-token step unpacks a group once for all its tokens), or ``ref`` itself where that does not
+    apply: another format, or a library without the kernel (an older build). The copy is new memory
+    (ceil(rows / 8) * 8 rows of the GGUF blocks' bytes per row), read only by whole row ranges
+    (dot_rows): gathered rows (predictor layers) keep the original.
 
     Example::
 
         up = interleave(describe(ffn.up), native.lib)   # rows read densely by the fused step
     """
     d = ref.desc
-    if d.kind != KIND_I4H or not hasattr(lib, "tdm_repack_i4x8"):
+    if d.kind not in X8_KINDS or not hasattr(lib, "tdm_repack_x8"):
         return ref
-    lib.tdm_repack_i4x8.argtypes = [ctypes.POINTER(TdmWeight), _P]
-    lib.tdm_repack_i4x8.restype = ctypes.c_int
-    groups, blocks = -(-d.rows // X8_ROWS), d.cols // 32
-    data = np.empty((groups * X8_ROWS, blocks * X8_BLOCK_BYTES // X8_ROWS), dtype=np.uint8)
-    if lib.tdm_repack_i4x8(ctypes.byref(d), data.ctypes.data) != 0:
+    lib.tdm_repack_x8.argtypes = [ctypes.POINTER(TdmWeight), _P]
+    lib.tdm_repack_x8.restype = ctypes.c_int
+    kind, groups, blocks = X8_KINDS[d.kind], -(-d.rows // X8_ROWS), d.cols // 32
+    block_bytes = 272 if kind == KIND_I8X8 else 160 if d.minimum else 144  # eight rows' block of 32 columns
+    data = np.empty((groups * X8_ROWS, blocks * block_bytes // X8_ROWS), dtype=np.uint8)
+    if lib.tdm_repack_x8(ctypes.byref(d), data.ctypes.data) != 0:
         return ref
-    desc = TdmWeight(kind=KIND_I4X8, group=32, rows=d.rows, cols=d.cols, data=addr(data),
+    desc = TdmWeight(kind=kind, group=32, rows=d.rows, cols=d.cols, data=addr(data),
                      row_bytes=data.strides[0], scale=None, minimum=None, scale_stride=0)
     return WeightRef(desc, (data,))
 
