@@ -400,3 +400,51 @@ def test_auto_uses_a_drafter_only_where_it_pays():
         else:
             assert (name, k) == (None, 0)
     assert seen == {None, "sparse"}  # both outcomes occur
+
+
+def test_auto_never_probes_a_drafter_that_costs_a_plain_step_per_token():
+    """rate = E(k) / (verify(k + 1) + k * draft) <= (k + 1) / ((k + 1) * plain) when draft >= plain and
+    verify >= plain: such a drafter cannot pay, so auto stops trying it (no re-probes)."""
+    from online.speculative.policy import REPROBE_MAX, SpecPolicy
+    policy = SpecPolicy(5, ("sparse",), allow_plain=True)
+    for _ in range(3):
+        policy.record_plain(0.004)
+    policy.record_verify("sparse", 2, 2, 3, 0.006, 2 * 0.0041)  # perfect acceptance, drafts cost a plain step each
+    for _ in range(2 * REPROBE_MAX):
+        assert policy.choose(10, {"sparse": 5}) == (None, 0)
+        policy.record_plain(0.004)
+
+
+def test_auto_probes_short_and_backs_off_a_drafter_that_does_not_win():
+    from online.speculative.policy import PROBE_DRAFT_TOKENS, REPROBE_EVERY, REPROBE_MAX, SpecPolicy
+    policy = SpecPolicy(5, ("lookup",), allow_plain=True)
+    verifies = []
+    for step in range(1000):
+        name, k = policy.choose(10, {"lookup": 5})
+        if name is None:
+            policy.record_plain(0.004)
+            continue
+        assert k <= PROBE_DRAFT_TOKENS  # probes (and what an unconvinced model picks) are short drafts
+        verifies.append(step)
+        policy.record_verify("lookup", k, 0, k + 1, 0.006, 0.0)  # never accepted: plain decode is better
+    gaps = [b - a for a, b in zip(verifies, verifies[1:]) if b - a > 1]  # the retries after the first probes
+    assert len(verifies) <= 10 and gaps[0] > REPROBE_EVERY
+    assert all(b >= min(2 * a - 1, REPROBE_MAX) for a, b in zip(gaps, gaps[1:]))  # each wait doubles, up to the cap
+
+
+def test_auto_leaves_out_a_sparse_drafter_that_reads_the_verifiers_bytes(tiny_step):
+    from types import SimpleNamespace
+
+    from online.speculative.setup import speculation_for
+    model, executor, step = tiny_step
+    assert step.thresholds_cut_reads()  # sparse down rows: a looser threshold reads fewer of them
+    dense = step.with_thresholds(DRAFT_THRESHOLDS)
+    for layer in dense._layers:  # as a plan with a GGUF down read whole (decode.c dense_down)
+        layer.down = layer.up
+    assert not dense.thresholds_cut_reads()
+    engine = SimpleNamespace(compiled_decode=step, _draft_step=dense, decode_path="fused", decode_path_reason="")
+    auto = speculation_for(engine, SpeculationConfig.parse("auto"))
+    assert list(auto.drafters) == ["lookup"] and "cannot pay" in auto.reason
+    assert list(speculation_for(engine, SpeculationConfig.parse("sparse")).drafters) == ["sparse"]  # as asked
+    engine._draft_step = step.with_thresholds(DRAFT_THRESHOLDS)
+    assert list(speculation_for(engine, SpeculationConfig.parse("auto")).drafters) == ["lookup", "sparse"]

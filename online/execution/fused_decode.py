@@ -355,6 +355,11 @@ class FusedDecodeStep:
         refs = [k for k in self._keep if isinstance(k, PredictorRef)]
         return int(sum(int(r.predicted.sum()) for r in refs)), int(sum(int(r.computed.sum()) for r in refs))
 
+    def thresholds_cut_reads(self) -> bool:
+        """Whether a looser FFN threshold makes a step read fewer bytes: only where down rows are added
+        one by one for the neurons that pass it (a dense GGUF down, and gate / up, are read whole)."""
+        return any(not layer.moe and not layer.down.data for layer in self._layers)
+
     def with_thresholds(self, thresholds) -> "FusedDecodeStep":
         """The same packed weights, KV layout and predictors at other per-layer FFN thresholds (the
         speculative sparse drafter); its own scratch and neuron counters (not the executor's).

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 EMA_WEIGHT = 0.3  # weight of a new measurement
 ACCEPT_DECAY = 0.9  # per verify step: how fast old acceptance evidence fades
 PROBE_VERIFIES = 2  # auto tries each drafter this many times before trusting the model
-REPROBE_EVERY = 24  # auto retries a drafter it dropped after this many steps without it
+PROBE_DRAFT_TOKENS = 2  # drafts per probe: a probe that fails costs a short verify, not a long one
+REPROBE_EVERY = 24  # auto retries a drafter it dropped after this many steps without it ...
+REPROBE_MAX = 384  # ... doubling the wait after each retry that did not win it back, up to this
 
 
 @dataclass
@@ -60,6 +62,7 @@ class DrafterStats:
     draft_token_s: float | None = None  # EMA seconds per drafted token
     verifies: int = 0
     steps_since_used: int = 0
+    reprobe_every: int = REPROBE_EVERY  # auto: steps without this drafter before it is tried again
 
     @property
     def acceptance(self) -> float:
@@ -118,13 +121,19 @@ class SpecPolicy:
             return None, 0  # measure (and now and then re-measure) the plain step
         for name, limit_k in options.items():  # explore: measure each drafter before trusting the model
             stats = self.drafters[name]
-            if stats.verifies < PROBE_VERIFIES or stats.steps_since_used >= REPROBE_EVERY:
-                return name, limit_k
+            if stats.draft_token_s is not None and stats.draft_token_s >= plain_s:
+                continue  # a drafted token costing a plain step never pays (a verify costs at least one): no probes
+            if stats.verifies < PROBE_VERIFIES or stats.steps_since_used >= stats.reprobe_every:
+                if stats.verifies >= PROBE_VERIFIES:  # a retry: the next one waits longer unless this wins
+                    stats.reprobe_every = min(2 * stats.reprobe_every, REPROBE_MAX)
+                return name, min(limit_k, PROBE_DRAFT_TOKENS)
         best: tuple[float, str | None, int] = (1.0 / plain_s, None, 0)
         for name, limit_k in options.items():
             k, r = self.best_k(name, limit_k)
             if r is not None and r > best[0]:
                 best = (r, name, k)
+        if best[1] is not None:
+            self.drafters[best[1]].reprobe_every = REPROBE_EVERY  # it pays again: retried promptly if dropped
         return best[1], best[2]
 
     def record_plain(self, seconds: float) -> None:

@@ -79,7 +79,11 @@ def speculation_for(engine, config: SpeculationConfig, params=None) -> Speculati
             spec.drafters[name] = LookupProposer()
             continue
         try:
-            spec.drafters[name] = SparseDrafter(draft_step(engine))
+            drafter = SparseDrafter(draft_step(engine))
+            if config.mode == "auto" and not drafter.step.thresholds_cut_reads():
+                raise TandemError("its step reads the verifier's bytes (dense down rows), so a drafted token costs "
+                                  "a plain step and drafting cannot pay")
+            spec.drafters[name] = drafter
         except TandemError as exc:
             if config.mode == "sparse":
                 raise

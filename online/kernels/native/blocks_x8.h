@@ -17,7 +17,7 @@
  * widened once per block, so a block costs 8 vpmaddubsw per eight rows instead of 8 x (vpmaddubsw,
  * vpmaddwd, convert, FMA). The multi-token kernel unpacks a row group's nibbles once for all T tokens
  * and runs four tokens at a time; every token's result is bit-identical to the single-token kernel's
- * and to dot_row_x8's (tests: test_gguf_blocks.py). Included by rows.h only. */
+ * and to dot_row_x8's (tests: test_interleaved_rows.py). Included by rows.h only. */
 #ifndef TANDEM_BLOCKS_X8_H
 #define TANDEM_BLOCKS_X8_H
 
