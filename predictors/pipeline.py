@@ -7,7 +7,8 @@ Steps (each window of tokens a fresh context, as in the profiler):
 2. per dense layer: labels from the profile's activity definition, the MLP predictor's rank
    ladder at the target recall (``train.fit_layer``); for SwiGLU-style layers also mode "gate";
 3. options per layer: each mode at each recall level (the target, and 0.98 / 0.99 above it),
-   kept when it does less work than the exact path; each with its saved work and the relative
+   kept when it does less work than the exact path (a gathered row counted at GATHERED_ROW_COST
+   dense rows); each with its saved work and the relative
    FFN-output error its misses cause on held-out tokens;
 4. end to end on the held-out documents: dense, the exact path everywhere, then options turned
    on best-first (least error per saved work; a later option of a layer replaces its earlier one)
@@ -44,6 +45,11 @@ from .train import (TrainSettings, first_projection_flops, fit_layer, gate_mode_
 DEFAULT_EXTRA_LOSS = 0.005  # perplexity increase allowed over the exact path when it already uses the budget
 DEFAULT_EVAL_TOKENS = 4096
 EXTRA_RECALL_LEVELS = (0.98, 0.99)
+# A predicted (gathered) row costs more than a row of a whole-matrix pass: the fused step reads dense
+# Q4_0 / Q4_1 rows interleaved eight at a time at ~1.04 of the read bandwidth and gathered rows at
+# 0.72 (all of them) to 0.42 (a tenth): `tandem probe --fused`, 2026-11-24 (bench/RESULTS.md). A
+# layer's option saves work only where its gathered rows cost less than the exact path's dense ones.
+GATHERED_ROW_COST = 1.4
 
 
 @dataclass
@@ -124,7 +130,7 @@ def layer_options(cfg, w, layer: int, activity: str, x_tr, x_va, threshold: floa
         for level in recall_levels(settings.target_recall):
             point = fit.point if (mode == "predictor" and level == settings.target_recall) else \
                 operating_point(scores, y_va, level)
-            saved = (skippable * (1.0 - point.active_fraction) - cost) / proj_flops
+            saved = (skippable * (1.0 - GATHERED_ROW_COST * point.active_fraction) - cost) / proj_flops
             if saved <= 0:
                 continue
             err = miss_error(cfg, w, x_va, scores >= point.threshold, threshold)
