@@ -12,6 +12,7 @@ import statistics
 import sys
 import time
 
+from bench.cli_errors import run_main
 from tandem.core.errors import TandemError
 
 TOKEN_COUNTS = (1, 2, 4, 8, 16)
@@ -88,8 +89,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except TandemError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run_main(main)  # a bad model, plan or argument: one line, exit 2

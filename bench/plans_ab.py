@@ -11,6 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench.cli_errors import run_main
 from tandem.core.errors import TandemError
 
 PROMPT = [{"role": "user", "content": "Explain why the sky is blue to a ten-year-old."}]
@@ -54,8 +55,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except TandemError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run_main(main)  # a bad model, plan or argument: one line, exit 2

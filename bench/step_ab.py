@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 
 from bench.native_ab import baseline_library, use_library
+from bench.cli_errors import run_main
 from tandem.core.errors import TandemError
 
 
@@ -62,8 +62,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except TandemError as exc:  # a bad model, plan or git ref: one line, exit 2
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    run_main(main)  # a bad model, plan or argument: one line, exit 2
