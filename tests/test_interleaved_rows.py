@@ -101,3 +101,5 @@ def test_fused_step_interleaves_only_whole_row_ranges():
     assert sorted(dense_rows(relu, SimpleNamespace(predictor=None, threshold=-1.0), refs)) == ["down", "gate", "o", "qkv", "up"]
     assert sorted(dense_rows(silu, predicted, refs)) == ["down", "o", "qkv"]  # predicted rows gathered
     assert dense_rows(silu, None, dict.fromkeys(("q", "k", "v", "o"))) == ["q", "k", "v", "o"]  # a MoE layer
+    plain = SimpleNamespace(mlp_gated=False, hidden_act="relu")  # OPT: no gate (its descriptor is up's)
+    assert sorted(dense_rows(plain, dense, refs)) == ["down", "o", "qkv", "up"]

@@ -76,7 +76,8 @@ def dense_rows(cfg, split, refs: dict) -> list[str]:
     where the gate passes) gather them. These can take the interleaved layout (structs.interleave)."""
     names = [k for k in ("qkv", "q", "k", "v", "o", "down") if k in refs]
     if split is not None and split.predictor is None:
-        names.append("gate")
+        if cfg.mlp_gated:  # a plain FFN's gate descriptor is its up (never read): no second copy
+            names.append("gate")
         gate_cut = cfg.mlp_gated and cfg.hidden_act in ("relu", "fatrelu", "drelu") and float(split.threshold) >= 0
         if not gate_cut:
             names.append("up")
