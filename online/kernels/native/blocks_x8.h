@@ -209,11 +209,11 @@ static void dot_rows_x8_multi(const tdm_weight *w, int64_t r0, int64_t n, const 
 }
 
 /* out (uint8 [ceil(rows / 8) * ng * B]) = the KIND_I4H weight w interleaved as above (KIND_I8H: the
- * KIND_I8X8 layout, blocks_x8_i8.h). Returns 0. */
-int tdm_repack_x8(const tdm_weight *w, uint8_t *out) {
+ * KIND_I8X8 layout, blocks_x8_i8.h) */
+void tdm_repack_x8(const tdm_weight *w, uint8_t *out) {
     if (w->kind == KIND_I8H) {
         repack_i8x8(w, out);
-        return 0;
+        return;
     }
     int64_t ng = w->cols / 32, groups = (w->rows + X8_ROWS - 1) / X8_ROWS;
     int64_t bb = w->minimum ? X8_BLOCK_BYTES : X8_BLOCK_BYTES - 16;
@@ -232,7 +232,6 @@ int tdm_repack_x8(const tdm_weight *w, uint8_t *out) {
             if (m16) ((uint16_t *)(o + 144))[j] = m16[r * w->scale_stride + g];
         }
     }
-    return 0;
 }
 
 #endif

@@ -173,12 +173,11 @@ def interleave(ref: WeightRef, lib) -> WeightRef:
     if d.kind not in X8_KINDS or not hasattr(lib, "tdm_repack_x8"):
         return ref
     lib.tdm_repack_x8.argtypes = [ctypes.POINTER(TdmWeight), _P]
-    lib.tdm_repack_x8.restype = ctypes.c_int
+    lib.tdm_repack_x8.restype = None
     kind, groups, blocks = X8_KINDS[d.kind], -(-d.rows // X8_ROWS), d.cols // 32
     block_bytes = 272 if kind == KIND_I8X8 else 160 if d.minimum else 144  # eight rows' block of 32 columns
     data = np.empty((groups * X8_ROWS, blocks * block_bytes // X8_ROWS), dtype=np.uint8)
-    if lib.tdm_repack_x8(ctypes.byref(d), data.ctypes.data) != 0:
-        return ref
+    lib.tdm_repack_x8(ctypes.byref(d), data.ctypes.data)
     desc = TdmWeight(kind=kind, group=32, rows=d.rows, cols=d.cols, data=addr(data),
                      row_bytes=data.strides[0], scale=None, minimum=None, scale_stride=0)
     return WeightRef(desc, (data,))
