@@ -120,9 +120,10 @@ static void dot8_x8(const tdm_weight *w, int64_t group, const qvec *x, float *ou
     _mm256_storeu_ps(out, _mm256_add_ps(acc, m));
 }
 
-/* NT (1, 2 or 4) tokens of dot8_x8_multi against the unpacked group (cb [ng][8], dk / mk [ng]) */
-static inline __attribute__((always_inline)) void x8_tokens(const __m256i *cb, const __m256 *dk, const __m256 *mk,
-                                                             int64_t ng, const qvec *x, int nt, float *out, int64_t os) {
+/* NT (1, 2 or 4) tokens of dot8_x8_multi against the unpacked group (cb [ng][8], dk [ng]): out = acc
+ * (the minimums' sums are added by x8_minimums) */
+static inline __attribute__((always_inline)) void x8_tokens(const __m256i *cb, const __m256 *dk, int64_t ng,
+                                                             const qvec *x, int nt, float *out, int64_t os) {
     __m256 acc[4];
     for (int e = 0; e < nt; e++) acc[e] = _mm256_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
@@ -147,10 +148,21 @@ static inline __attribute__((always_inline)) void x8_tokens(const __m256i *cb, c
             acc[e] = _mm256_fmadd_ps(_mm256_mul_ps(dk[g], _mm256_broadcast_ss(xe->dr + g)),
                                      _mm256_cvtepi32_ps(x8_block_dot(cb + 8 * g, xe->r + 32 * g)), acc[e]);
         }
-        __m256 m = _mm256_setzero_ps();
-        for (int64_t g = 0; g < ng; g++) m = _mm256_fmadd_ps(mk[g], _mm256_broadcast_ss(xe->s + g), m);
-        _mm256_storeu_ps(out + e * os, _mm256_add_ps(acc[e], m));
+        _mm256_storeu_ps(out + e * os, acc[e]);
     }
+}
+
+/* out[e * os + j] += m of token e (the in-order FMA chain over the blocks' minimums, mk [ng]) for NT
+ * (<= 8) tokens: one chain per token, interleaved, so the FMA latency is paid once for all of them */
+static inline __attribute__((always_inline)) void x8_minimums(const __m256 *mk, int64_t ng, const qvec *x, int nt,
+                                                               float *out, int64_t os) {
+    __m256 m[8];
+    for (int e = 0; e < nt; e++) m[e] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m256 k = mk[g];
+        for (int e = 0; e < nt; e++) m[e] = _mm256_fmadd_ps(k, _mm256_broadcast_ss(x[e].s + g), m[e]);
+    }
+    for (int e = 0; e < nt; e++) _mm256_storeu_ps(out + e * os, _mm256_add_ps(_mm256_loadu_ps(out + e * os), m[e]));
 }
 
 /* out[i * os + j] = row 8 group + j . x[i] for T tokens: the group's nibbles and scales unpacked once */
@@ -167,9 +179,13 @@ static void dot8_x8_multi(const tdm_weight *w, int64_t group, const qvec *x, int
         dk[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 128)));
         mk[g] = x8_minimum8(o, bb);
     }
-    for (; i + 4 <= T; i += 4) x8_tokens(cb, dk, mk, ng, x + i, 4, out + i * os, os);
-    if (i + 2 <= T) x8_tokens(cb, dk, mk, ng, x + i, 2, out + i * os, os), i += 2;
-    if (i < T) x8_tokens(cb, dk, mk, ng, x + i, 1, out + i * os, os);
+    for (; i + 4 <= T; i += 4) x8_tokens(cb, dk, ng, x + i, 4, out + i * os, os);
+    if (i + 2 <= T) x8_tokens(cb, dk, ng, x + i, 2, out + i * os, os), i += 2;
+    if (i < T) x8_tokens(cb, dk, ng, x + i, 1, out + i * os, os);
+    for (i = 0; i + 8 <= T; i += 8) x8_minimums(mk, ng, x + i, 8, out + i * os, os);
+    if (i + 4 <= T) x8_minimums(mk, ng, x + i, 4, out + i * os, os), i += 4;
+    if (i + 2 <= T) x8_minimums(mk, ng, x + i, 2, out + i * os, os), i += 2;
+    if (i < T) x8_minimums(mk, ng, x + i, 1, out + i * os, os);
 }
 #endif
 
