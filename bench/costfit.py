@@ -107,33 +107,35 @@ def best_token_s(p: dict, tokens: int, mode: str):
     return best, counted
 
 
-def interleaved_ratio(p: dict, reads: dict, shares: dict, cal, threads: int, pairs: int) -> tuple[float, float, float]:
+def interleaved_ratio(p: dict, reads: dict, shares: dict, passes: int, cal, threads: int,
+                      pairs: int) -> tuple[float, float, float]:
     """Modeled / measured tok/s from ``pairs`` back-to-back pairs, contention hitting both alike: A = the
     modeled token (one probe pass per format and access the mode reads, scaled to its bytes, plus the
-    fixed costs of ``cal``), B = one decode step. (median, min, max) of step seconds / modeled seconds."""
+    fixed costs of ``cal`` and its ``passes`` matrix passes), B = one decode step. (median, min, max) of
+    step seconds / modeled seconds."""
     import numpy as np
 
     from online.kernels.native import load_native
     from online.kind_probe import ReadPass, cached_weight, plan_for
 
     lib, rng, total = load_native().lib, np.random.default_rng(1), sum(reads.values())
-    passes = []
+    probes = []
     for (kind, access), nbytes in reads.items():
         if nbytes < 0.005 * total:  # the embedding row and the like: below the noise
             continue
         fmt, acc = plan_for([(kind, access)])[0]
         one = ReadPass(lib, cached_weight(fmt, acc == "axpy")[1], acc, threads, rng, picks=4, share=shares[(kind, access)])
         one()  # warm-up
-        passes.append((one, nbytes / one.nbytes))
+        probes.append((one, nbytes / one.nbytes))
     n_layers = p["engine"].config.num_layers
     term = cal.term("int4")
-    fixed = term.call_s + n_layers * term.layer_s
+    fixed = term.call_s + n_layers * term.layer_s + passes * cal.pass_s
     engine = p["engine"]
     cache = engine._kv_cache(pairs + 2)
     engine.compiled_decode(1, 0, cache)  # warm-up
     ratios = []
     for i in range(pairs):
-        modeled = fixed + sum(one() * scale for one, scale in passes)
+        modeled = fixed + sum(one() * scale for one, scale in probes)
         t0 = time.perf_counter()
         engine.compiled_decode(2 + i % 100, 1 + i, cache)
         ratios.append((time.perf_counter() - t0) / modeled)
@@ -144,7 +146,7 @@ def main() -> None:
     from bench.run import assemble_results, machine_line
     from online.plan_measure import fixed_cost_engines, measure_fused_calibration
     from placement.fused_calibration import best_of, calibrated_plan_tokens_per_s
-    from placement.step_reads import format_reads, modeled_reads, read_fractions
+    from placement.step_reads import format_reads, modeled_passes, modeled_reads, read_fractions
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plans", default=",".join(PLANS))
@@ -172,9 +174,10 @@ def main() -> None:
             for mode in p["modes"]:
                 fractions = set_mode(p, mode)
                 reads, shares = modeled_reads(p["units"], fractions, p["relu"]), read_fractions(p["units"], fractions, p["relu"])
+                passes = modeled_passes(p["units"], fractions, p["relu"])
                 rec = rows.setdefault((p["name"], mode), dict(modeled=[], measured=[], old=[], step=[], counted=[], reads=reads,
-                                                              shares=shares, p=p))
-                rec["modeled"].append(1.0 / cal.reads_seconds(n_layers, reads, fractions=shares))
+                                                              shares=shares, passes=passes, p=p))
+                rec["modeled"].append(1.0 / cal.reads_seconds(n_layers, reads, fractions=shares, passes=passes))
                 rec["old"].append(calibrated_plan_tokens_per_s(p["plan"], cal, "int4") if mode == "plan" else float("nan"))
                 rec["measured"].append(measure(p, args.tokens))
                 best_s, counted = best_token_s(p, args.tokens, mode)
@@ -186,12 +189,13 @@ def main() -> None:
         print(f"round {r + 1}/{args.rounds} done ({time.strftime('%H:%M:%S')}, load {loads[-1]:.1f})", flush=True)
     for (name, mode), rec in rows.items():  # the A/B pairs, at the best rates of the plan's rounds
         set_mode(rec["p"], mode)
-        rec["ab"] = interleaved_ratio(rec["p"], rec["reads"], rec["shares"], best_of(rec["p"]["cals"]), args.threads, args.pairs)
+        rec["ab"] = interleaved_ratio(rec["p"], rec["reads"], rec["shares"], rec["passes"], best_of(rec["p"]["cals"]),
+                                      args.threads, args.pairs)
     med = statistics.median
     bw = max(c.read_bandwidth_bytes_per_s for p in plans for c in p["cals"]) / 1e9
     lines = [HEADING.format(threads=args.threads), "", f"- Date: {time.strftime('%Y-%m-%d %H:%M')} UTC; machine: {machine_line()}; command: "
              f"`python -m bench.costfit --rounds {args.rounds} --tokens {args.tokens} --threads {args.threads}`.", "",
-             f"**Contended** (2 cores shared by 3 sessions; {args.threads} threads). {args.rounds} rounds; in each, every plan "
+             f"{args.threads} threads; {args.rounds} rounds; in each, every plan "
              f"right after a probe of the formats it reads (`tandem probe --fused`'s measurement: read bandwidth, per-format "
              f"row-kernel rates, fixed costs) decodes {args.tokens} greedy tokens per mode. **Best of rounds** (contention only "
              f"slows a run): modeled from each rate's fastest round (placement.fused_calibration.best_of; best read "
@@ -216,7 +220,8 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (name, mode), rec in rows.items():
         p = rec["p"]
-        best = 1.0 / best_of(p["cals"]).reads_seconds(p["engine"].config.num_layers, rec["reads"], fractions=rec["shares"])
+        best = 1.0 / best_of(p["cals"]).reads_seconds(p["engine"].config.num_layers, rec["reads"], fractions=rec["shares"],
+                                                      passes=rec["passes"])
         ratios = [m / x for m, x in zip(rec["modeled"], rec["measured"])]
         lines.append(f"| {name} | {mode} | {p['plan'].modeled['tokens_per_s']:.1f} | {max(rec['old']):.1f} | "
                      f"{best:.1f} | {max(rec['measured']):.1f} | **{best / max(rec['measured']):.2f}** | {med(ratios):.2f} "
@@ -225,7 +230,8 @@ def main() -> None:
     cal = best_of([c for p in plans for c in p["cals"]])
     lines += ["", "Best rates (share of the best read bandwidth): " + ", ".join(
         f"{r.kind} {r.access}{'' if r.access == 'dense' else f' {r.fraction:.0%}'} {r.share:.2f}" for r in cal.rates) + "; fixed: " + ", ".join(
-        f"{t.weight_format} {1e6 * t.call_s:.0f} us/call {1e6 * t.layer_s:.1f} us/layer" for t in cal.terms)]
+        f"{t.weight_format} {1e6 * t.call_s:.0f} us/call {1e6 * t.layer_s:.1f} us/layer" for t in cal.terms)
+        + f"; {1e6 * cal.pass_s:.2f} us per matrix pass"]
     Path(args.out).write_text("\n".join(lines) + "\n")
     if Path(args.out).resolve() == (Path(__file__).resolve().parent / "costfit.md"):
         assemble_results()

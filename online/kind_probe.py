@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import statistics
 import threading
 import time
 
@@ -164,6 +165,50 @@ def _read_pass(lib):
                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
         fn.restype = None
     return fn
+
+
+PASS_PAIRS = 15
+PASS_BYTES = 2**19  # one pass of measure_pass_cost: a small model's matrix (SmolLM2's gate / up / down: 0.55 MB)
+
+
+def measure_pass_cost(threads: int, pass_bytes: int = PASS_BYTES) -> float:
+    """Seconds each extra pass over a matrix costs beyond its bytes: the probe's dense Q4_1 matrix read as
+    consecutive passes of ``pass_bytes`` with a barrier after each, in one OpenMP region as the step reads
+    a layer's matrices (tdm_read_passes), against the same rows in one pass; (many - one) / (passes - 1),
+    each the best of REPEATS after an eviction of the last-level cache. What it holds: each pass restarts
+    every thread's stream (the hardware prefetchers ramp up again), waits at a barrier for the slowest
+    thread and for small matrices is a large part of the read (~2-5 us against ~30 us for 0.55 MB here).
+    0.0 where the kernels predate the entry (bench/native_ab.py's baselines).
+
+    Example::
+
+        measure_pass_cost(threads=2)     # ~3e-6: seconds per pass
+    """
+    if threads < 1:
+        raise TandemError(f"threads must be >= 1, got {threads}")
+    lib = load_native().lib
+    fn = getattr(lib, "tdm_read_passes", None)
+    if fn is None:
+        return 0.0
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int64]
+    fn.restype = None
+    ref = interleave(cached_weight("Q4_1", False)[1], lib)
+    rows = ref.desc.rows
+    pass_rows = max(16, pass_bytes * rows // weight_bytes(ref.desc) // 16 * 16)
+    n_passes = -(-rows // pass_rows)
+    x = np.random.default_rng(0).standard_normal(ref.desc.cols, dtype=np.float32)
+    out = np.zeros((threads, rows), np.float32)
+
+    def timed(per_pass: int, passes: int) -> float:
+        _evict_buffer().sum()
+        t0 = time.perf_counter()
+        fn(ctypes.addressof(ref.desc), per_pass, passes, x.ctypes.data, threads, out.ctypes.data, rows)
+        return time.perf_counter() - t0
+
+    # interleaved pairs: the host's bandwidth drifts by more than the effect between separate best-ofs
+    diffs = [timed(pass_rows, n_passes) - timed(rows, 1) for _ in range(PASS_PAIRS)]
+    return max(0.0, statistics.median(diffs) / (n_passes - 1))
 
 
 def time_reads(lib, ref, access: str, threads: int, rng: np.random.Generator, share: float = 1.0) -> tuple[int, float]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from placement.fused_calibration import FIXED_SIZES, FORMATS, FusedCalibration, fit_fixed_terms
-from placement.step_reads import modeled_reads
+from placement.step_reads import modeled_passes, modeled_reads
 from placement.plan import read_plan
 from placement.probe import measure_read_bandwidth
 from placement.quality import DEFAULT_QUALITY_TOKENS, WINDOW_TOKENS, held_out_tokens, scores
@@ -132,13 +132,13 @@ def fixed_cost_engines(threads: int, folder: Path, formats: tuple[str, ...] = FO
 def measure_fused_calibration(threads: int, formats: tuple[str, ...] = FORMATS, reads=None,
                               engines: list | None = None) -> FusedCalibration:
     """The probe's read bandwidth, the row kernels' share of it per packed format and access
-    (online.kind_probe), and the fixed costs per call and per layer: least squares on what the reads at
-    those rates leave of tiny random Llama models' decode time through ``generate`` (~20 s the first
+    (online.kind_probe), the cost of each matrix pass beyond its bytes (kind_probe.measure_pass_cost), and
+    the fixed costs per call and per layer: least squares on what the reads at those rates and the passes leave of tiny random Llama models' decode time through ``generate`` (~20 s the first
     time, a few seconds with ``engines`` from fixed_cost_engines). ``reads``: only these (kind, access)
     pairs and the tiny models' own; None: every format the step reads."""
     import torch
 
-    from .kind_probe import DEFAULT_PLAN, measure_kind_rates, plan_for
+    from .kind_probe import DEFAULT_PLAN, measure_kind_rates, measure_pass_cost, plan_for
 
     if engines is None:
         with tempfile.TemporaryDirectory(prefix="tandem-probe-") as tmp:
@@ -151,14 +151,15 @@ def measure_fused_calibration(threads: int, formats: tuple[str, ...] = FORMATS, 
         torch.set_num_threads(previous)
     fixed_reads = [("q4_1", "dense"), ("int8", "dense"), ("f16", "axpy"), ("f32", "dense")]  # the tiny models'
     rates = measure_kind_rates(threads, bandwidth, DEFAULT_PLAN if reads is None else plan_for([*fixed_reads, *reads]))
-    partial = FusedCalibration(threads=threads, read_bandwidth_bytes_per_s=bandwidth, terms=(), rates=rates)
+    pass_s = measure_pass_cost(threads)
+    partial = FusedCalibration(threads=threads, read_bandwidth_bytes_per_s=bandwidth, terms=(), rates=rates, pass_s=pass_s)
     samples, byte_s = {f: [] for f in formats}, {f: [] for f in formats}
     for layers, fmt, engine, units in engines:
         step_reads = modeled_reads(units, None, relu=False)
-        byte_s[fmt].append(partial.reads_seconds(0, step_reads, fixed=False))
+        byte_s[fmt].append(partial.reads_seconds(0, step_reads, fixed=False) + modeled_passes(units, None, False) * pass_s)
         samples[fmt].append((layers, float(sum(step_reads.values())), _time_generate(engine)))
     dense_share = {"int4": partial.rate("q4_1", "dense").share, "int8": partial.rate("int8", "dense").share}
     terms = tuple(fit_fixed_terms(fmt, samples[fmt], byte_s[fmt], dense_share.get(fmt, 1.0)) for fmt in formats)
     stamp = time.strftime("%Y-%m-%d %H:%M")
     return FusedCalibration(threads=threads, read_bandwidth_bytes_per_s=bandwidth, terms=terms, rates=rates,
-                            description=f"measured by `tandem probe --fused` on {stamp} ({threads} threads)")
+                            description=f"measured by `tandem probe --fused` on {stamp} ({threads} threads)", pass_s=pass_s)

@@ -4,11 +4,13 @@ The cost model (cost_model.py) charges bytes / bandwidth with the probe's raw re
 fixed costs; it overrated the cpu-only SmolLM2 plan by 1.5-2.5x. ``tandem probe --fused FILE``
 (online.plan_measure, online.kind_probe) measures
 
-    seconds per token = call_s + n_layers * layer_s
+    seconds per token = call_s + n_layers * layer_s + passes * pass_s
                         + sum over (format, access) of bytes / (share(format, access, row fraction) * read_bandwidth)
 
 (call_s: one OpenMP region, embedding, output setup, the token loop; layer_s: the barriers and small
-vectors of a layer, both fitted on tiny random Llama models; share: the row kernels' rate on that packed
+vectors of a layer, both fitted on tiny random Llama models; pass_s: what each matrix read costs beyond its
+bytes (every pass restarts the threads' streams and ends at a barrier; online.kind_probe.measure_pass_cost),
+times the step's passes per token (step_reads.modeled_passes); share: the row kernels' rate on that packed
 format and access pattern (dense / gather / axpy, at 10 / 40 / 100% of the rows) over the probe's read
 bandwidth). The bytes are the step's own packed tensors at the plan's row shares (placement.step_reads).
 ``step_seconds`` keeps the earlier form: nominal bytes at one share per weight format.
@@ -16,7 +18,7 @@ bandwidth). The bytes are the step's own packed tensors at the plan's row shares
 Example::
 
     cal = measure_fused_calibration(threads=2)              # ~25 s (online.plan_measure: it times engines)
-    cal.reads_seconds(n_layers, reads, fractions=shares)    # reads, shares: placement.step_reads
+    cal.reads_seconds(n_layers, reads, fractions=shares, passes=passes)  # reads, shares, passes: placement.step_reads
     cal.step_seconds("int4", n_layers=16, read_bytes=600e6)
     calibrated_plan_tokens_per_s(plan, cal)                   # cpu-only plans, nominal bytes
 """
@@ -80,6 +82,11 @@ class FusedCalibration:
     terms: tuple[FusedTerms, ...]
     description: str = ""
     rates: tuple[KindRate, ...] = ()  # per packed format and access (empty in files written before them)
+    pass_s: float = 0.0  # seconds per matrix pass beyond its bytes (0 in files written before it)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.pass_s, (int, float)) and 0.0 <= self.pass_s < 1.0):
+            raise TandemError(f"invalid fused-step calibration: pass cost {self.pass_s!r} s")
 
     def term(self, weight_format: str) -> FusedTerms:
         for t in self.terms:
@@ -112,14 +119,16 @@ class FusedCalibration:
         raise TandemError(f"no fused-step rate for {kind} ({access}) in this calibration "
                           f"(have {', '.join(sorted({r.kind for r in self.rates})) or 'none'}; rerun `tandem probe --fused`)")
 
-    def reads_seconds(self, n_layers: int, reads: dict, fixed: bool = True, fractions: dict | None = None) -> float:
-        """Modeled seconds per token: the fixed costs (the int4 term's call_s and layer_s; ``fixed``
-        False: none) plus each (format, access)'s bytes at its measured share of the read bandwidth
-        (placement.step_reads), at the row fraction ``fractions`` gives it (step_reads.read_fractions)."""
+    def reads_seconds(self, n_layers: int, reads: dict, fixed: bool = True, fractions: dict | None = None,
+                      passes: int = 0) -> float:
+        """Modeled seconds per token: the fixed costs (the int4 term's call_s and layer_s, and ``passes``
+        matrix passes at pass_s; ``fixed`` False: none) plus each (format, access)'s bytes at its measured
+        share of the read bandwidth (placement.step_reads), at the row fraction ``fractions`` gives it
+        (step_reads.read_fractions)."""
         seconds = 0.0
         if fixed:
             term = self.term("int4")
-            seconds = term.call_s + n_layers * term.layer_s
+            seconds = term.call_s + n_layers * term.layer_s + passes * self.pass_s
         for (kind, access), nbytes in reads.items():
             f = (fractions or {}).get((kind, access))
             seconds += nbytes / (self.rate(kind, access, f).share * self.read_bandwidth_bytes_per_s)
@@ -134,7 +143,8 @@ class FusedCalibration:
             terms = tuple(FusedTerms(**{**t, "samples": tuple(tuple(s) for s in t.get("samples", ()))}) for t in d["terms"])
             rates = tuple(KindRate(**r) for r in d.get("rates", ()))
             return cls(threads=int(d["threads"]), read_bandwidth_bytes_per_s=float(d["read_bandwidth_bytes_per_s"]),
-                       terms=terms, description=str(d.get("description", "")), rates=rates)
+                       terms=terms, description=str(d.get("description", "")), rates=rates,
+                       pass_s=float(d.get("pass_s", 0.0)))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise TandemError(f"invalid fused-step calibration: {e}") from None
 
@@ -169,7 +179,8 @@ def fit_terms(fmt: str, samples: list, bandwidth: float) -> FusedTerms:
 def fit_fixed_terms(fmt: str, samples: list, byte_seconds: list, share: float) -> FusedTerms:
     """call_s and layer_s by least squares on what the reads do not explain: ``samples`` (layers,
     read_bytes, measured seconds) of tiny models (FIXED_SIZES), ``byte_seconds`` their reads at the
-    measured per-format rates; ``share``: the format's dense share (kept for the nominal model)."""
+    measured per-format rates and their passes at the pass cost; ``share``: the format's dense share
+    (kept for the nominal model)."""
     a = np.array([[1.0, layers] for layers, _, _ in samples])
     y = np.array([s - b for (_, _, s), b in zip(samples, byte_seconds)])
     (call_s, layer_s), *_ = np.linalg.lstsq(a, y, rcond=None)
@@ -178,8 +189,8 @@ def fit_fixed_terms(fmt: str, samples: list, byte_seconds: list, share: float) -
 
 def best_of(cals: list[FusedCalibration]) -> FusedCalibration:
     """One calibration from several taken under contention (which only ever slows a measurement): each
-    (format, access) at its fastest round, the read bandwidth at its highest, the fixed costs at their
-    smallest."""
+    (format, access) at its fastest round, the read bandwidth at its highest, the fixed costs (pass cost
+    included) at their smallest."""
     if not cals:
         raise TandemError("best_of needs at least one calibration")
     bandwidth = max(c.read_bandwidth_bytes_per_s for c in cals)
@@ -195,7 +206,8 @@ def best_of(cals: list[FusedCalibration]) -> FusedCalibration:
         same = [c.term(t.weight_format) for c in cals]
         terms.append(FusedTerms(t.weight_format, min(x.call_s for x in same), min(x.layer_s for x in same),
                                 max(x.bandwidth_share for x in same)))
-    return FusedCalibration(cals[0].threads, bandwidth, tuple(terms), f"best of {len(cals)} calibrations", rates)
+    return FusedCalibration(cals[0].threads, bandwidth, tuple(terms), f"best of {len(cals)} calibrations", rates,
+                            pass_s=min(c.pass_s for c in cals))
 
 
 def calibrated_plan_tokens_per_s(plan, cal: FusedCalibration, weight_format: str = "int4") -> float | None:

@@ -17,7 +17,8 @@ Example::
     fractions = layer_fractions("relu", stats.neuron_freq, predictor_info)
     reads = modeled_reads(units, fractions, relu=True)    # {("q4_0", "dense"): 3.1e8, ("f16", "axpy"): ...}
     shares = read_fractions(units, fractions, relu=True)  # {("f16", "axpy"): 0.1, ...}: rows read, byte-weighted
-    cal.reads_seconds(n_layers, reads, fractions=shares)  # placement.fused_calibration
+    passes = modeled_passes(units, fractions, relu=True)  # matrix passes per token
+    cal.reads_seconds(n_layers, reads, fractions=shares, passes=passes)  # placement.fused_calibration
 """
 from __future__ import annotations
 
@@ -119,6 +120,12 @@ def _unit_reads(units, fractions, relu):
             access, share = unit_access(u, f, relu)
         if share > 0:
             yield ((u.kind, access), share * u.packed_bytes), share
+
+
+def modeled_passes(units: list[StepUnit], fractions: list[LayerFractions] | None, relu: bool) -> int:
+    """Matrix passes per token: the units read at all (each is one pass of the step's row kernels over its
+    rows, ending at a barrier); the embedding row is a copy, not a pass."""
+    return sum(1 for (_, _), share in _unit_reads([u for u in units if u.role != "embed_row"], fractions, relu))
 
 
 def bytes_by_kind(units: list[StepUnit]) -> dict[str, int]:

@@ -184,3 +184,72 @@ def test_best_of_keeps_each_rate_at_its_fastest_round():
     assert (t.call_s, t.layer_s) == (3e-5, 1e-6)
     with pytest.raises(TandemError, match="at least one"):
         best_of([])
+
+
+def test_matrix_passes_are_counted_and_priced(tmp_path):
+    from placement.fused_calibration import best_of
+    from placement.step_reads import modeled_passes
+
+    units = [StepUnit("qkv", 0, "q4_1", 100), StepUnit("o", 0, "q4_1", 50), StepUnit("gate", 0, "q4_1", 80),
+             StepUnit("up", 0, "q4_1", 80), StepUnit("down_t", 0, "f16", 160), StepUnit("pred", 0, "q8_0", 10),
+             StepUnit("head", -1, "q8_0", 300), StepUnit("embed_row", -1, "f32", 4)]
+    assert modeled_passes(units, None, relu=False) == 6  # every matrix but the predictor; the embedding row is a copy
+    predicted = [LayerFractions(0.2, 0.1, 0.1, predicted=True)]
+    assert modeled_passes(units, predicted, relu=True) == 7  # the predictor's pass too
+    assert modeled_passes(units, [LayerFractions(1.0, 0.0, 0.0)], relu=True) == 4  # no up or down row read: no pass
+    cal = FusedCalibration(2, 10e9, (FusedTerms("int4", 1e-4, 1e-5, 1.0),), rates=(KindRate("q4_1", "dense", 0.5),),
+                           pass_s=2e-6)
+    reads = {("q4_1", "dense"): 5e6}
+    assert cal.reads_seconds(3, reads, passes=7) == pytest.approx(1e-4 + 3e-5 + 7 * 2e-6 + 5e6 / 5e9)
+    assert cal.reads_seconds(3, reads, fixed=False, passes=7) == pytest.approx(5e6 / 5e9)  # a fixed cost
+    path = save_calibration(cal, tmp_path / "cal.json")
+    assert load_calibration(path) == cal
+    data = json.loads(path.read_text())
+    del data["pass_s"]  # files from before the pass cost load with none
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert load_calibration(tmp_path / "old.json").pass_s == 0.0
+    for bad in (-1e-6, 2.0, "fast"):
+        (tmp_path / "bad.json").write_text(json.dumps({**data, "pass_s": bad}))
+        with pytest.raises(TandemError, match="invalid fused-step calibration"):
+            load_calibration(tmp_path / "bad.json")
+    other = FusedCalibration(2, 10e9, (FusedTerms("int4", 1e-4, 1e-5, 1.0),), pass_s=3e-6)
+    assert best_of([cal, other]).pass_s == 2e-6  # contention only adds to a fixed cost
+
+
+def test_read_passes_compute_the_step_rows_pass_by_pass(monkeypatch):
+    """tdm_read_passes (the pass-cost probe's kernel entry) reads each pass's rows as dot_rows does."""
+    import ctypes
+
+    from online import kind_probe
+    from online.kernels.native import load_native
+    from online.kernels.native.structs import describe, interleave
+
+    lib = load_native().lib
+    rng = np.random.default_rng(3)
+    rows, cols, pass_rows, threads = 100, 96, 48, 2  # passes of 48, 48 and 4 rows
+    w = weight_from_gguf(gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
+                                              gguf.GGMLQuantizationType.Q4_1), "Q4_1", (rows, cols))
+    ref = interleave(describe(w), lib)
+    x = rng.standard_normal(cols).astype(np.float32)
+    want = np.zeros(rows, np.float32)
+    lib.tdm_dot_rows(ctypes.byref(ref.desc), 0, rows, x.ctypes.data, ctypes.c_double(2.0), want.ctypes.data)
+    fn = lib.tdm_read_passes
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int64]
+    for n_passes in (1, 2, 3):  # each call leaves its last pass's rows in out (thread t: its half of that pass)
+        out = np.full((threads, rows), np.nan, np.float32)
+        fn(ctypes.addressof(ref.desc), pass_rows, n_passes, x.ctypes.data, threads, out.ctypes.data, rows)
+        r0 = (n_passes - 1) * pass_rows
+        n = min(pass_rows, rows - r0)
+        got = np.concatenate([out[t, :n * (t + 1) // threads - n * t // threads] for t in range(threads)])
+        assert np.array_equal(got, want[r0:r0 + n]), n_passes
+    monkeypatch.setattr(kind_probe, "PROBE_BYTES", 1 << 20)
+    monkeypatch.setattr(kind_probe, "PASS_PAIRS", 2)
+    kind_probe.cached_weight.cache_clear()
+    try:
+        cost = kind_probe.measure_pass_cost(threads, pass_bytes=1 << 17)
+    finally:
+        kind_probe.cached_weight.cache_clear()
+    assert 0.0 <= cost < 1e-3 and np.isfinite(cost)
+    with pytest.raises(TandemError, match="threads"):
+        kind_probe.measure_pass_cost(0)

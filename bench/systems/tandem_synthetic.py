@@ -59,18 +59,19 @@ def run_mode(engine, step, mode: str, ids: list[int], n_tokens: int, runs: int, 
             "computed_up_rows": computed / steps, "neurons": total / steps}
 
 
-def counted_reads(engine, step, mode: str, rec: dict) -> tuple[dict, dict]:
+def counted_reads(engine, step, mode: str, rec: dict) -> tuple[dict, dict, int]:
     """(bytes per token, row share) by (packed format, access) of this mode (placement.step_reads), every
-    layer at the row shares the run counted."""
+    layer at the row shares the run counted, and the matrix passes per token."""
     from online.step_inventory import step_units
-    from placement.step_reads import LayerFractions, modeled_reads, read_fractions
+    from placement.step_reads import LayerFractions, modeled_passes, modeled_reads, read_fractions
 
     total = rec["neurons"]
     down = rec["down_rows"] / total
     fractions = {"dense": None, "relu-exact": LayerFractions(1.0, down, down),
                  "predictor": LayerFractions(rec["predicted_rows"] / total, rec["computed_up_rows"] / total, down, True)}[mode]
     units, layers = step_units(step, engine.config), None if fractions is None else [fractions] * engine.config.num_layers
-    return modeled_reads(units, layers, relu=True), read_fractions(units, layers, relu=True)
+    return (modeled_reads(units, layers, relu=True), read_fractions(units, layers, relu=True),
+            modeled_passes(units, layers, relu=True))
 
 
 def main() -> None:
@@ -117,8 +118,8 @@ def main() -> None:
             fmt = engine.executor.settings.weight_format
             rec["modeled_tok_s"] = 1.0 / cal.step_seconds(fmt, n_layers, read)
             if cal.rates:  # by packed format and access: the step's own tensors at the rows it counted
-                reads, shares = counted_reads(engine, step, mode, rec)
-                rec["modeled_tok_s"] = 1.0 / cal.reads_seconds(n_layers, reads, fractions=shares)
+                reads, shares, passes = counted_reads(engine, step, mode, rec)
+                rec["modeled_tok_s"] = 1.0 / cal.reads_seconds(n_layers, reads, fractions=shares, passes=passes)
         out.append(rec)
     emit({"system": "tandem", "modes": out, "weight_format": engine.executor.settings.weight_format})
 

@@ -221,4 +221,29 @@ void tdm_read_pass(const tdm_weight *w, int64_t access, const int32_t *rows, int
     }
 }
 
+/* Benchmark entry (online/kind_probe.py measure_pass_cost): the rows of w read as n_passes consecutive
+ * whole passes of pass_rows rows each (the last one shorter), one after another in ONE OpenMP region
+ * with a barrier after each, as the step reads a layer's matrices: each pass splits its rows between the
+ * threads as the step's row ranges do (so every pass starts each thread's stream anew), thread t writes
+ * at out + t * out_stride. x is quantized once, before. n_passes 1 and pass_rows = rows: one pass. */
+void tdm_read_passes(const tdm_weight *w, int64_t pass_rows, int64_t n_passes, const float *x, int64_t threads,
+                     float *out, int64_t out_stride) {
+    int64_t cols = w->cols, nb = cols / QB + 1;
+    int8_t q[cols], rq[cols];
+    float d[nb], dr[nb], s[nb];
+    int32_t flagged[nb];
+    qvec v = {x, q, rq, d, dr, s, flagged, 0};
+    quantize_q8(x, cols, &v, 2.0f);
+#pragma omp parallel num_threads((int)threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int64_t i = 0; i < n_passes; i++) {
+            int64_t r0 = i * pass_rows, n = r0 + pass_rows <= w->rows ? pass_rows : w->rows - r0;
+            int64_t lo = n * t / nt, hi = n * (t + 1) / nt; /* decode.c's chunk */
+            dot_rows(w, r0 + lo, hi - lo, &v, out + t * out_stride);
+#pragma omp barrier
+        }
+    }
+}
+
 #endif
