@@ -50,6 +50,8 @@ def main() -> None:
         step = e.compiled_decode
         pred = sum(1 for layer in step._layers if layer.pred) if step is not None and hasattr(step, "_layers") else 0
         print(f"| {plan} | {e.decode_path} | {statistics.median(r):.1f} [{min(r):.1f}-{max(r):.1f}] | {pred} |")
+    if not all(x > 0 for r in rates for x in r):
+        raise TandemError("a run decoded no tokens (no decode rate to compare); use more --tokens")
     ratio = statistics.median(a / b for a, b in zip(rates[0], rates[1]))
     print(f"\nA / B per round, median: {ratio:.3f}; greedy outputs equal: {outputs[0] == outputs[1]}")
 

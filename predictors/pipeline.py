@@ -39,17 +39,13 @@ from .evaluate import HeldOutScorer, Quality, choose_prefix
 from .expert import fit_expert_predictors
 from .gated import PredictorGatedExecutor
 from .model import LayerEntry, PredictorSet
-from .train import (TrainSettings, first_projection_flops, fit_layer, gate_mode_applies, gate_scores, layer_labels,
+from .train import (GATHERED_ROW_COST, TrainSettings, first_projection_flops, fit_layer, gate_mode_applies, gate_scores, layer_labels,
                     miss_error, operating_point, predict_scores, up_scale_of)
 
 DEFAULT_EXTRA_LOSS = 0.005  # perplexity increase allowed over the exact path when it already uses the budget
 DEFAULT_EVAL_TOKENS = 4096
 EXTRA_RECALL_LEVELS = (0.98, 0.99)
 # A predicted (gathered) row costs more than a row of a whole-matrix pass: the fused step reads dense
-# Q4_0 / Q4_1 rows interleaved eight at a time at ~1.04 of the read bandwidth and gathered rows at
-# 0.72 (all of them) to 0.42 (a tenth): `tandem probe --fused`, 2026-11-24 (bench/RESULTS.md). A
-# layer's option saves work only where its gathered rows cost less than the exact path's dense ones.
-GATHERED_ROW_COST = 1.4
 
 
 @dataclass

@@ -38,6 +38,11 @@ from .model import LayerPredictor
 from .gate_rrr import linear_predictor, preactivation_basis
 from .rrr_init import init_reduced_rank, reduced_rank_basis
 
+# Q4_0 / Q4_1 rows interleaved eight at a time run at ~1.04 of the read bandwidth and gathered rows at
+# 0.72 (all of them) to 0.42 (a tenth): `tandem probe --fused`, 2026-11-24 (bench/RESULTS.md). A gathered
+# row is priced at this many dense ones: by the rank ladder here and by the pipeline's options.
+GATHERED_ROW_COST = 1.4
+
 RANK_LADDER = (16, 32, 64, 128, 256, 512)
 LINEAR_PRECISION_ENOUGH = 0.9  # a closed-form scorer this precise leaves a trained one little to gain
 LINEAR_STEP = 16  # directions between closed-form scorers tried (rank 2 x 16 = 32: the C step's int8 blocks)
@@ -193,7 +198,7 @@ def fit_layer(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor,
 
     def measure(kind: str, pred: LayerPredictor, epochs: int) -> LayerFit:
         point = operating_point(predict_scores(pred, x_val), y_val, settings.target_recall)
-        work = pred.flops_per_token + point.active_fraction * gate_up_flops
+        work = pred.flops_per_token + GATHERED_ROW_COST * point.active_fraction * gate_up_flops
         tried.append({"rank": pred.rank, "kind": kind, "recall": point.recall, "precision": point.precision,
                       "active_fraction": point.active_fraction, "work_flops": work, "epochs": epochs})
         return LayerFit(pred, point, work)

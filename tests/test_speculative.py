@@ -404,15 +404,22 @@ def test_auto_uses_a_drafter_only_where_it_pays():
 
 def test_auto_never_probes_a_drafter_that_costs_a_plain_step_per_token():
     """rate = E(k) / (verify(k + 1) + k * draft) <= (k + 1) / ((k + 1) * plain) when draft >= plain and
-    verify >= plain: such a drafter cannot pay, so auto stops trying it (no re-probes)."""
-    from online.speculative.policy import REPROBE_MAX, SpecPolicy
+    verify >= plain: such a drafter cannot pay, so once its probes measured that, auto stops trying it
+    (one re-probe per REPROBE_MAX steps); a slow first call alone does not exclude it."""
+    from online.speculative.policy import PROBE_VERIFIES, REPROBE_MAX, SpecPolicy
     policy = SpecPolicy(5, ("sparse",), allow_plain=True)
     for _ in range(3):
         policy.record_plain(0.004)
-    policy.record_verify("sparse", 2, 2, 3, 0.006, 2 * 0.0041)  # perfect acceptance, drafts cost a plain step each
-    for _ in range(2 * REPROBE_MAX):
+    assert policy.choose(10, {"sparse": 5})[0] == "sparse"
+    policy.record_verify("sparse", 2, 2, 3, 0.006, 2 * 0.05)  # a cold first call: 12 plain steps per draft
+    assert policy.choose(10, {"sparse": 5})[0] == "sparse"  # probed again: one sample is not evidence
+    for _ in range(PROBE_VERIFIES - 1):  # perfect acceptance, but drafts that cost a plain step each
+        policy.record_verify("sparse", 2, 2, 3, 0.006, 2 * 0.0041)
+    assert policy.drafters["sparse"].draft_token_s == 0.0041  # the cold first sample is gone, not averaged in
+    for _ in range(REPROBE_MAX):
         assert policy.choose(10, {"sparse": 5}) == (None, 0)
         policy.record_plain(0.004)
+    assert policy.choose(10, {"sparse": 5})[0] == "sparse"  # after the longest wait: one retry
 
 
 def test_auto_probes_short_and_backs_off_a_drafter_that_does_not_win():

@@ -164,3 +164,22 @@ def test_the_shared_folder_evicts_the_least_recently_used_beyond_its_cap(tmp_pat
     monkeypatch.setenv("TANDEM_STEP_CACHE_BYTES", "0")
     assert evict_shared(files[3]) and [p.exists() for p in files] == [False, False, False, True, False]
 
+
+
+def test_interleaved_weights_must_hold_their_padded_last_group():
+    """An interleaved (eight-row) weight is read a whole group of eight rows at a time: a cache whose array
+    ends at rows * row_bytes (not the padded group) or whose width is not whole blocks is refused."""
+    from types import SimpleNamespace
+
+    from online.execution.native_step import _check_weight
+    from online.execution.step_cache import StepCacheError
+    from online.kernels.quantize import KIND_I4H, KIND_I4X8
+
+    d = {"data": {"array": "w"}, "rows": 0, "row_bytes": 0}
+    w = SimpleNamespace(kind=KIND_I4X8, rows=21, cols=64, row_bytes=40, scale_stride=0)
+    _check_weight(w, d, {"w": np.zeros(24 * 40, np.uint8)})  # three whole groups
+    with pytest.raises(StepCacheError, match="outside"):
+        _check_weight(w, d, {"w": np.zeros(21 * 40, np.uint8)})
+    _check_weight(SimpleNamespace(**{**vars(w), "kind": KIND_I4H}), d, {"w": np.zeros(21 * 40, np.uint8)})  # in place
+    with pytest.raises(StepCacheError, match="whole blocks"):
+        _check_weight(SimpleNamespace(**{**vars(w), "cols": 16}), d, {"w": np.zeros(24 * 40, np.uint8)})

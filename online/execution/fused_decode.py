@@ -73,13 +73,14 @@ def _bias(b) -> np.ndarray | None:
 def dense_rows(cfg, split, refs: dict) -> list[str]:
     """The layer's matrices the fused step reads only by whole row ranges (dot_rows): attention's,
     a dense down, and gate / up unless predicted rows (predict.h) or a ReLU-family gate cut (up rows
-    where the gate passes) gather them. These can take the interleaved layout (structs.interleave)."""
+    where the gate passes) gather them. These can take the interleaved layout (structs.interleave).
+    A gated ReLU-family layer keeps its up in place whatever its threshold: a threshold >= 0 turns the
+    gate cut on, and ``with_thresholds`` (the sparse drafter) may set one on a layer built without."""
     names = [k for k in ("qkv", "q", "k", "v", "o", "down") if k in refs]
     if split is not None and split.predictor is None:
         if cfg.mlp_gated:  # a plain FFN's gate descriptor is its up (never read): no second copy
             names.append("gate")
-        gate_cut = cfg.mlp_gated and cfg.hidden_act in ("relu", "fatrelu", "drelu") and float(split.threshold) >= 0
-        if not gate_cut:
+        if not (cfg.mlp_gated and cfg.hidden_act in ("relu", "fatrelu", "drelu")):
             names.append("up")
     return names
 
@@ -188,6 +189,8 @@ class FusedDecodeStep:
                 arrays["down_bias"] = _np(split.down_bias) if split.down_bias is not None else _bias(ffn.down_bias)
             for name in dense_rows(model.cfg, split, refs):  # read by whole row ranges: eight rows interleaved
                 refs[name] = interleave(refs[name], native.lib)
+            if split is not None and not model.cfg.mlp_gated:
+                refs["gate"] = refs["up"]  # a plain FFN's (never read) gate is its up: one copy in the step cache
             layer = TdmLayer(threshold=float(split.threshold) if split is not None else -1.0,
                              window=int(attn.sliding_window), n_ff=ffn.n_neurons if split is not None else 0,
                              **{k: r.desc for k, r in refs.items()}, **{k: addr(a) for k, a in arrays.items()})

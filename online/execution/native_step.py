@@ -25,6 +25,7 @@ from tandem.core.errors import TandemError
 from ..kernels.native import load_native
 from ..kernels.native.step_calls import StepCalls
 from ..kernels.native.structs import TdmLayer, TdmModel, TdmPredictor, addr
+from ..kernels.quantize import KIND_I4X8, KIND_I8X8
 from .step_cache import RUNTIME_POINTERS, StepCacheError
 
 
@@ -154,7 +155,12 @@ def _check_weight(w, d: dict, arrays: dict) -> None:
     data = d["data"]["array"]
     if data is None and w.rows == 0:
         return  # an unused weight (a MoE layer's dense gate/up/down)
-    if data is None or w.rows < 0 or w.row_bytes < 0 or arrays[data].nbytes < w.rows * w.row_bytes:
+    rows = w.rows
+    if w.kind in (KIND_I4X8, KIND_I8X8):  # interleaved eight rows at a time: the last group is read whole
+        if w.cols < 32 or w.cols % 32:
+            raise StepCacheError("a cached interleaved weight's width is not whole blocks of 32")
+        rows = -(-rows // 8) * 8
+    if data is None or w.rows < 0 or w.row_bytes < 0 or arrays[data].nbytes < rows * w.row_bytes:
         raise StepCacheError("a cached weight's rows lie outside its array")
     scale = d.get("scale", {}).get("array")
     if scale is not None and arrays[scale].size < w.rows * max(int(w.scale_stride), 1):

@@ -121,8 +121,10 @@ class SpecPolicy:
             return None, 0  # measure (and now and then re-measure) the plain step
         for name, limit_k in options.items():  # explore: measure each drafter before trusting the model
             stats = self.drafters[name]
-            if stats.draft_token_s is not None and stats.draft_token_s >= plain_s:
-                continue  # a drafted token costing a plain step never pays (a verify costs at least one): no probes
+            if (stats.verifies >= PROBE_VERIFIES and stats.draft_token_s is not None and stats.draft_token_s >= plain_s
+                    and stats.steps_since_used < REPROBE_MAX):
+                continue  # a drafted token costing a plain step never pays (a verify costs at least one): probed
+                # only at the longest re-probe wait, in case what made it slow (contention) has passed
             if stats.verifies < PROBE_VERIFIES or stats.steps_since_used >= stats.reprobe_every:
                 if stats.verifies >= PROBE_VERIFIES:  # a retry: the next one waits longer unless this wins
                     stats.reprobe_every = min(2 * stats.reprobe_every, REPROBE_MAX)
@@ -150,7 +152,9 @@ class SpecPolicy:
         stats.accepted = ACCEPT_DECAY * stats.accepted + accepted
         stats.trials = ACCEPT_DECAY * stats.trials + accepted + (1 if accepted < drafted else 0)
         per_token = draft_seconds / max(drafted, 1)
-        stats.draft_token_s = per_token if stats.draft_token_s is None else (
+        # as StepCosts: the first measurement (the drafter's first call binds its cache and sizes its
+        # scratch) stands only until the second replaces it; later ones enter the moving average
+        stats.draft_token_s = per_token if stats.draft_token_s is None or stats.verifies < 2 else (
             (1 - EMA_WEIGHT) * stats.draft_token_s + EMA_WEIGHT * per_token)
         stats.verifies += 1
         self.steps_since_plain += 1

@@ -3,7 +3,7 @@
  * X8_I8_BLOCK_BYTES = 272 bytes at data + (R * ng + g) * 272:
  *   bytes [32 v, 32 v + 32), v < 8: lane j (4 bytes) holds row 8R+j's codes of columns 32 g + 4 v + b, b < 4;
  *   bytes [256, 272): the eight rows' f16 scales.
- * row_bytes is 34 (272 / 8). Per row and token (every lane and dot_row_x8_i8):
+ * row_bytes is 34 per block of 32 columns (272 / 8: 34 ng). Per row and token (every lane and dot_row_x8_i8):
  *   acc = 0; for g: acc = fma(d[g] * xd[g], (float)(codes_g . xq_g), acc); then the flagged residual
  *   blocks in order with xdr / xr; out = acc.
  * A block's exact int32 dot is |w| . sign(x, w) per four columns (vpmaddubsw: pairs <= 2 * 128 * 127
