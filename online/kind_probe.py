@@ -174,15 +174,15 @@ PASS_BYTES = 2**19  # one pass of measure_pass_cost: a small model's matrix (Smo
 def measure_pass_cost(threads: int, pass_bytes: int = PASS_BYTES) -> float:
     """Seconds each extra pass over a matrix costs beyond its bytes: the probe's dense Q4_1 matrix read as
     consecutive passes of ``pass_bytes`` with a barrier after each, in one OpenMP region as the step reads
-    a layer's matrices (tdm_read_passes), against the same rows in one pass; (many - one) / (passes - 1),
-    each the best of REPEATS after an eviction of the last-level cache. What it holds: each pass restarts
-    every thread's stream (the hardware prefetchers ramp up again), waits at a barrier for the slowest
-    thread and for small matrices is a large part of the read (~2-5 us against ~30 us for 0.55 MB here).
-    0.0 where the kernels predate the entry (bench/native_ab.py's baselines).
+    a layer's matrices (tdm_read_passes), against the same rows in one pass: the median over PASS_PAIRS
+    back-to-back pairs (each run after an eviction of the last-level cache) of (many - one) / (passes - 1).
+    What it holds: each pass restarts every thread's stream (the hardware prefetchers ramp up again) and
+    waits at a barrier for the slowest thread; for small matrices that is a large part of the read (~2 us
+    against ~30 us for 0.55 MB here). 0.0 where the kernels predate the entry (bench/native_ab.py's baselines).
 
     Example::
 
-        measure_pass_cost(threads=2)     # ~3e-6: seconds per pass
+        measure_pass_cost(threads=2)     # ~2e-6: seconds per pass
     """
     if threads < 1:
         raise TandemError(f"threads must be >= 1, got {threads}")
