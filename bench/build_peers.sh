@@ -14,9 +14,10 @@ else
   CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=2 \
     "$VENV/bin/pip" install -q --no-cache-dir "llama-cpp-python==0.3.36"
 fi
-if ! "$VENV/bin/python" -c "import llama_cpp.server" 2>/dev/null; then
+# (llama_cpp.server imports without its extras; its app needs uvicorn, fastapi, sse-starlette)
+if ! "$VENV/bin/python" -c "import llama_cpp.server.app, uvicorn, sse_starlette" 2>/dev/null; then
   # the [server] extras only (uvicorn, fastapi, sse-starlette, ...); the built wheel above is kept
   CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=2 \
     "$VENV/bin/pip" install -q "llama-cpp-python[server]==0.3.36"
 fi
-"$VENV/bin/python" -c "import llama_cpp, llama_cpp.server; print('llama-cpp-python', llama_cpp.__version__, '+ server')"
+"$VENV/bin/python" -c "import llama_cpp, llama_cpp.server.app, uvicorn; print('llama-cpp-python', llama_cpp.__version__, '+ server')"

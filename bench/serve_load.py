@@ -124,7 +124,7 @@ def systems(args) -> list[tuple[str, list[str], dict, int]]:
         label = "plan" if args.plan else args.weight_format or "dense"
         out.append((f"tandem ({label}, prefill {prefill})", cmd, {"ignore_eos": True}, port))
     if args.peer and PEER_PYTHON.exists():
-        check = subprocess.run([str(PEER_PYTHON), "-c", "import llama_cpp.server"], capture_output=True)
+        check = subprocess.run([str(PEER_PYTHON), "-c", "import llama_cpp.server.app, uvicorn"], capture_output=True)
         if check.returncode == 0:
             port = free_port()
             gguf = args.gguf or str(resolve_gguf(args.model))
