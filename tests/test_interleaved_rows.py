@@ -104,3 +104,22 @@ def test_fused_step_interleaves_only_whole_row_ranges():
     assert dense_rows(silu, None, dict.fromkeys(("q", "k", "v", "o"))) == ["q", "k", "v", "o"]  # a MoE layer
     plain = SimpleNamespace(mlp_gated=False, hidden_act="relu")  # OPT: no gate (its descriptor is up's)
     assert sorted(dense_rows(plain, dense, refs)) == ["down", "o", "qkv", "up"]
+
+
+@pytest.mark.parametrize("n", [7, 8, 36, 576, 1000, 49152])
+@pytest.mark.parametrize("nt", [1, 2, 3, 5, 16])
+def test_row_ranges_split_on_whole_groups_of_eight(n, nt):
+    """The step splits a matrix's rows between threads on group boundaries (decode.c row_chunk): the ranges
+    tile [0, n) in order, every inner boundary is a multiple of eight (no scalar edge rows), and no thread
+    gets more than one group above an even share."""
+    fn = native.load_native().lib.tdm_row_chunk
+    fn.argtypes, fn.restype = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p], None
+    out = np.zeros(2, np.int64)
+    bounds = []
+    for t in range(nt):
+        fn(n, t, nt, out.ctypes.data)
+        bounds.append((int(out[0]), int(out[1])))
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(lo <= hi and lo % 8 == 0 for lo, hi in bounds)
+    assert all(hi - lo <= 8 * (-(-n // 8) // nt + 1) for lo, hi in bounds)

@@ -188,7 +188,7 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
         tb->x[i].f = sb->attn + i * qn;
         quantize_q8(sb->attn + i * qn, qn, tb->x + i, (float)m->residual_ratio);
     }
-    chunk(m->d, t, nt, &lo, &hi);
+    row_chunk(m->d, t, nt, &lo, &hi);
     dot_rows_multi(&L->o, lo, hi - lo, tb->x, T, sb->delta + lo, m->d);
     if (L->o_bias)
         for (int64_t i = 0; i < T; i++)
@@ -236,7 +236,7 @@ int64_t tdm_decode_batch(const tdm_model *m, const tdm_batch *B) {
                     batch_norm_quantize(m, tb.res + i * d, m->final_norm, m->final_norm_bias, tb.xn + w * n_in, tb.x + w);
                     w++;
                 }
-            chunk(m->vocab, t, n, &lo, &hi);
+            row_chunk(m->vocab, t, n, &lo, &hi);
             dot_rows_multi(&m->head, lo, hi - lo, tb.x, n_want, B->logits + lo, m->vocab);
             for (int64_t i = 0; i < n_want; i++) softcap(m, B->logits + i * m->vocab + lo, hi - lo);
         }

@@ -29,7 +29,7 @@ static void batch_dense_down(const tdm_model *m, const tdm_layer *L, int64_t T, 
 #pragma omp barrier
     for (int64_t i = 0; i < T; i++)
         quantize_q8(sb->hfull + i * F, L->n_ff > 0 ? L->n_ff : F, tb->x + i, (float)m->residual_ratio);
-    chunk(d, t, nt, &lo, &hi);
+    row_chunk(d, t, nt, &lo, &hi);
     dot_rows_multi(&L->down, lo, hi - lo, tb->x, T, sb->delta + lo, d);
 #pragma omp barrier
     for (int64_t i = 0; i < T; i++) {

@@ -16,7 +16,7 @@ static void dense_down(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, 
     sb->counts[t] += n_act;
 #pragma omp barrier
     quantize_q8(sb->hfull, L->n_ff > 0 ? L->n_ff : m->n_ff, &tb->x, (float)m->residual_ratio);
-    chunk(d, t, nt, &lo, &hi);
+    row_chunk(d, t, nt, &lo, &hi);
     dot_rows(&L->down, lo, hi - lo, &tb->x, sb->delta + lo);
 #pragma omp barrier
     for (int64_t i = 0; i < n_act; i++) sb->hfull[tb->idx[i]] = 0.0f; /* every thread read it: zero again */
