@@ -65,18 +65,19 @@ def test_interleaved_rows_equal_the_block_arithmetic_on_every_path(qtype, cols, 
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_interleaved_multi_token_rows_equal_single_token_rows(qtype):
+@pytest.mark.parametrize("ratio", [-1.0, 2.0])  # without / with the residual pass on outlier blocks
+def test_interleaved_multi_token_rows_equal_single_token_rows(qtype, ratio):
     lib = native.load_native().lib
     for cols in (96, 576):
         ref = interleave(describe(_weight(qtype, cols, 5)), lib)
-        for T in (2, 3, 4, 5, 7, 9, 66):  # four at a time, then two, then one
+        for T in (2, 3, 4, 5, 7, 8, 9, 16, 66):  # four at a time, then two, then one; minimums eight at a time
             x = _x(T, cols, 6)
             x[T // 2, 64:96] = 0.0  # a zero block in one token
             for r0, n in ((0, ROWS), (3, 14), (8, 8)):
                 got = np.zeros((T, n), np.float32)
-                lib.tdm_dot_rows_multi(ctypes.byref(ref.desc), r0, n, T, x.ctypes.data, 2.0, got.ctypes.data)
+                lib.tdm_dot_rows_multi(ctypes.byref(ref.desc), r0, n, T, x.ctypes.data, ratio, got.ctypes.data)
                 for i in range(T):
-                    assert np.array_equal(got[i], _rows(lib, ref, r0, n, x[i], 2.0)), (cols, T, r0, n, i)
+                    assert np.array_equal(got[i], _rows(lib, ref, r0, n, x[i], ratio)), (cols, T, r0, n, i)
 
 
 def test_interleave_keeps_what_it_cannot_repack():
