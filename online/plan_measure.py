@@ -133,7 +133,8 @@ def measure_fused_calibration(threads: int, formats: tuple[str, ...] = FORMATS, 
                               engines: list | None = None) -> FusedCalibration:
     """The probe's read bandwidth, the row kernels' share of it per packed format and access
     (online.kind_probe), the cost of each matrix pass beyond its bytes (kind_probe.measure_pass_cost), and
-    the fixed costs per call and per layer: least squares on what the reads at those rates and the passes leave of tiny random Llama models' decode time through ``generate`` (~20 s the first
+    the fixed costs per call and per layer: least squares on what the reads at those rates and the passes
+    leave of tiny random Llama models' decode time through ``generate`` (~20 s the first
     time, a few seconds with ``engines`` from fixed_cost_engines). ``reads``: only these (kind, access)
     pairs and the tiny models' own; None: every format the step reads."""
     import torch

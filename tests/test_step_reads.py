@@ -236,12 +236,19 @@ def test_read_passes_compute_the_step_rows_pass_by_pass(monkeypatch):
     fn = lib.tdm_read_passes
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_int64]
-    for n_passes in (1, 2, 3):  # each call leaves its last pass's rows in out (thread t: its half of that pass)
+    split = lib.tdm_row_chunk  # the step's split of a matrix's rows between threads
+    split.argtypes, split.restype = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p], None
+    bounds = np.zeros(2, np.int64)
+    for n_passes in (1, 2, 3):  # each call leaves its last pass's rows in out (thread t: its share of that pass)
         out = np.full((threads, rows), np.nan, np.float32)
         fn(ctypes.addressof(ref.desc), pass_rows, n_passes, x.ctypes.data, threads, out.ctypes.data, rows)
         r0 = (n_passes - 1) * pass_rows
         n = min(pass_rows, rows - r0)
-        got = np.concatenate([out[t, :n * (t + 1) // threads - n * t // threads] for t in range(threads)])
+        shares = []
+        for t in range(threads):
+            split(n, t, threads, bounds.ctypes.data)
+            shares.append(out[t, :bounds[1] - bounds[0]])
+        got = np.concatenate(shares)
         assert np.array_equal(got, want[r0:r0 + n]), n_passes
     monkeypatch.setattr(kind_probe, "PROBE_BYTES", 1 << 20)
     monkeypatch.setattr(kind_probe, "PASS_PAIRS", 2)

@@ -28,6 +28,24 @@
 #include <string.h>
 #include <omp.h>
 
+/* thread t of nt's share [lo, hi) of n units (heads, tokens x heads, ...) */
+static void chunk(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
+    *lo = n * t / nt;
+    *hi = n * (t + 1) / nt;
+}
+
+/* chunk for a matrix's rows: boundaries on whole groups of eight (the interleaved kernels' row groups,
+ * blocks_x8.h; two of the four-row kernels' groups), so no thread's range starts or ends inside a group
+ * that the scalar row (dot_row_x8, ~10x slower per row) would compute: with 16 threads a 576-row matrix
+ * would give every odd thread four scalar rows at each end. Each row's value does not depend on the split. */
+static void row_chunk(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
+    int64_t groups = (n + 7) / 8;
+    *lo = groups * t / nt * 8;
+    *hi = t == nt - 1 ? n : groups * (t + 1) / nt * 8;
+    if (*lo > n) *lo = n;
+    if (*hi > n) *hi = n;
+}
+
 #include "attention.h"
 #include "rows.h"
 #include "dequant.h"
@@ -145,23 +163,6 @@ static thread_bufs get_thread(const tdm_model *m, int t) {
     b.x.r = (int8_t *)p;
     b.x.f = b.xn;
     return b;
-}
-
-static void chunk(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
-    *lo = n * t / nt;
-    *hi = n * (t + 1) / nt;
-}
-
-/* chunk for a matrix's rows: boundaries on whole groups of eight (the interleaved kernels' row groups,
- * blocks_x8.h; two of the four-row kernels' groups), so no thread's range starts or ends inside a group
- * that the scalar row (dot_row_x8, ~10x slower per row) would compute: with 16 threads a 576-row matrix
- * would give every odd thread four scalar rows at each end. Each row's value does not depend on the split. */
-static void row_chunk(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
-    int64_t groups = (n + 7) / 8;
-    *lo = groups * t / nt * 8;
-    *hi = t == nt - 1 ? n : groups * (t + 1) / nt * 8;
-    if (*lo > n) *lo = n;
-    if (*hi > n) *hi = n;
 }
 
 /* Self-check entry (tests/test_interleaved_rows.py): [lo, hi) of thread t of nt over n rows */

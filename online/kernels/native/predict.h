@@ -201,7 +201,8 @@ static int64_t sparse_rows(const tdm_predictor *P, const tdm_weight *gate, const
  * threads, as the step runs them (no Python thread starts inside the timed span: they cost ~0.1 ms, a
  * third of a 10%-share gathered pass). access 0: rows rows[0] .. rows[0] + n - 1 dotted (dot_rows);
  * 1: the n rows at rows[] dotted (dot_rows_idx); 2: those rows added with weights h (axpy_rows). Thread t
- * takes [n t / T, n (t + 1) / T) and writes at out + t * out_stride; x is quantized once, before. */
+ * takes [n t / T, n (t + 1) / T) (dense: decode.c's row_chunk, as the step) and writes at out + t * out_stride;
+ * x is quantized once, before. */
 void tdm_read_pass(const tdm_weight *w, int64_t access, const int32_t *rows, int64_t n, const float *x,
                    const float *h, int64_t threads, float *out, int64_t out_stride) {
     int64_t cols = w->cols, nb = cols / QB + 1;
@@ -215,8 +216,10 @@ void tdm_read_pass(const tdm_weight *w, int64_t access, const int32_t *rows, int
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t lo = n * t / nt, hi = n * (t + 1) / nt;
         float *o = out + t * out_stride;
-        if (access == 0) dot_rows(w, rows[0] + lo, hi - lo, &v, o);
-        else if (access == 1) dot_rows_idx(w, rows + lo, hi - lo, &v, o);
+        if (access == 0) {
+            row_chunk(n, t, nt, &lo, &hi); /* a dense pass splits its rows as the step does */
+            dot_rows(w, rows[0] + lo, hi - lo, &v, o);
+        } else if (access == 1) dot_rows_idx(w, rows + lo, hi - lo, &v, o);
         else axpy_rows(w, rows + lo, h + lo, hi - lo, o);
     }
 }
@@ -238,8 +241,8 @@ void tdm_read_passes(const tdm_weight *w, int64_t pass_rows, int64_t n_passes, c
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         for (int64_t i = 0; i < n_passes; i++) {
-            int64_t r0 = i * pass_rows, n = r0 + pass_rows <= w->rows ? pass_rows : w->rows - r0;
-            int64_t lo = n * t / nt, hi = n * (t + 1) / nt; /* decode.c's chunk */
+            int64_t r0 = i * pass_rows, n = r0 + pass_rows <= w->rows ? pass_rows : w->rows - r0, lo, hi;
+            row_chunk(n, t, nt, &lo, &hi);
             dot_rows(w, r0 + lo, hi - lo, &v, out + t * out_stride);
 #pragma omp barrier
         }
