@@ -56,7 +56,9 @@ def decode_tok_s(engine, tokens: int, rounds: int) -> tuple[float, dict]:
     return statistics.median(rates), stats
 
 
-def make_plan_dir(model: str, profile: Path, hardware: str, budget: int, out: Path) -> Path:
+def make_plan_dir(model: str, profile: Path, hardware: str, budget: int, out: Path, reuse: bool = False) -> Path:
+    if reuse and (out / "plan.json").exists():
+        return out
     cmd = [sys.executable, "-m", "tandem.cli", "plan", "--model", model, "--profile", str(profile), "--hardware", hardware,
            "--gpu-budget", str(budget), "--out", str(out), "--replan", "--no-quality", "--time-limit", "20"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -74,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
     p.add_argument("--out", default=str(BENCH_DIR / "gpu.md"))
     p.add_argument("--work", default="/tmp/tandem-bench-gpu", help="where the plans are written")
+    p.add_argument("--reuse-plans", action="store_true", help="use the plans already in --work (made elsewhere)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--skip-dense", action="store_true")
     args = p.parse_args(argv)
     import torch
     from online import Engine
@@ -84,29 +89,45 @@ def main(argv: list[str] | None = None) -> int:
     total, reserve = model_bytes(args.model, Path(args.profile), args.hardware, "auto")
     rows = []
 
-    def row(name: str, budget: int, engine, modeled):
-        tok_s, stats = decode_tok_s(engine, args.tokens, args.rounds)
+    def row(name: str, budget: int, load, modeled):
+        try:
+            engine = load()
+            tok_s, stats = decode_tok_s(engine, args.tokens, args.rounds)
+        except Exception as exc:  # noqa: BLE001 - one failing row is reported, the others still run
+            rows.append((name, format_bytes(budget), f"failed: {str(exc).splitlines()[0][:120]}", "-", "-", "-", "-", "-"))
+            print(" | ".join(rows[-1]), flush=True)
+            return
+        step = engine.compiled_decode
+        launches = getattr(step, "launches_per_token", None) or getattr(getattr(step, "gpu_layers", None),
+                                                                       "launches_per_token", "-")
         rows.append((name, format_bytes(budget), f"{tok_s:.2f}", "-" if modeled is None else f"{modeled:.1f}",
                      str(stats.get("link_bytes_per_token", 0)), str(stats.get("tier_syncs_per_token", 0)),
+                     f"{launches} / {stats.get('graph_replays_per_token', 0)}",
                      stats.get("decode_path", "?")))
         print(" | ".join(rows[-1]), flush=True)
 
-    row("dense, all layers on the tier (layer offload, 100%)", reserve + 2 * total,
-        Engine.load(args.model, layer_offload=True, gpu_budget_bytes=reserve + 2 * total, gpu_device=device,
-                    context_length=CONTEXT_TOKENS), None)
+    threads = {"threads": args.threads} if args.threads else {}
+    row("CPU only (fused C step, layer offload at 0 bytes)", 0,
+        lambda: Engine.load(args.model, layer_offload=True, gpu_budget_bytes=0, gpu_device=device,
+                            context_length=CONTEXT_TOKENS, **threads), None)
+    if not args.skip_dense:
+        row("dense, all layers + output layer on the GPU (layer offload, 100%)", reserve + 2 * total,
+            lambda: Engine.load(args.model, layer_offload=True, gpu_budget_bytes=reserve + 2 * total, gpu_device=device,
+                                context_length=CONTEXT_TOKENS, **threads), None)
     for fraction in (float(f) for f in args.fractions.split(",")):
         budget = reserve + int(fraction * total)  # X% of the model's bytes + the planner's buffer reserve
         plan_dir = make_plan_dir(args.model, Path(args.profile), args.hardware, budget,
-                                 Path(args.work) / f"plan-{fraction:g}")
+                                 Path(args.work) / f"plan-{fraction:g}", args.reuse_plans)
         plan = read_plan(plan_dir)
         row(f"layer offload at {fraction:.0%}", budget,
-            Engine.load(args.model, layer_offload=True, gpu_budget_bytes=budget, gpu_device=device,
-                        context_length=CONTEXT_TOKENS),
+            lambda: Engine.load(args.model, layer_offload=True, gpu_budget_bytes=budget, gpu_device=device,
+                                context_length=CONTEXT_TOKENS, **threads),
             plan.modeled.get("layer_offload_tokens_per_s"))
-        row(f"plan at {fraction:.0%}", budget, Engine.load(args.model, plan=plan_dir, gpu_device=device, profile=args.profile),
+        row(f"plan at {fraction:.0%}", budget,
+            lambda: Engine.load(args.model, plan=plan_dir, gpu_device=device, profile=args.profile, **threads),
             plan.modeled.get("tokens_per_s"))
-    head = ["| run | budget | measured tok/s | modeled tok/s | link bytes/token | tier syncs/token | decode path |",
-            "|---|---|---|---|---|---|---|"]
+    head = ["| run | budget | measured tok/s | modeled tok/s | link bytes/token | tier syncs/token "
+            "| launches / graph replays per token | decode path |", "|---|---|---|---|---|---|---|---|"]
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = "\n".join([
         "# GPU benchmark (bench/gpu.sh)", "",

@@ -139,6 +139,23 @@ class Engine(LazyModules, Scoring):
             self.decode_path, self.decode_path_reason = "fused", ""
         except FusedDecodeUnavailable as exc:
             self.decode_path_reason = str(exc)
+            tier = getattr(self.executor, "tier", None)
+            if tier is not None and tier.is_cuda and tier.used_bytes:
+                self.use_gpu_step()
+
+    def use_gpu_step(self, capture: bool = True, backend: str | None = None) -> bool:
+        """Decode through the GPU step (online/gpu; CUDA graphs on CUDA, chosen there by itself; on a CPU
+        tier the same program eagerly, for tests). Returns whether it applies (else: decode_path_reason)."""
+        from .gpu.graph_step import GpuDecodeStep
+        from .gpu.stack import GpuStepUnavailable
+        try:
+            self._compiled_decode = GpuDecodeStep.build(self.model, self.executor, capture=capture, backend=backend)
+        except GpuStepUnavailable as exc:
+            self.decode_path_reason = str(exc)
+            return False
+        self.decode_path = "gpu-graph" if self.executor.tier.is_cuda and capture else "gpu-step"
+        self.decode_path_reason = ""
+        return True
 
     def _use_layer_offload_step(self, n_gpu_layers: int) -> None:
         from .execution.fused_decode import FusedDecodeUnavailable
@@ -148,6 +165,8 @@ class Engine(LazyModules, Scoring):
             self.decode_path, self.decode_path_reason = "layer-offload", ""
         except FusedDecodeUnavailable as exc:
             self.decode_path_reason = str(exc)
+            if self.executor.tier.is_cuda and n_gpu_layers == self.config.num_layers:
+                self.use_gpu_step()  # every layer on the GPU: the whole step there
 
     # --- prompts ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list) -> list[int]:

@@ -17,6 +17,7 @@ def test_gpu_bench_writes_a_cpu_tier_table(tmp_path, monkeypatch):
     text = out.read_text()
     assert "CPU tier (no GPU: not GPU numbers)" in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert [r.split(" | ")[0] for r in rows] == ["| dense, all layers on the tier (layer offload, 100%)",
+    assert [r.split(" | ")[0] for r in rows] == ["| CPU only (fused C step, layer offload at 0 bytes)",
+                                                 "| dense, all layers + output layer on the GPU (layer offload, 100%)",
                                                  "| layer offload at 50%", "| plan at 50%"]
     assert all(float(r.split(" | ")[2]) > 0 for r in rows)  # measured tok/s

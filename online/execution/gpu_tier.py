@@ -49,6 +49,8 @@ class GpuTier:
         self.exchanges = 0  # results handed back to the host (a sync on CUDA)
         self.link_bytes = 0  # activation bytes sent to and fetched from the tier
         self.tier_calls = 0  # units computed on the tier (each a short burst of kernel launches)
+        self.launches = 0  # kernels launched by the GPU step (online.gpu), in graphs or not
+        self.graph_replays = 0  # CUDA graphs replayed by the GPU step
         self._pinned: dict[tuple, torch.Tensor] = {}
 
     @classmethod
@@ -131,7 +133,8 @@ class GpuTier:
         return self.wait(self.fetch_async(y))
 
     def link_counters(self) -> dict[str, int]:
-        return {"tier_calls": self.tier_calls, "tier_syncs": self.exchanges, "link_bytes": self.link_bytes}
+        return {"tier_calls": self.tier_calls, "tier_syncs": self.exchanges, "link_bytes": self.link_bytes,
+                "launches": self.launches, "graph_replays": self.graph_replays}
 
     def release(self, name: str) -> None:
         self.used_bytes -= self._owned.pop(name)

@@ -324,6 +324,8 @@ class HybridExecutor:
             stats["tier_calls_per_token"] = round(delta["tier.tier_calls"] / forward_steps, 3)
             stats["tier_syncs_per_token"] = round(delta["tier.tier_syncs"] / forward_steps, 3)
             stats["link_bytes_per_token"] = int(delta["tier.link_bytes"] / forward_steps)
+            stats["gpu_launches_per_token"] = round(delta.get("tier.launches", 0) / forward_steps, 1)
+            stats["graph_replays_per_token"] = round(delta.get("tier.graph_replays", 0) / forward_steps, 2)
         return stats
 
 

@@ -45,13 +45,35 @@ def gpu_layer_count(cfg, budget_bytes: int, tier_format: str, kv_dtype: torch.dt
     return min(cfg.num_layers, budget_bytes // per_layer) if per_layer > 0 else cfg.num_layers
 
 
+def head_tier_format(cfg, tier_format: str, raw: dict | None) -> str:
+    """The output layer's tier format: its GGUF Q8_0 blocks as they are (llama.cpp keeps them), else the layers'."""
+    raw = raw or {}
+    blocks = raw.get("model.embed_tokens.weight") if cfg.tie_word_embeddings else raw.get("lm_head.weight")
+    return "q8" if getattr(blocks, "qtype", None) == "Q8_0" else tier_format
+
+
 def offload_layers(model, executor, tier, n_gpu_layers: int, tier_format: str, kv_dtype: torch.dtype,
                    kv_capacity_tokens: int, raw: dict | None = None) -> None:
-    """Attention of the first ``n_gpu_layers`` on the tier (their FFNs went there with all neurons hot)."""
-    attention = [i < n_gpu_layers for i in range(model.cfg.num_layers)]
-    place_plan_units(model, executor, tier, attention_on_gpu=attention, output_head_on_gpu=False,
-                     embeddings_on_gpu=False, tier_format=tier_format, kv_dtype=kv_dtype,
+    """Attention of the first ``n_gpu_layers`` on the tier (their FFNs went there with all neurons hot); the
+    output layer too when every layer is there and it fits (llama.cpp's -ngl past the last layer)."""
+    cfg = model.cfg
+    attention = [i < n_gpu_layers for i in range(cfg.num_layers)]
+    head_format = head_tier_format(cfg, tier_format, raw)
+    head_bytes = _matrix_bytes(cfg.vocab_size, cfg.hidden_size, head_format)
+    head = n_gpu_layers == cfg.num_layers and cfg.num_layers > 0 and tier.free_bytes - _attention_bytes(
+        cfg, tier_format, kv_dtype, kv_capacity_tokens) * n_gpu_layers >= head_bytes
+    formats = (lambda role, layer=None: head_format if role == "output" else tier_format)
+    place_plan_units(model, executor, tier, attention_on_gpu=attention, output_head_on_gpu=head,
+                     embeddings_on_gpu=False, tier_format=formats, kv_dtype=kv_dtype,
                      kv_capacity_tokens=kv_capacity_tokens, raw=raw)
+
+
+def _attention_bytes(cfg, tier_format: str, kv_dtype: torch.dtype, kv_capacity_tokens: int) -> int:
+    """A layer's tier bytes less its FFN (what ``offload_layers`` still places after the FFNs)."""
+    n_ff, d = cfg.intermediate_size, cfg.hidden_size
+    mats = 3 if cfg.mlp_gated else 2
+    ffn = mats * _matrix_bytes(n_ff, d, tier_format) + 8 * n_ff + (4 * n_ff * (mats - 1) if cfg.mlp_bias else 0)
+    return layer_tier_bytes(cfg, tier_format, kv_dtype, kv_capacity_tokens) - ffn
 
 
 class LayerOffloadStep(FusedDecodeStep):
@@ -73,7 +95,22 @@ class LayerOffloadStep(FusedDecodeStep):
         layers = [TdmLayer() for _ in range(n_gpu_layers)] + layers  # tier layers: never run by C
         step = cls(model, executor, native, layers, keep)
         step.n_gpu_layers = n_gpu_layers
+        step.gpu_layers = None
+        if executor.tier.is_cuda and n_gpu_layers:
+            step.use_gpu_program()
         return step
+
+    def use_gpu_program(self, capture: bool = True, backend: str | None = None) -> str:
+        """Run the tier layers as one program (online/gpu: a CUDA graph on CUDA) instead of the modules;
+        returns "" or why it does not apply."""
+        from ..gpu.graph_step import GpuLayers
+        from ..gpu.stack import GpuStepUnavailable
+        try:
+            self.gpu_layers = GpuLayers(self.model, self.executor, 0, self.n_gpu_layers, head=False,
+                                        capture=capture, backend=backend)
+        except GpuStepUnavailable as exc:
+            return str(exc)
+        return ""
 
     def _describe_model(self):
         ex = self.executor
@@ -89,15 +126,19 @@ class LayerOffloadStep(FusedDecodeStep):
         model, k = self.model, self.n_gpu_layers
         if self._bound_cache is None or self._bound_cache() is not cache:
             self._bind(cache)
-        x = model.embed(torch.tensor([token_id]), pos)  # [1, d]
-        cos = sin = None
-        if model.rope_cos is not None:
-            cos, sin = model.rope_cos[pos:pos + 1], model.rope_sin[pos:pos + 1]
-        for layer in range(k):
-            block = model.layers[layer]
-            x = x + block.self_attn(block.input_layernorm(x), layer, pos, cache, cos, sin)
-            x = x + self.executor.forward(layer, block.post_attention_layernorm(x))
-        res = x[0].contiguous().clone()  # [d] float32, updated in place by C
+        if self.gpu_layers is not None:  # the tier layers as one program: the residual comes back once
+            self.gpu_layers.run(token_id, pos, cache)
+            res = self.gpu_layers.ctx.x_host.clone()  # [d]
+        else:
+            x = model.embed(torch.tensor([token_id]), pos)  # [1, d]
+            cos = sin = None
+            if model.rope_cos is not None:
+                cos, sin = model.rope_cos[pos:pos + 1], model.rope_sin[pos:pos + 1]
+            for layer in range(k):
+                block = model.layers[layer]
+                x = x + block.self_attn(block.input_layernorm(x), layer, pos, cache, cos, sin)
+                x = x + self.executor.forward(layer, block.post_attention_layernorm(x))
+            res = x[0].contiguous().clone()  # [d] float32, updated in place by C
         logits = torch.empty(self._desc.vocab, dtype=torch.float32)
         active = self.native.lib.tdm_decode_range(ctypes.byref(self._desc), k, self.cfg.num_layers, pos,
                                                   res.data_ptr(), logits.data_ptr())

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The GPU machine's run (../shared/gpu/README.md): CUDA tests of the GPU step, the GPU benchmark over plans
+# made here (.dev/plans, `python -m bench.gpu_bench --work .dev/plans` on the CPU tier), a per-token profile
+# and the transformers + CUDA graphs peer. Writes $OUT/gpu.md and $OUT/log. Expects PYTHONPATH with the
+# staged wheels and models/ assembled.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+THREADS=${THREADS:-8}
+{
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py tests/test_gpu_step.py 2>&1 | tail -4
+  timeout 300 python3 -m bench.gpu_bench --reuse-plans --work .dev/plans --tokens ${TOKENS:-64} --rounds ${ROUNDS:-3} \
+    --threads "$THREADS" --out "$OUT/gpu.md" 2>&1 | grep -v Warning
+  timeout 60 python3 -m bench.gpu_profile --plan .dev/plans/plan-1 --threads "$THREADS" 2>&1 | tail -3
+  timeout 60 python3 -m bench.gpu_profile --plan .dev/plans/plan-0.1 --threads "$THREADS" 2>&1 | tail -3
+  [ -n "${PEER:-}" ] && timeout 150 python3 -m bench.hf_cuda_graph 2>&1 | tail -3
+} 2>&1 | tee "$OUT/log"

@@ -1,0 +1,240 @@
+"""The GPU step's operations on preallocated buffers, in two backends with one signature each:
+``triton`` (``kernels``: one launch per op, the tier's formats read as stored) and ``torch`` (the same
+math in torch ops: the reference the Triton kernels are tested against, and the path where Triton is
+absent). Both keep every input on the device (position and token ids included), so a CUDA graph
+captures either.
+
+Example::
+
+    ops = Ops.create(device)                         # "triton" on CUDA when Triton imports, else "torch"
+    w = Mat.of(tier_matrix)                          # a TierMatrix as the kernels see it
+    ops.matvec(x, w, y, norm=norm_w, eps=1e-5)       # y [R] = W rmsnorm(x)
+    ops.matvec_t(h, down_t, x)                       # x [C] += h @ W   (W [R, C] neuron-major)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.core.errors import TandemError
+
+BLOCK = 32
+_FORMAT_IDS = {"fp32": 0, "fp16": 1, "q8": 2, "q4": 3, "q4_1": 4}
+
+
+@dataclass(frozen=True)
+class Mat:
+    """A ``[rows, cols]`` tier matrix's tensors and strides (elements) as the kernels read them."""
+    fmt: str
+    rows: int
+    cols: int
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    minimum: torch.Tensor | None
+
+    @classmethod
+    def of(cls, m) -> "Mat":
+        return cls(m.fmt, m.rows, m.cols, m.data, m.scale, m.minimum)
+
+    @property
+    def stride_data(self) -> int:
+        return int(self.data.shape[1])
+
+    @property
+    def stride_scale(self) -> int:
+        return int(self.scale.shape[1]) if self.scale is not None else 0
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[rows, cols]`` (the torch backend's weights)."""
+        if self.fmt in ("fp32", "fp16"):
+            return self.data.float()
+        if self.fmt == "q8":
+            w = self.data.float().reshape(self.rows, -1, BLOCK) * self.scale.float()[..., None]
+        else:
+            packed = self.data.reshape(self.rows, -1, BLOCK // 2)  # [R, C/32, 16]
+            codes = torch.cat([packed & 0xF, packed >> 4], dim=-1).float()  # [R, C/32, 32]
+            if self.minimum is None:
+                w = (codes - 8.0) * self.scale.float()[..., None]
+            else:
+                w = codes * self.scale.float()[..., None] + self.minimum.float()[..., None]
+        return w.reshape(self.rows, -1)[:, :self.cols]
+
+
+def _act(kind: str, y: torch.Tensor) -> torch.Tensor:
+    if kind == "none":
+        return y
+    if kind == "silu":
+        return F.silu(y)
+    if kind == "gelu_tanh":
+        return F.gelu(y, approximate="tanh")
+    if kind == "relu":
+        return F.relu(y)
+    if kind == "gelu":
+        return F.gelu(y)
+    raise TandemError(f"the GPU step has no activation {kind!r}")
+
+
+SUPPORTED_ACTS = ("silu", "gelu_tanh", "relu", "gelu")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+class Ops:
+    """The operations; ``backend`` is "triton" or "torch"."""
+
+    def __init__(self, backend: str) -> None:
+        if backend not in ("triton", "torch"):
+            raise TandemError(f"unknown GPU-step backend {backend!r}")
+        self.backend = backend
+        self.launches = 0  # kernels (or op groups) issued, per step when read as a difference
+        if backend == "triton":
+            from . import kernels
+            self.k = kernels
+
+    @classmethod
+    def create(cls, device: torch.device, backend: str | None = None) -> "Ops":
+        """Triton on CUDA (or anywhere with TRITON_INTERPRET=1) when it imports; torch ops otherwise."""
+        if backend is None:
+            backend = "torch"
+            if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+                try:
+                    import triton  # noqa: F401
+                    backend = "triton"
+                except ImportError:
+                    pass
+        return cls(backend)
+
+    # --- y = W x (+ the fusions the step needs) ------------------------------------------------
+    def matvec(self, x: torch.Tensor, w1: Mat, y: torch.Tensor, *, norm: torch.Tensor | None = None,
+               eps: float = 0.0, w2: Mat | None = None, b1: torch.Tensor | None = None,
+               b2: torch.Tensor | None = None, act: str = "none", residual: torch.Tensor | None = None) -> None:
+        """y [R] = act(W2 x') * (W1 x' + b1) with W2 (``w2``: a gate), else act(W1 x' + b1); + residual;
+        x' = rmsnorm(x) * norm when ``norm`` is given. ``y`` may be ``residual`` (in place)."""
+        self.launches += 1
+        if self.backend == "torch":
+            xn = F.rms_norm(x, x.shape, norm, eps) if norm is not None else x
+            out = w1.dequantize() @ xn + (b1 if b1 is not None else 0.0)
+            if w2 is not None:
+                out = _act(act, w2.dequantize() @ xn + (b2 if b2 is not None else 0.0)) * out
+            else:
+                out = _act(act, out)
+            y.copy_(out + residual if residual is not None else out)
+            return
+        rows, cols = w1.rows, w1.cols
+        br = 4 if rows <= 1024 else (8 if rows <= 8192 else 16)
+        bc = 128 if cols >= 128 else _pow2(cols)
+        g = w2 if w2 is not None else w1
+        dummy = y
+        self.k.matvec_kernel[(triton_cdiv(rows, br),)](
+            x, norm if norm is not None else dummy, float(eps),
+            w1.data, _or(w1.scale, dummy), _or(w1.minimum, dummy), _or(b1, dummy),
+            g.data, _or(g.scale, dummy), _or(g.minimum, dummy), _or(b2, dummy),
+            residual if residual is not None else dummy, y, rows, cols,
+            w1.stride_data, w1.stride_scale, g.stride_data, g.stride_scale,
+            NORM=norm is not None, PAIR=w2 is not None, ACT=self.k.ACT_IDS[act], RESIDUAL=residual is not None,
+            HAS_B1=b1 is not None, HAS_B2=b2 is not None, FMT1=_FORMAT_IDS[w1.fmt], FMT2=_FORMAT_IDS[g.fmt],
+            BR=br, BC=bc)
+
+    def matvec_t(self, h: torch.Tensor, w: Mat, y: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """y [C] += h [R] @ W [R, C] (+ bias): a down projection kept neuron-major, accumulated into ``y``."""
+        self.launches += 1
+        if self.backend == "torch":
+            out = h @ w.dequantize()
+            y.add_(out + bias if bias is not None else out)
+            return
+        rows, cols = w.rows, w.cols
+        bc = 64
+        col_blocks = triton_cdiv(cols, bc)
+        slices = max(1, triton_cdiv(rows, 256), min(triton_cdiv(rows, 32), 264 // col_blocks))  # <= 8 unrolled steps
+        rows_per_program = triton_cdiv(triton_cdiv(rows, slices), 32) * 32
+        slices = triton_cdiv(rows, rows_per_program)
+        self.k.matvec_t_kernel[(col_blocks, slices)](
+            h, w.data, _or(w.scale, y), _or(w.minimum, y), _or(bias, y), y, rows, cols,
+            w.stride_data, w.stride_scale, rows_per_program, HAS_BIAS=bias is not None,
+            FMT=_FORMAT_IDS[w.fmt], BR=32, BC=bc)
+
+    # --- attention -------------------------------------------------------------------------------
+    def rope_kv(self, qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cos: torch.Tensor | None, sin: torch.Tensor | None, pos: torch.Tensor, n_heads: int,
+                n_kv_heads: int, head_dim: int) -> None:
+        """q (rotated) -> ``q_out`` [H*hd]; k (rotated) and v -> row ``pos`` of the caches [KV, capacity, hd]."""
+        self.launches += 1
+        if self.backend == "torch":
+            q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+            q = qkv[:q_dim].reshape(n_heads, head_dim)
+            k = qkv[q_dim:q_dim + kv_dim].reshape(n_kv_heads, head_dim)
+            v = qkv[q_dim + kv_dim:q_dim + 2 * kv_dim].reshape(n_kv_heads, head_dim)
+            if cos is not None:
+                c, s = cos.index_select(0, pos), sin.index_select(0, pos)  # [1, hd]
+                half = head_dim // 2
+                q = q * c + torch.cat([-q[:, half:], q[:, :half]], dim=-1) * s
+                k = k * c + torch.cat([-k[:, half:], k[:, :half]], dim=-1) * s
+            q_out.copy_(q.reshape(-1))
+            k_cache.index_copy_(1, pos, k[:, None, :].to(k_cache.dtype))
+            v_cache.index_copy_(1, pos, v[:, None, :].to(v_cache.dtype))
+            return
+        self.k.rope_kv_kernel[(1,)](qkv, q_out, k_cache, v_cache, cos if cos is not None else qkv,
+                                    sin if sin is not None else qkv, pos, k_cache.shape[1], H=n_heads,
+                                    KV=n_kv_heads, HD=head_dim, ROPE=cos is not None, BQ=_pow2(n_heads * head_dim),
+                                    BK=_pow2(n_kv_heads * head_dim))
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                  pos: torch.Tensor, scale: float, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        """out [H*hd]: each head's softmax(q k^T * scale) v over cache rows 0..pos."""
+        self.launches += 1
+        if self.backend == "torch":
+            capacity = k_cache.shape[1]
+            group = n_heads // n_kv_heads
+            keys = k_cache.float().repeat_interleave(group, dim=0)  # [H, cap, hd]
+            values = v_cache.float().repeat_interleave(group, dim=0)
+            scores = torch.einsum("hd,hcd->hc", q.reshape(n_heads, head_dim), keys) * scale  # [H, cap]
+            visible = torch.arange(capacity, device=q.device) <= pos  # [cap]
+            probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+            out.copy_(torch.einsum("hc,hcd->hd", probs, values).reshape(-1))
+            return
+        self.k.attention_kernel[(n_heads,)](q, k_cache, v_cache, out, pos, k_cache.shape[1], float(scale),
+                                            GROUP=n_heads // n_kv_heads, HD=head_dim, BN=32)
+
+    # --- small ops -------------------------------------------------------------------------------
+    def embed(self, token: torch.Tensor, table: Mat, x: torch.Tensor, embed_scale: float = 1.0) -> None:
+        """x [d] = table[token] * embed_scale (``token``: a 1-element int64 tensor on the device)."""
+        self.launches += 1
+        if self.backend == "torch":
+            sub = Mat(table.fmt, 1, table.cols, table.data.index_select(0, token),
+                      None if table.scale is None else table.scale.index_select(0, token),
+                      None if table.minimum is None else table.minimum.index_select(0, token))
+            x.copy_(sub.dequantize()[0] * embed_scale)
+            return
+        bc = 256
+        self.k.embed_kernel[(triton_cdiv(table.cols, bc),)](
+            token, table.data, _or(table.scale, x), _or(table.minimum, x), x, table.cols,
+            table.stride_data, table.stride_scale, float(embed_scale), FMT=_FORMAT_IDS[table.fmt], BC=bc)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """x += y."""
+        self.launches += 1
+        if self.backend == "torch":
+            x.add_(y)
+            return
+        self.k.add_kernel[(triton_cdiv(x.numel(), 1024),)](x, y, x.numel(), BC=1024)
+
+    def rmsnorm(self, x: torch.Tensor, norm: torch.Tensor, y: torch.Tensor, eps: float) -> None:
+        """y = rmsnorm(x) * norm."""
+        self.launches += 1
+        if self.backend == "torch":
+            y.copy_(F.rms_norm(x, x.shape, norm, eps))
+            return
+        self.k.rmsnorm_kernel[(1,)](x, norm, y, float(eps), x.numel(), BC=1024)
+
+
+def _or(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    return t if t is not None else fallback
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))

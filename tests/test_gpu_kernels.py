@@ -1,0 +1,116 @@
+"""The GPU step's Triton kernels against their torch twins (online/gpu/ops.py), every tier format.
+
+On a machine with CUDA the kernels run there; elsewhere through Triton's interpreter on CPU tensors
+(skipped where Triton is not installed: it is not a test dependency, the GPU machine has it)."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from online.execution.gpu_tier import GpuTier  # noqa: E402
+from online.execution.tier_matrix import TierMatrix  # noqa: E402
+from online.gpu.ops import Mat, Ops  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FORMATS = ("fp32", "fp16", "q8", "q4", "q4_1")
+
+
+def _mat(rows: int, cols: int, fmt: str, seed: int) -> Mat:
+    g = torch.Generator().manual_seed(seed)
+    tier = GpuTier(DEVICE, 1 << 30)
+    return Mat.of(TierMatrix.pack(torch.randn(rows, cols, generator=g), fmt, tier, f"m{seed}"))
+
+
+def _both():
+    return Ops("triton"), Ops("torch")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matvec_every_format_with_norm_bias_residual(fmt):
+    tri, ref = _both()
+    w = _mat(37, 96, fmt, 1)
+    x = torch.randn(96, device=DEVICE)
+    norm, bias, res = torch.rand(96, device=DEVICE) + 0.5, torch.randn(37, device=DEVICE), torch.randn(37, device=DEVICE)
+    outs = []
+    for ops in (tri, ref):
+        y = torch.zeros(37, device=DEVICE)
+        ops.matvec(x, w, y, norm=norm, eps=1e-5, b1=bias, residual=res)
+        outs.append(y)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    # and the torch twin is W @ rmsnorm(x) + b + res by the tier's own dequantization
+    dense = w.dequantize() @ (x * torch.rsqrt(x.pow(2).mean() + 1e-5) * norm) + bias + res
+    torch.testing.assert_close(outs[1], dense, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "relu", "gelu"])
+def test_gated_pair_in_mixed_formats(act):
+    tri, ref = _both()
+    up, gate = _mat(70, 64, "q4_1", 2), _mat(70, 64, "q8", 3)
+    x = torch.randn(64, device=DEVICE)
+    outs = []
+    for ops in (tri, ref):
+        y = torch.zeros(70, device=DEVICE)
+        ops.matvec(x, up, y, w2=gate, act=act)
+        outs.append(y)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matvec_t_accumulates_down_rows(fmt):
+    tri, ref = _both()
+    w = _mat(100, 96, fmt, 4)  # [neurons, d]
+    h, bias, start = torch.randn(100, device=DEVICE), torch.randn(96, device=DEVICE), torch.randn(96, device=DEVICE)
+    outs = []
+    for ops in (tri, ref):
+        y = start.clone()
+        ops.matvec_t(h, w, y, bias=bias)
+        outs.append(y)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[1], start + h @ w.dequantize() + bias, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_rope_kv_write_then_attention(rope):
+    tri, ref = _both()
+    H, KV, hd, cap = 6, 2, 16, 40
+    g = torch.Generator().manual_seed(5)
+    past_k = torch.randn(KV, cap, hd, generator=g).half().to(DEVICE)
+    past_v = torch.randn(KV, cap, hd, generator=g).half().to(DEVICE)
+    qkv = torch.randn((H + 2 * KV) * hd, generator=g).to(DEVICE)
+    cos, sin = (torch.rand(cap, hd, generator=g).to(DEVICE), torch.rand(cap, hd, generator=g).to(DEVICE)) if rope else (None, None)
+    pos = torch.tensor([33], device=DEVICE)
+    results = []
+    for ops in (tri, ref):
+        k, v = past_k.clone(), past_v.clone()
+        q, out = torch.zeros(H * hd, device=DEVICE), torch.zeros(H * hd, device=DEVICE)
+        ops.rope_kv(qkv, q, k, v, cos, sin, pos, H, KV, hd)
+        ops.attention(q, k, v, out, pos, 0.25, H, KV, hd)
+        results.append((q, k, v, out))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-3, atol=2e-3)
+    # the cache rows past pos are untouched, row pos holds the new k
+    assert torch.equal(results[0][1][:, 34:], past_k[:, 34:])
+    assert not torch.equal(results[0][1][:, 33], past_k[:, 33])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_embed_row_and_add_and_norm(fmt):
+    tri, ref = _both()
+    table = _mat(50, 96, fmt, 6)
+    token = torch.tensor([17], device=DEVICE)
+    outs = []
+    for ops in (tri, ref):
+        x = torch.zeros(96, device=DEVICE)
+        ops.embed(token, table, x, 1.5)
+        y = torch.ones(96, device=DEVICE)
+        ops.add(x, y)
+        z = torch.zeros(96, device=DEVICE)
+        ops.rmsnorm(x, torch.full((96,), 2.0, device=DEVICE), z, 1e-6)
+        outs.append((x, z))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[1][0], table.dequantize()[17] * 1.5 + 1, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,143 @@
+"""The GPU step's program (online/gpu) for plans at 0..100% of a model's bytes, run eagerly on the CPU
+tier with the torch ops: each decode token equals the module path's (the reference the tier units
+already match), with one exchange per layer that has a cold part and one group per token when
+everything is on the tier."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from online import Engine
+from online.gpu.stack import GpuStepUnavailable
+
+from helpers_plans import tiny_plan
+
+PROMPT = [5, 17, 42, 9, 77, 3, 11, 2]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_gpu_program_equals_the_module_path_at_every_split(tiny_model_dir, tmp_path_factory, kind):
+    folder, _ = tiny_model_dir(kind)
+    out = tmp_path_factory.mktemp(f"gpu-step-{kind}")
+    seen_groups = {}
+    for fraction in (0.1, 0.5, 1.0):
+        plan_dir = tiny_plan(folder, out, "rtx4090", fraction)
+        modules = Engine.load(str(folder), plan=plan_dir, gpu_device="cpu", fused_decode=False)
+        engine = Engine.load(str(folder), plan=plan_dir, gpu_device="cpu", fused_decode=False)
+        assert engine.use_gpu_step(backend="torch"), engine.decode_path_reason
+        assert engine.decode_path == "gpu-step"
+        want = modules.step_logits(PROMPT)
+        tier = engine.executor.tier
+        syncs = tier.exchanges
+        got = engine.step_logits(PROMPT)  # every token through the step: its own exchanges only
+        syncs_per_token = (tier.exchanges - syncs) / len(PROMPT)
+        # whole CPU layers run through the fused C step (int8 activations, as test_layer_offload allows)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        step = engine.compiled_decode
+        seen_groups[fraction] = step.graphs_per_token
+        result = engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
+        assert result.token_ids == modules.generate(PROMPT, max_new_tokens=4, ignore_eos=True).token_ids
+        cold_layers = sum(1 for s in engine.executor.splits if s.cpu is not None)
+        host_attention = sum(1 for b in engine.model.layers if not getattr(b.self_attn, "on_tier", False))
+        head_on_host = engine.executor.tier_head is None
+        # syncs: one per run of whole CPU layers (one C call), one per other layer with a cold part or host
+        # attention, one for the logits (or the head's input)
+        from online.gpu.cpu_runs import pure_cpu_layer
+        kinds = ["C" if pure_cpu_layer(engine.model, engine.executor, i) else
+                 ("x" if s.cpu is not None or not getattr(b.self_attn, "on_tier", False) else "g")
+                 for i, (s, b) in enumerate(zip(engine.executor.splits, engine.model.layers))]
+        runs = sum(1 for i, k in enumerate(kinds) if k == "C" and (i == 0 or kinds[i - 1] != "C"))
+        names = [a.name for a in step.layers.runner_actions]
+        assert sum(n.startswith("C layers") for n in names) == runs
+        assert syncs_per_token == runs + kinds.count("x") + 1, (fraction, syncs_per_token, kinds)
+        assert runs + kinds.count("x") <= cold_layers + host_attention
+        if cold_layers == 0 and host_attention == 0 and not head_on_host:
+            assert step.graphs_per_token == 1
+    assert seen_groups[1.0] <= seen_groups[0.1]
+
+
+def test_gpu_step_refuses_models_it_does_not_cover(tiny_model_dir, tmp_path_factory):
+    folder, _ = tiny_model_dir("opt")
+    plan_dir = tiny_plan(folder, tmp_path_factory.mktemp("gpu-step-opt"), "rtx4090", 1.0)
+    engine = Engine.load(str(folder), plan=plan_dir, gpu_device="cpu", fused_decode=False)
+    assert not engine.use_gpu_step(backend="torch")
+    assert "layer norm" in engine.decode_path_reason
+    with pytest.raises(GpuStepUnavailable):
+        from online.gpu.graph_step import GpuDecodeStep
+        GpuDecodeStep.build(engine.model, engine.executor, capture=False, backend="torch")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("attention,head,embeddings", [((True, False), False, True), ((False, True), True, False),
+                                                        ((True, True), True, True)])
+def test_gpu_program_with_hot_and_cold_rows_equals_dense(tiny_model_dir, kind, attention, head, embeddings):
+    """40 hot neurons per layer on the tier, the rest cold on the CPU, all active: each decode token of the
+    program equals the dense model's (transformers-checked) logits."""
+    from online.execution.gpu_tier import GpuTier
+    from online.execution.hybrid import ExecutionSettings, HybridExecutor
+    from online.execution.tier_units import place_plan_units
+    from online.gpu.graph_step import GpuDecodeStep
+    from tandem.core.ffn import DenseExecutor
+    from tandem.core.kv_cache import KVCache
+    from tandem.core.loading.hf_loader import load_hf_folder
+    from tandem.core.model.build import build_model
+    folder, _ = tiny_model_dir(kind)
+    model, ffn = build_model(load_hf_folder(folder))
+    dense = DenseExecutor(model.cfg, ffn)
+    cache = KVCache(model.cfg, 16)
+    ref = [model(torch.tensor([t]), pos, cache, dense)[0] for pos, t in enumerate(PROMPT)]
+    model, ffn = build_model(load_hf_folder(folder))
+    tier = GpuTier.create(1 << 24, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    hot = [torch.randperm(model.cfg.intermediate_size, generator=gen)[:40] for _ in range(model.cfg.num_layers)]
+    executor = HybridExecutor.build(model.cfg, ffn, tier, ExecutionSettings(weight_format="fp32", sparse=False),
+                                    gpu_neurons=hot, head_weight=model.lm_head.weight)
+    place_plan_units(model, executor, tier, attention_on_gpu=list(attention), output_head_on_gpu=head,
+                     embeddings_on_gpu=embeddings, tier_format="fp32", kv_dtype=torch.float32, kv_capacity_tokens=16)
+    step = GpuDecodeStep.build(model, executor, capture=False, backend="torch")
+    cache = KVCache(model.cfg, 16)
+    got = [step(t, pos, cache) for pos, t in enumerate(PROMPT)]
+    torch.testing.assert_close(torch.stack(got), torch.stack(ref), rtol=1e-4, atol=1e-4)
+    assert all(s.cpu is not None and s.gpu is not None for s in executor.splits)
+    # one exchange per layer (its cold rows; host attention's fetch serves them) and one for the logits
+    before = tier.exchanges
+    step(PROMPT[0], len(PROMPT), cache)
+    assert tier.exchanges - before == model.cfg.num_layers + 1
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_layer_offload_tier_layers_as_one_program(tiny_model_dir, kind):
+    """--layer-offload with its tier layer run as the GPU program (torch ops, eager) + the C range equals
+    the same engine through the modules, with one exchange per token."""
+    from online.execution.layer_offload import layer_tier_bytes
+    folder, _ = tiny_model_dir(kind)
+    probe = Engine.load(folder, weight_format="int8", layer_offload=True, gpu_budget_bytes=0, gpu_device="cpu")
+    budget = layer_tier_bytes(probe.config, "q8", torch.float16, probe.max_context) + 100
+    engine = Engine.load(folder, weight_format="int8", layer_offload=True, gpu_budget_bytes=budget, gpu_device="cpu")
+    reference = engine.step_logits(PROMPT)
+    step = engine.compiled_decode
+    assert step.gpu_layers is None and step.use_gpu_program(capture=False, backend="torch") == ""
+    tier = engine.executor.tier
+    before = tier.exchanges
+    got = engine.step_logits(PROMPT)
+    assert (tier.exchanges - before) == len(PROMPT)
+    torch.testing.assert_close(got, reference, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the captured graphs and Triton kernels")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_cuda_graph_step_equals_the_module_path(tiny_model_dir, tmp_path_factory, kind):
+    folder, _ = tiny_model_dir(kind)
+    out = tmp_path_factory.mktemp(f"cuda-step-{kind}")
+    for fraction in (0.1, 0.5, 1.0):
+        plan_dir = tiny_plan(folder, out, "rtx4090", fraction)
+        modules = Engine.load(str(folder), plan=plan_dir, gpu_device="cuda", fused_decode=False)
+        engine = Engine.load(str(folder), plan=plan_dir, gpu_device="cuda")
+        assert engine.decode_path == "gpu-graph", engine.decode_path_reason
+        # whole CPU layers run through the fused C step (int8 activations): as the CPU-tier test allows
+        torch.testing.assert_close(engine.step_logits(PROMPT), modules.step_logits(PROMPT), rtol=2e-2, atol=2e-2)
+        a = engine.generate(PROMPT, max_new_tokens=6, ignore_eos=True)
+        assert a.token_ids == modules.generate(PROMPT, max_new_tokens=6, ignore_eos=True).token_ids
+        assert a.stats["graph_replays_per_token"] > 0
