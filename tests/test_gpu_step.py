@@ -44,8 +44,9 @@ def test_gpu_program_equals_the_module_path_at_every_split(tiny_model_dir, tmp_p
         head_on_host = engine.executor.tier_head is None
         # syncs: one per run of whole CPU layers (one C call), one per other layer with a cold part or host
         # attention, one for the logits (or the head's input)
-        from online.gpu.cpu_runs import pure_cpu_layer
-        kinds = ["C" if pure_cpu_layer(engine.model, engine.executor, i) else
+        from online.gpu.cpu_runs import CpuLayers
+        c_layers = CpuLayers.build(engine.model, engine.executor)
+        kinds = ["C" if c_layers is not None and c_layers.whole(i) else
                  ("x" if s.cpu is not None or not getattr(b.self_attn, "on_tier", False) else "g")
                  for i, (s, b) in enumerate(zip(engine.executor.splits, engine.model.layers))]
         runs = sum(1 for i, k in enumerate(kinds) if k == "C" and (i == 0 or kinds[i - 1] != "C"))
@@ -141,3 +142,41 @@ def test_cuda_graph_step_equals_the_module_path(tiny_model_dir, tmp_path_factory
         a = engine.generate(PROMPT, max_new_tokens=6, ignore_eos=True)
         assert a.token_ids == modules.generate(PROMPT, max_new_tokens=6, ignore_eos=True).token_ids
         assert a.stats["graph_replays_per_token"] > 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("attention", [(True, False), (False, True)])
+def test_cold_rows_and_host_attention_in_c_equal_the_module_path(tiny_model_dir, kind, attention):
+    """int8 weights, 40 hot neurons per layer on the tier: host attention and the cold rows run as C calls
+    (tdm_decode_parts) beside the tier's launches; each token equals the same model's module path."""
+    from online.execution.gpu_tier import GpuTier
+    from online.execution.hybrid import ExecutionSettings, HybridExecutor
+    from online.execution.quantized_linear import quantize_attention
+    from online.execution.tier_units import place_plan_units
+    from online.gpu.cpu_runs import CpuLayers
+    from online.gpu.graph_step import GpuDecodeStep
+    from tandem.core.kv_cache import KVCache
+    from tandem.core.loading.hf_loader import load_hf_folder
+    from tandem.core.model.build import build_model
+    folder, _ = tiny_model_dir(kind)
+    model, ffn = build_model(load_hf_folder(folder))
+    tier = GpuTier.create(1 << 24, "cpu")
+    gen = torch.Generator().manual_seed(4)
+    hot = [torch.randperm(model.cfg.intermediate_size, generator=gen)[:40] for _ in range(model.cfg.num_layers)]
+    settings = ExecutionSettings(weight_format="int8", sparse=False, threads=1)
+    executor = HybridExecutor.build(model.cfg, ffn, tier, settings, gpu_neurons=hot, head_weight=model.lm_head.weight)
+    place_plan_units(model, executor, tier, attention_on_gpu=list(attention), output_head_on_gpu=True,
+                     embeddings_on_gpu=False, tier_format="q8", kv_dtype=torch.float32, kv_capacity_tokens=16)
+    quantize_attention(model, "int8", 1, {})
+    cache = KVCache(model.cfg, 16)
+    with torch.inference_mode():
+        ref = [model(torch.tensor([t]), pos, cache, executor)[0] for pos, t in enumerate(PROMPT)]
+    c_layers = CpuLayers.build(model, executor)
+    assert c_layers is not None and all(c_layers.ffn(i) for i in range(model.cfg.num_layers))
+    assert [c_layers.attention(i) for i in range(model.cfg.num_layers)] == [not a for a in attention]
+    step = GpuDecodeStep.build(model, executor, capture=False, backend="torch")
+    names = [a.name for a in step.layers.runner_actions]
+    assert any(n.startswith("C attention") for n in names) and sum(n.startswith("cold FFN") for n in names) == 2
+    cache = KVCache(model.cfg, 16)
+    got = [step(t, pos, cache) for pos, t in enumerate(PROMPT)]
+    torch.testing.assert_close(torch.stack(got), torch.stack(ref), rtol=1e-2, atol=1e-2)  # C: int8 activations

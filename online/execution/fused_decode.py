@@ -77,7 +77,7 @@ def dense_rows(cfg, split, refs: dict) -> list[str]:
     A gated ReLU-family layer keeps its up in place whatever its threshold: a threshold >= 0 turns the
     gate cut on, and ``with_thresholds`` (the sparse drafter) may set one on a layer built without."""
     names = [k for k in ("qkv", "q", "k", "v", "o", "down") if k in refs]
-    if split is not None and split.predictor is None:
+    if split is not None and split.predictor is None and "up" in refs:
         if cfg.mlp_gated:  # a plain FFN's gate descriptor is its up (never read): no second copy
             names.append("gate")
         if not (cfg.mlp_gated and cfg.hidden_act in ("relu", "fatrelu", "drelu")):
@@ -175,12 +175,14 @@ class FusedDecodeStep:
         threads = clamp_threads(executor.settings.threads)
         for i, block in enumerate(model.layers):
             attn, split = block.self_attn, executor.splits[i]
-            qkv, qkv_bias = describe_qkv(attn.qkv_proj, i)  # one stacked weight, or q / k / v apart
-            refs = dict(qkv, o=describe(attn.o_proj.linear.weight))
+            refs, qkv_bias, o_bias = {}, None, None  # attention on the GPU tier: the GPU step's FFN-only calls
+            if not getattr(attn, "on_tier", False):
+                qkv, qkv_bias = describe_qkv(attn.qkv_proj, i)  # one stacked weight, or q / k / v apart
+                refs, o_bias = dict(qkv, o=describe(attn.o_proj.linear.weight)), _bias(attn.o_proj.linear.bias)
             arrays = dict(attn_norm=_np(block.input_layernorm.weight), ffn_norm=_np(block.post_attention_layernorm.weight),
-                          qkv_bias=qkv_bias, o_bias=_bias(attn.o_proj.linear.bias),
-                          **_gemma_arrays(model, block), **layer_arrays(block, split))
-            if split is not None:  # a dense layer (MoE layers: fused_arch.build_moe)
+                          qkv_bias=qkv_bias, o_bias=o_bias, **_gemma_arrays(model, block), **layer_arrays(block, split))
+            cpu_ffn = split is not None and split.cpu is not None  # else all hot (GPU step: attention-only calls)
+            if cpu_ffn:  # a dense layer (MoE layers: fused_arch.build_moe)
                 ffn = split.cpu
                 refs.update(up=describe(ffn.up), gate=describe(ffn.gate if ffn.gate is not None else ffn.up))
                 dense = getattr(ffn, "down", None)  # [d, n_ff] GGUF blocks read dense in place (decode.c dense_down)
@@ -189,10 +191,10 @@ class FusedDecodeStep:
                 arrays["down_bias"] = _np(split.down_bias) if split.down_bias is not None else _bias(ffn.down_bias)
             for name in dense_rows(model.cfg, split, refs):  # read by whole row ranges: eight rows interleaved
                 refs[name] = interleave(refs[name], native.lib)
-            if split is not None and not model.cfg.mlp_gated:
+            if cpu_ffn and not model.cfg.mlp_gated:
                 refs["gate"] = refs["up"]  # a plain FFN's (never read) gate is its up: one copy in the step cache
             layer = TdmLayer(threshold=float(split.threshold) if split is not None else -1.0,
-                             window=int(attn.sliding_window), n_ff=ffn.n_neurons if split is not None else 0,
+                             window=int(attn.sliding_window), n_ff=ffn.n_neurons if cpu_ffn else 0,
                              **{k: r.desc for k, r in refs.items()}, **{k: addr(a) for k, a in arrays.items()})
             if split is None:
                 moe = build_moe(model.cfg, executor, i)

@@ -1,52 +1,78 @@
-"""Runs of whole CPU layers inside a GPU step: layers whose attention and FFN rows all stay on the CPU go
-through the fused C step (``tdm_decode_range`` over the run, no logits) instead of the modules, so a
-run costs one exchange and one C call however many layers it holds.
+"""The CPU's share of a GPU step through the fused C step (decode.c ``tdm_decode_parts``) instead of the
+modules: runs of whole CPU layers in one call, a layer's attention alone where its FFN rows are all on
+the tier, a layer's cold FFN rows alone while the tier computes its hot rows. Each is one C call on the
+residual stream (host), however many layers it holds.
 
 Example::
 
-    runs = CpuLayerRuns.build(model, executor, [3, 4, 5, 9])      # None where the C step does not apply
-    runs.run(3, 6, pos, cache, residual)                          # residual [d] float32 (host), in place
+    c = CpuLayers.build(model, executor)        # None where the C step does not apply
+    c.whole(3), c.attention(3), c.ffn(3)        # which parts of layer 3 the C step runs
+    c.run(3, 6, pos, cache, residual, parts=3)  # residual [d] float32 (host), in place
 """
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import torch
 
 from tandem.core.errors import TandemError
 
-
-def pure_cpu_layer(model, executor, layer: int) -> bool:
-    """Attention on the host, no hot rows, a CPU part, no predictor on the tier."""
-    block, split = model.layers[layer], executor.splits[layer]
-    return (not getattr(block.self_attn, "on_tier", False) and split is not None and split.gpu is None
-            and split.cpu is not None and not getattr(split.predictor, "on_tier", False))
+ATTENTION, FFN, BOTH = 1, 2, 3
 
 
-class CpuLayerRuns:
-    """The fused C step's descriptor for a subset of layers (the others blank: never run)."""
+def _on_tier(obj) -> bool:
+    return bool(getattr(obj, "on_tier", False))
 
-    def __init__(self, step, layers: list[int]) -> None:
-        self.step, self.layers = step, set(layers)
+
+class CpuLayers:
+    """The fused C step's descriptor for the layers with a CPU part (the others blank: never run)."""
+
+    def __init__(self, step, attention: set, ffn: set, hot: set) -> None:
+        self.step, self._attention, self._ffn, self._hot = step, attention, ffn, hot
+
+    def attention(self, layer: int) -> bool:
+        return layer in self._attention
+
+    def ffn(self, layer: int) -> bool:
+        """The layer's cold rows (no hot rows, or no predictor to map onto the cold part) run in C."""
+        return layer in self._ffn
+
+    def whole(self, layer: int) -> bool:
+        return layer in self._attention and layer in self._ffn and layer not in self._hot
 
     @classmethod
-    def build(cls, model, executor, layers: list[int]) -> "CpuLayerRuns | None":
+    def build(cls, model, executor, first: int = 0, last: int | None = None) -> "CpuLayers | None":
         from ..execution.fused_decode import FusedDecodeStep, FusedDecodeUnavailable
         from ..kernels.ffn import QuantizedLinear
         from ..kernels.native import NativeUnavailable, load_native
         from ..kernels.native.structs import TdmLayer
-        if not layers:
+        last = model.cfg.num_layers if last is None else last
+        attention, ffn, hot, described, splits = set(), set(), set(), [], []
+        for i in range(first, last):
+            block, split = model.layers[i], executor.splits[i]
+            if split is None:
+                return None
+            if not _on_tier(block.self_attn):
+                attention.add(i)
+            if split.gpu is not None:
+                hot.add(i)
+            if split.cpu is not None and not _on_tier(split.predictor) and (split.gpu is None or split.predictor is None):
+                ffn.add(i)
+            if i in attention or i in ffn:
+                described.append(i)
+                splits.append(split if i in ffn else replace(split, cpu=None, predictor=None))
+        if not described:
             return None
         try:
             native = load_native()
-            view_model, view_exec = _Subset(model, executor, layers)
-            described, keep = FusedDecodeStep._describe_layers(view_model, view_exec, native)
+            layers, keep = FusedDecodeStep._describe_layers(_Subset(model, described), _Splits(executor, splits), native)
         except (NativeUnavailable, FusedDecodeUnavailable, TandemError, AttributeError):
             return None
-        by_layer = dict(zip(layers, described))
+        by_layer = dict(zip(described, layers))
         full = [by_layer.get(i, TdmLayer()) for i in range(model.cfg.num_layers)]
         head = executor.head
-        if head is None:  # the head is on the tier: a stand-in the range call (no logits) never reads
+        if head is None:  # the head is on the tier: a stand-in the part calls (no logits) never read
             executor.head = QuantizedLinear.from_float(torch.zeros(8, model.cfg.hidden_size), fmt="int8")
         try:
             step = FusedDecodeStep(_RangeModel(model), executor, native, full, keep)
@@ -54,19 +80,19 @@ class CpuLayerRuns:
             return None
         finally:
             executor.head = head
-        return cls(step, layers)
+        return cls(step, attention, ffn, hot)
 
-    def run(self, first: int, last: int, pos: int, cache, residual: torch.Tensor) -> int:
-        """Layers ``[first, last)`` (all in this set) on ``residual`` [d] in place; returns active neurons."""
+    def run(self, first: int, last: int, pos: int, cache, residual: torch.Tensor, parts: int = BOTH) -> int:
+        """``parts`` of layers ``[first, last)`` on ``residual`` [d] in place; returns active neurons."""
         step = self.step
         if step._bound_cache is None or step._bound_cache() is not cache:
             step._bind(cache)
-        return int(step.native.lib.tdm_decode_range(ctypes.byref(step._desc), first, last, pos,
-                                                    residual.data_ptr(), None))
+        return int(step.native.lib.tdm_decode_parts(ctypes.byref(step._desc), first, last, pos,
+                                                    residual.data_ptr(), parts))
 
 
 class _RangeModel:
-    """The model for a range descriptor: an embedding on the tier is stood in for (a range never embeds)."""
+    """The model for a parts descriptor: an embedding on the tier is stood in for (parts never embed)."""
 
     def __init__(self, model) -> None:
         self._model = model
@@ -78,15 +104,13 @@ class _RangeModel:
 
 
 class _Subset:
-    """``model`` / ``executor`` as ``_describe_layers`` sees them: only ``layers``."""
+    """The model as ``_describe_layers`` sees it: only some layers."""
 
-    def __new__(cls, model, executor, layers):
-        class M:
-            cfg = model.cfg
-            rope_local_cos, rope_local_sin = model.rope_local_cos, model.rope_local_sin
+    def __init__(self, model, layers: list) -> None:
+        self.cfg, self.layers = model.cfg, [model.layers[i] for i in layers]
+        self.rope_local_cos, self.rope_local_sin = model.rope_local_cos, model.rope_local_sin
 
-        class E:
-            settings = executor.settings
-        M.layers = [model.layers[i] for i in layers]
-        E.splits = [executor.splits[i] for i in layers]
-        return M, E
+
+class _Splits:
+    def __init__(self, executor, splits: list) -> None:
+        self.settings, self.splits = executor.settings, splits

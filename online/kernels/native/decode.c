@@ -316,7 +316,21 @@ int64_t tdm_has_avx2(void) {
 /* Layer offload (llama.cpp -ngl): layers [first, last) of m->layers on the residual stream res [d]
  * (in/out, the tokens' stream after the layers run elsewhere); with logits != NULL also the final
  * norm and the output layer. Returns the FFN neurons computed. */
+static int64_t decode_parts(const tdm_model *m, int64_t first, int64_t last, int64_t pos, float *res, float *logits,
+                            int64_t parts);
+
 int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_t pos, float *res, float *logits) {
+    return decode_parts(m, first, last, pos, res, logits, 3);
+}
+
+/* Parts of layers [first, last) on res: 1 = attention, 2 = FFN, 3 = both (the GPU step runs the other
+   part of a layer on the GPU). No logits. */
+int64_t tdm_decode_parts(const tdm_model *m, int64_t first, int64_t last, int64_t pos, float *res, int64_t parts) {
+    return decode_parts(m, first, last, pos, res, NULL, parts);
+}
+
+static int64_t decode_parts(const tdm_model *m, int64_t first, int64_t last, int64_t pos, float *res, float *logits,
+                            int64_t parts) {
     shared_bufs sb = get_shared(m);
     int nt = (int)m->threads;
     for (int j = 0; j < nt; j++) sb.counts[j] = 0;
@@ -327,8 +341,8 @@ int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_
         thread_bufs tb = get_thread(m, t);
         memcpy(tb.res, res, 4 * m->d);
         for (int64_t l = first; l < last; l++) {
-            attention_block(m, &m->layers[l], pos, &sb, &tb, t, n);
-            ffn_block(m, &m->layers[l], &sb, &tb, t, n);
+            if (parts & 1) attention_block(m, &m->layers[l], pos, &sb, &tb, t, n);
+            if (parts & 2) ffn_block(m, &m->layers[l], &sb, &tb, t, n);
         }
 #pragma omp barrier
         if (t == 0) memcpy(res, tb.res, 4 * m->d); /* every thread's copy is bit-identical */
