@@ -34,6 +34,18 @@ def weight_seconds(read_bytes, bytes_per_weight: float, bandwidth: float, flops:
     return roofline_seconds(read_bytes, 2.0 * (np.asarray(read_bytes, float) / bytes_per_weight), bandwidth, flops)
 
 
+# Kernels per unit of the GPU step (online/gpu/layer_actions.py), each costing the profile's gpu_launch_s
+ATTENTION_LAUNCHES = 4  # q/k/v with the norm, rope + KV write, attention, o + residual
+FFN_LAUNCHES = 2  # gate/up + activation with the norm, down into the residual
+MERGE_LAUNCHES = 1  # a layer using both devices: the CPU's output added on the GPU
+HEAD_LAUNCHES = EMBEDDING_LAUNCHES = 1
+
+
+def launch_seconds(launches: int, hw: "HardwareProfile") -> float:
+    """GPU-step kernel latency of ``launches`` kernels (0 without a GPU or a measured ``gpu_launch_s``)."""
+    return launches * hw.gpu_launch_s if hw.has_gpu else 0.0
+
+
 def gpu_weight_seconds(read_bytes, bytes_per_weight: float, hw: "HardwareProfile"):
     if not hw.has_gpu:  # never placed on a GPU; keep the numbers finite
         return cpu_weight_seconds(read_bytes, bytes_per_weight, hw)
@@ -160,6 +172,8 @@ def evaluate_layer(layer, layer_sync_s: float, attention_on_gpu: bool, predictor
         uses_gpu |= bool(on_gpu.any())
         uses_cpu |= bool((~on_gpu).any())
         violation = 0 < gpu_neurons < layer.min_gpu_neurons
+        if on_gpu.any():  # the hot rows' kernels, and the merge of the CPU's output where the layer uses both
+            ffn_gpu_s += layer.ffn_launch_s + (layer.merge_launch_s if uses_cpu else 0.0)
     sync_s = layer_sync_s if (uses_gpu and uses_cpu) else 0.0
     time = LayerTime(attention_s=attention_s, predictor_s=predictor_s, ffn_gpu_s=ffn_gpu_s, ffn_cpu_s=ffn_cpu_s,
                      sync_s=sync_s, gpu_neurons=gpu_neurons, gpu_activation_share=share)

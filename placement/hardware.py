@@ -37,6 +37,9 @@ class HardwareProfile:
     layer_sync_latency_s: float
     cpu_threads: int
     description: str = ""  # provenance (preset sources, probe date); not part of the fingerprint
+    # seconds per kernel of the GPU step replayed in a CUDA graph (online/gpu: latency-bound at decode
+    # sizes); measured by `tandem probe` on CUDA; 0 = not modeled (and not part of the fingerprint then)
+    gpu_launch_s: float = 0.0
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> TandemError:
@@ -48,7 +51,7 @@ class HardwareProfile:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(f"{key} must be an integer, got {value!r}")
         for key in ("gpu_bandwidth_bytes_per_s", "gpu_matmul_flops", "cpu_bandwidth_bytes_per_s",
-                    "cpu_matmul_flops", "h2d_bandwidth_bytes_per_s", "layer_sync_latency_s"):
+                    "cpu_matmul_flops", "h2d_bandwidth_bytes_per_s", "layer_sync_latency_s", "gpu_launch_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise bad(f"{key} must be a finite number >= 0, got {value!r}")
@@ -77,7 +80,7 @@ class HardwareProfile:
         if not isinstance(data, dict):
             raise TandemError(f"{source}: expected a JSON object with the hardware fields")
         known = {f.name for f in dataclasses.fields(cls)}
-        required = known - {"description"}
+        required = known - {"description", "gpu_launch_s"}
         missing = sorted(required - data.keys())
         unknown = sorted(data.keys() - known)
         if missing:
@@ -90,6 +93,8 @@ class HardwareProfile:
     def fingerprint(self) -> str:
         """Hash of the numbers that change a plan (name and description excluded)."""
         values = {k: v for k, v in self.to_dict().items() if k not in ("name", "description")}
+        if not values["gpu_launch_s"]:
+            del values["gpu_launch_s"]  # profiles from before the term keep their fingerprints
         return fingerprint(values)
 
 
@@ -138,6 +143,18 @@ PRESETS: dict[str, HardwareProfile] = {
         layer_sync_latency_s=30e-6,  # estimate: virtualised host, slower launches
         cpu_threads=2,
         description="NVIDIA T4 on a 2-vCPU cloud VM, PCIe 3.0 (mixtral-offloading's Colab setting)"),
+    "h100": HardwareProfile(
+        name="h100",
+        gpu_memory_bytes=80 * GiB,  # NVIDIA H100 80GB HBM3 (the GPU machine lent to this project)
+        gpu_bandwidth_bytes_per_s=2.9e12,  # measured there by `tandem probe` (2026-11-23, ../shared/gpu/README.md)
+        gpu_matmul_flops=789e12,  # measured there: 8192^3 bf16 matmul 769-798 TFLOP/s (device KINDS.md)
+        cpu_bandwidth_bytes_per_s=84e9,  # measured there by `tandem probe` (8 threads)
+        cpu_matmul_flops=0.6e12,  # estimate: 8 cores x 2 AVX2 FMA x 8 fp32 x 2 flop x ~2.4 GHz
+        h2d_bandwidth_bytes_per_s=54e9,  # measured there by `tandem probe`
+        layer_sync_latency_s=54e-6,  # measured there by `tandem probe`: a 4 KB round trip
+        cpu_threads=8,
+        description="NVIDIA H100 80GB + 16-core host (8 threads used), as measured on the lent GPU machine",
+        gpu_launch_s=4.6e-6),  # measured 2026-11-27: 846 us of graph replay for the GPU step's 183 kernels (SmolLM2)
     "cpu-only": HardwareProfile(
         name="cpu-only",
         gpu_memory_bytes=0, gpu_bandwidth_bytes_per_s=0.0, gpu_matmul_flops=0.0,  # no GPU

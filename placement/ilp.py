@@ -128,7 +128,8 @@ class _Model:
         attention, predictor = layer.attention, layer.predictor
         ffn_cpu_total, ffn_gpu_total = float(layer.chunk_cpu_s.sum()), float(layer.chunk_gpu_s.sum())
         cpu_time = attention.cpu_s + ffn_cpu_total + (predictor.cpu_s if predictor else 0.0)
-        gpu_time = attention.gpu_s + ffn_gpu_total + (predictor.gpu_s if predictor else 0.0)
+        gpu_time = attention.gpu_s + ffn_gpu_total + (predictor.gpu_s if predictor else 0.0) \
+            + (layer.ffn_launch_s if layer.num_chunks else 0.0)
         gpu_bytes = attention.gpu_bytes + int(layer.chunk_gpu_bytes.sum()) + (predictor.gpu_bytes if predictor else 0)
         mixed_base = attention.cpu_s + (predictor.cpu_s if predictor else 0.0) + self.problem.layer_sync_s
         self.objective_terms += [cpu_time * MICROSECONDS * all_cpu, gpu_time * MICROSECONDS * all_gpu,
@@ -162,7 +163,9 @@ class _Model:
         self.memory_terms += [int(b) / MiB * x for b, x in zip(layer.chunk_gpu_bytes, chunks)]
         ffn_time = self._var(f"ffn_time_mixed_us_{i}", lowBound=0)  # max(GPU part, CPU part)
         self.ffn_time_mixed_us[i] = ffn_time
-        self.lp += ffn_time >= pulp.lpSum(g * MICROSECONDS * x for g, x in zip(layer.chunk_gpu_s, chunks)), f"ffn_time_covers_gpu_{i}"
+        launches_us = (layer.ffn_launch_s + layer.merge_launch_s) * MICROSECONDS  # mixed: the layer uses both devices
+        self.lp += ffn_time >= pulp.lpSum(g * MICROSECONDS * x for g, x in zip(layer.chunk_gpu_s, chunks)) \
+            + launches_us * ffn_uses_gpu, f"ffn_time_covers_gpu_{i}"
         self.lp += ffn_time >= ffn_cpu_total * MICROSECONDS * mixed - pulp.lpSum(
             c * MICROSECONDS * x for c, x in zip(layer.chunk_cpu_s, chunks)), f"ffn_time_covers_cpu_{i}"
         self.objective_terms.append(ffn_time)

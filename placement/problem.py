@@ -70,6 +70,8 @@ class LayerUnits:
     chunk_cpu_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     chunk_activation_mass: np.ndarray = field(default_factory=lambda: np.zeros(0))
     min_gpu_neurons: int = 0  # effective minimum-or-none threshold (capped at the layer's width)
+    ffn_launch_s: float = 0.0  # GPU-step kernels of the FFN's hot rows (cost_model.FFN_LAUNCHES), once per layer
+    merge_launch_s: float = 0.0  # ... and of merging the CPU's rows when the layer uses both devices
     # MoE layers
     expert_options: list[ExpertOption] = field(default_factory=list)
     expert_popularity_order: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -122,8 +124,9 @@ def effective_chunk_size(config: ModelConfig, neurons_per_chunk: int, max_total_
     return size
 
 
-def _unit(num_bytes: int, read_bytes: float, hw: HardwareProfile, bpw: float) -> DenseUnit:
-    return DenseUnit(gpu_bytes=int(num_bytes), gpu_s=cost_model.gpu_weight_seconds(read_bytes, bpw, hw),
+def _unit(num_bytes: int, read_bytes: float, hw: HardwareProfile, bpw: float, launches: int = 0) -> DenseUnit:
+    return DenseUnit(gpu_bytes=int(num_bytes),
+                     gpu_s=cost_model.gpu_weight_seconds(read_bytes, bpw, hw) + cost_model.launch_seconds(launches, hw),
                      cpu_s=cost_model.cpu_weight_seconds(read_bytes, bpw, hw))
 
 
@@ -219,7 +222,8 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
         attention_tier_bytes = attention_matrices_bytes + attention_bias_bytes
         attention = DenseUnit(
             gpu_bytes=attention_tier_bytes + kv_cache_bytes,
-            gpu_s=cost_model.gpu_weight_seconds(weight_bytes, bpw, hw) + cost_model.attention_kv_seconds(config, attended_tokens, settings.kv_bytes_per_element, hw.gpu_bandwidth_bytes_per_s, hw.gpu_matmul_flops),
+            gpu_s=cost_model.gpu_weight_seconds(weight_bytes, bpw, hw) + cost_model.attention_kv_seconds(config, attended_tokens, settings.kv_bytes_per_element, hw.gpu_bandwidth_bytes_per_s, hw.gpu_matmul_flops)
+            + cost_model.launch_seconds(cost_model.ATTENTION_LAUNCHES, hw),
             cpu_s=cost_model.cpu_weight_seconds(weight_bytes, bpw, hw) + cost_model.attention_kv_seconds(config, attended_tokens, settings.kv_bytes_per_element, hw.cpu_bandwidth_bytes_per_s, hw.cpu_matmul_flops))
         info = predictors.layers[i]
         predictor = _unit(info.param_bytes, info.param_bytes, hw, bpw) if info.used and not is_moe else None
@@ -241,7 +245,7 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
             continue
         width = config.intermediate_size
         dense_bytes = width * neuron_weight_bytes
-        dense_ffn = _unit(dense_bytes, dense_bytes, hw, bpw)
+        dense_ffn = _unit(dense_bytes, dense_bytes, hw, bpw, cost_model.FFN_LAUNCHES)
         freq = stats.neuron_freq[i]
         read_rows = _neuron_read_rows(config, stats.activity, freq, info)  # [F]
         order = stats.hot_order[i]
@@ -255,15 +259,17 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
             chunk_gpu_s=cost_model.gpu_weight_seconds(chunk_read_bytes, bpw, hw),
             chunk_cpu_s=cost_model.cpu_weight_seconds(chunk_read_bytes, bpw, hw),
             chunk_activation_mass=np.array([freq[c].sum() for c in chunks]),
-            min_gpu_neurons=min(settings.min_gpu_neurons_per_layer, width)))
+            min_gpu_neurons=min(settings.min_gpu_neurons_per_layer, width),
+            ffn_launch_s=cost_model.launch_seconds(cost_model.FFN_LAUNCHES, hw),
+            merge_launch_s=cost_model.launch_seconds(cost_model.MERGE_LAUNCHES, hw)))
     head_bytes = tier_matrix_bytes(config.vocab_size, d, fmt("output"))
     if config.tie_word_embeddings:
-        output_head = _unit(head_bytes, head_bytes + head_bytes / config.vocab_size, hw, bpw)
+        output_head = _unit(head_bytes, head_bytes + head_bytes / config.vocab_size, hw, bpw, cost_model.HEAD_LAUNCHES)
         embeddings = None
     else:
         table_bytes = tier_matrix_bytes(config.vocab_size, d, fmt("embeddings"))
-        output_head = _unit(head_bytes, head_bytes, hw, bpw)
-        embeddings = _unit(table_bytes, table_bytes / config.vocab_size, hw, bpw)
+        output_head = _unit(head_bytes, head_bytes, hw, bpw, cost_model.HEAD_LAUNCHES)
+        embeddings = _unit(table_bytes, table_bytes / config.vocab_size, hw, bpw, cost_model.EMBEDDING_LAUNCHES)
     return PlacementProblem(config=config, hardware=hardware, settings=settings, gpu_budget_bytes=int(gpu_budget_bytes),
                             buffer_bytes=estimate_buffer_bytes(config, settings) if gpu_enabled else 0,
                             neurons_per_chunk=chunk_size, layers=layers, output_head=output_head, embeddings=embeddings,

@@ -129,6 +129,10 @@ def probe(out: str | Path | None = None, *, threads: int | None = None, name: st
     from placement.hardware import save_hardware
     from placement.probe import probe_machine
     hardware = probe_machine(threads=threads, name=name)
+    if hardware.has_gpu:  # the GPU step's kernel latency (online/gpu), which the cost model charges per kernel
+        import dataclasses
+        from online.gpu.probe_launch import measure_launch_seconds
+        hardware = dataclasses.replace(hardware, gpu_launch_s=measure_launch_seconds())
     if out is not None:
         try:
             save_hardware(hardware, out)

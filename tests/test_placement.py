@@ -145,7 +145,7 @@ def test_budget_strings_parse_to_bytes():
 
 
 def test_hardware_presets_round_trip_through_json(tmp_path):
-    assert set(PRESETS) == {"rtx4090", "rtx2080ti", "t4", "cpu-only"}
+    assert set(PRESETS) == {"rtx4090", "rtx2080ti", "t4", "h100", "cpu-only"}
     assert not PRESETS["cpu-only"].has_gpu and PRESETS["cpu-only"].gpu_memory_bytes == 0
     for name, preset in PRESETS.items():
         path = save_hardware(preset, tmp_path / f"{name}.json")
@@ -155,6 +155,10 @@ def test_hardware_presets_round_trip_through_json(tmp_path):
     renamed = dataclasses.replace(PRESETS["t4"], name="other-name", description="x")
     assert renamed.fingerprint == PRESETS["t4"].fingerprint  # names do not change plans
     assert dataclasses.replace(PRESETS["t4"], cpu_threads=4).fingerprint != PRESETS["t4"].fingerprint
+    # the GPU step's kernel latency changes plans; profiles without it keep their old fingerprints
+    assert dataclasses.replace(PRESETS["t4"], gpu_launch_s=5e-6).fingerprint != PRESETS["t4"].fingerprint
+    old = {k: v for k, v in PRESETS["t4"].to_dict().items() if k != "gpu_launch_s"}
+    assert HardwareProfile.from_dict(old) == PRESETS["t4"]
 
 
 def test_bad_hardware_inputs_are_one_line_errors(tmp_path):
@@ -271,6 +275,21 @@ def test_ilp_equals_brute_force_on_tiny_instances(seed, budget):
     assert result.objective_s == pytest.approx(brute_force_best(problem), rel=1e-7)
     hot_first = solve_placement(problem, greedy_placement(problem), EXACT)
     assert hot_first.objective_s == pytest.approx(brute_force_best(problem, prefix_only=True), rel=1e-7)
+
+
+@pytest.mark.parametrize("seed,budget", [(0, 20_000), (2, 52_000)])
+def test_ilp_equals_brute_force_with_gpu_kernel_latency(seed, budget):
+    """A measured GPU-step kernel latency (``gpu_launch_s``) charged per unit's kernels, merges included:
+    the ILP still finds the brute-force optimum, and the latency moves units back to the CPU."""
+    from placement.cost_model import ATTENTION_LAUNCHES
+    slow = tiny_hardware(gpu_launch_s=2e-6)
+    problem = tiny_problem(tiny_config(), budget, hardware=slow, seed=seed)
+    free = tiny_problem(tiny_config(), budget, seed=seed)
+    assert problem.layers[0].attention.gpu_s == pytest.approx(free.layers[0].attention.gpu_s + ATTENTION_LAUNCHES * 2e-6)
+    for hot_prefix in (False, True):
+        result = solve_placement(problem, greedy_placement(problem), dataclasses.replace(EXACT, hot_prefix=hot_prefix))
+        assert result.objective_s == pytest.approx(brute_force_best(problem, prefix_only=hot_prefix), rel=1e-7)
+    assert brute_force_best(problem) > brute_force_best(free)
 
 
 def test_ilp_equals_brute_force_with_predictors_and_untied_embeddings():
