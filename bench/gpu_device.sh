@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU machine's run (../shared/gpu/README.md): CUDA tests of the GPU step, the GPU benchmark over plans
-# made here (.dev/plans, `python -m bench.gpu_bench --work .dev/plans` on the CPU tier), a per-token profile
-# and the transformers + CUDA graphs peer. Writes $OUT/gpu.md and $OUT/log. Expects PYTHONPATH with the
-# staged wheels and models/ assembled.
+# made here (.dev/plans: `python -m bench.gpu_bench --gpu-device cpu --hardware h100 --work .dev/plans
+# --tokens 2 --rounds 1` on the CPU tier; the machine has no network and planning there costs device time),
+# a per-token profile, the probe (the GPU step's kernel latency included) and, with PEER=1, the
+# transformers + CUDA graphs peer. Writes $OUT/gpu.md, $OUT/h100-probed.json and $OUT/log. Expects
+# PYTHONPATH with the staged wheels and models/ assembled.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,5 +17,6 @@ THREADS=${THREADS:-8}
     --threads "$THREADS" --out "$OUT/gpu.md" 2>&1 | grep -v Warning
   timeout 60 python3 -m bench.gpu_profile --plan .dev/plans/plan-1 --threads "$THREADS" 2>&1 | tail -3
   timeout 60 python3 -m bench.gpu_profile --plan .dev/plans/plan-0.1 --threads "$THREADS" 2>&1 | tail -3
-  [ -n "${PEER:-}" ] && timeout 150 python3 -m bench.hf_cuda_graph 2>&1 | tail -3
+  timeout 120 python3 -m tandem.cli probe --threads "$THREADS" --out "$OUT/h100-probed.json" 2>&1 | tail -3
+  [ -n "${PEER:-}" ] && timeout 200 python3 -m bench.hf_cuda_graph 2>&1 | tail -3
 } 2>&1 | tee "$OUT/log"

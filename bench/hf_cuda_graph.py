@@ -20,8 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
     path = Path(args.model)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float16).cuda()
-    model.generation_config.cache_implementation = "static"
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    model.generation_config.cache_implementation = "static"  # generate compiles the forward itself (CUDA graphs):
+    from transformers import CompileConfig                     # a hand-compiled forward trips its cache's reuse
+    model.generation_config.compile_config = CompileConfig(mode="reduce-overhead", fullgraph=True)
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]], device="cuda")
     rates = []
     for _ in range(3):
