@@ -64,7 +64,7 @@ def test_runtime_tier_bytes_equal_the_plan(tiny_model_dir, tmp_path_factory, kin
             assert plan.gpu_bytes_by_kind["shared_experts"] > 0
 
 
-@pytest.mark.parametrize("hardware", ["rtx4090", "rtx2080ti", "t4"])
+@pytest.mark.parametrize("hardware", ["rtx4090", "rtx2080ti", "t4", "h100"])
 def test_every_preset_plan_loads_and_generates_on_the_cpu_tier(tiny_model_dir, tmp_path_factory, hardware):
     folder, _ = tiny_model_dir("llama")
     out = tmp_path_factory.mktemp(f"preset-{hardware}")
