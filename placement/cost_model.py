@@ -15,7 +15,7 @@ Example::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -180,6 +180,27 @@ def evaluate_layer(layer, layer_sync_s: float, attention_on_gpu: bool, predictor
     return time, kinds, violation
 
 
+def layer_uses_gpu(placement: Placement, i: int) -> bool:
+    """A dense layer with any unit on the GPU."""
+    return bool(placement.attention_on_gpu[i] or placement.predictor_on_gpu[i]
+                or np.asarray(placement.gpu_chunks[i], dtype=bool).any())
+
+
+def entered_cpu_layers(problem: "PlacementProblem", placement: Placement) -> list[int]:
+    """Dense layers all on the CPU that the residual stream reaches from the GPU: the runtime fetches it
+    there (one sync), after a layer that used the GPU or, for the first layer, after the GPU's embedding.
+    Runs of CPU layers pay once (the fused C step runs them in one call)."""
+    layers = problem.layers
+    emb_gpu = placement.output_head_on_gpu if problem.embeddings is None else placement.embeddings_on_gpu
+    out = []
+    for i, layer in enumerate(layers):
+        if layer.is_moe or layer_uses_gpu(placement, i):
+            continue
+        if (i == 0 and emb_gpu) or (i > 0 and not layers[i - 1].is_moe and layer_uses_gpu(placement, i - 1)):
+            out.append(i)
+    return out
+
+
 def evaluate_placement(problem: "PlacementProblem", placement: Placement) -> Evaluation:
     """Modeled time per token and GPU bytes of ``placement`` (the reference the ILP must agree with)."""
     kinds = dict.fromkeys(("buffers", "attention_and_kv", "predictors", "ffn_neurons", "experts",
@@ -195,6 +216,8 @@ def evaluate_placement(problem: "PlacementProblem", placement: Placement) -> Eva
             kinds[key] += value
         if violation:
             violations.append(i)
+    for i in entered_cpu_layers(problem, placement):
+        layer_times[i] = replace(layer_times[i], sync_s=layer_times[i].sync_s + problem.layer_sync_s)
     head = problem.output_head
     output_head_s = head.gpu_s if placement.output_head_on_gpu else head.cpu_s
     kinds["output_head"] = head.gpu_bytes if placement.output_head_on_gpu else 0

@@ -103,9 +103,29 @@ class _Model:
         if problem.embeddings is not None:
             emb = problem.embeddings
             self.embeddings_on_gpu = self._binary_unit("embeddings_on_gpu", emb.gpu_bytes, emb.gpu_s, emb.cpu_s)
+        self._add_cpu_entries(problem)
         self.lp += pulp.lpSum(self.objective_terms)
         capacity_mib = problem.capacity_bytes / MiB - 1e-6  # margin for the solver's feasibility tolerance
         self.lp += pulp.lpSum(self.memory_terms) <= capacity_mib, "gpu_budget"
+
+    def _add_cpu_entries(self, problem: PlacementProblem) -> None:
+        """A sync where the residual stream enters a run of all-CPU layers from the GPU (after a layer using
+        it, or after the GPU's embedding): cost_model.entered_cpu_layers."""
+        sync_us = problem.layer_sync_s * MICROSECONDS
+        if sync_us <= 0:
+            return
+        emb = self.embeddings_on_gpu if self.embeddings_on_gpu is not None else self.output_head_on_gpu
+        for i in self.layer_mode:
+            all_cpu = self.layer_mode[i][0]
+            if i == 0:
+                before = 1 - emb  # "the layer before is all on the CPU" = the embedding is on the host
+            elif i - 1 in self.layer_mode:
+                before = self.layer_mode[i - 1][0]
+            else:
+                continue  # after a MoE layer: not modeled (as the evaluator)
+            entry = self._var(f"cpu_entry_{i}", lowBound=0)
+            self.lp += entry >= all_cpu - before, f"cpu_entry_{i}"
+            self.objective_terms.append(sync_us * entry)
 
     def _var(self, name: str, cat: str = "Continuous", lowBound: float | None = None,
              upBound: float | None = None) -> pulp.LpVariable:

@@ -7,15 +7,28 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+_INTERPRET = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+if _INTERPRET:  # read when the kernels are decorated (their import), then put back for the other tests
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    pytest.importorskip("triton")
+    import online.gpu.kernels  # noqa: E402,F401
+finally:
+    if _INTERPRET:
+        del os.environ["TRITON_INTERPRET"]
 
 from online.execution.gpu_tier import GpuTier  # noqa: E402
 from online.execution.tier_matrix import TierMatrix  # noqa: E402
 from online.gpu.ops import Mat, Ops  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    """Triton's interpreter reads the variable at each launch too: set for this module's tests only."""
+    if _INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 FORMATS = ("fp32", "fp16", "q8", "q4", "q4_1")
 
 
@@ -30,11 +43,12 @@ def _both():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_matvec_every_format_with_norm_bias_residual(fmt):
+@pytest.mark.parametrize("cols", [96, 320])  # one column block, and three (the last partial)
+def test_matvec_every_format_with_norm_bias_residual(fmt, cols):
     tri, ref = _both()
-    w = _mat(37, 96, fmt, 1)
-    x = torch.randn(96, device=DEVICE)
-    norm, bias, res = torch.rand(96, device=DEVICE) + 0.5, torch.randn(37, device=DEVICE), torch.randn(37, device=DEVICE)
+    w = _mat(37, cols, fmt, 1)
+    x = torch.randn(cols, device=DEVICE)
+    norm, bias, res = torch.rand(cols, device=DEVICE) + 0.5, torch.randn(37, device=DEVICE), torch.randn(37, device=DEVICE)
     outs = []
     for ops in (tri, ref):
         y = torch.zeros(37, device=DEVICE)
@@ -73,10 +87,10 @@ def test_matvec_t_accumulates_down_rows(fmt):
     torch.testing.assert_close(outs[1], start + h @ w.dequantize() + bias, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("rope", [True, False])
-def test_rope_kv_write_then_attention(rope):
+@pytest.mark.parametrize("rope,hd", [(True, 16), (False, 16), (True, 64)])
+def test_rope_kv_write_then_attention(rope, hd):
     tri, ref = _both()
-    H, KV, hd, cap = 6, 2, 16, 40
+    H, KV, cap = 6, 2, 40
     g = torch.Generator().manual_seed(5)
     past_k = torch.randn(KV, cap, hd, generator=g).half().to(DEVICE)
     past_v = torch.randn(KV, cap, hd, generator=g).half().to(DEVICE)

@@ -22,7 +22,7 @@ from offline.profile_artifact import Profile
 from tandem.core.config import ModelConfig
 from placement import cli as placement_cli
 from placement.budget import format_bytes, parse_bytes
-from placement.cost_model import (Placement, all_cpu_dense_seconds, evaluate_placement,
+from placement.cost_model import (Placement, all_cpu_dense_seconds, all_cpu_placement, evaluate_placement,
                                   layer_offload_estimate)
 from placement.expert_cache_model import lru_hit_rate
 from placement.greedy import greedy_placement
@@ -290,6 +290,34 @@ def test_ilp_equals_brute_force_with_gpu_kernel_latency(seed, budget):
         result = solve_placement(problem, greedy_placement(problem), dataclasses.replace(EXACT, hot_prefix=hot_prefix))
         assert result.objective_s == pytest.approx(brute_force_best(problem, prefix_only=hot_prefix), rel=1e-7)
     assert brute_force_best(problem) > brute_force_best(free)
+
+
+def test_entering_a_cpu_run_from_the_gpu_costs_one_sync():
+    """The runtime fetches the residual stream where a run of all-CPU layers follows a layer on the GPU (or
+    the GPU's embedding): one sync per run, not per layer; the ILP optimum still matches brute force."""
+    from placement.cost_model import entered_cpu_layers, evaluate_layer
+    problem = tiny_problem(tiny_config(num_layers=4), 1 << 30, seed=5)
+    base = all_cpu_placement(problem)
+
+    def with_gpu(layers, head=False):
+        placement = dataclasses.replace(base, attention_on_gpu=[i in layers for i in range(4)],
+                                        gpu_chunks=[np.full(l.num_chunks, i in layers) for i, l in enumerate(problem.layers)],
+                                        output_head_on_gpu=head, embeddings_on_gpu=head)
+        return placement
+    assert entered_cpu_layers(problem, with_gpu({0, 2})) == [1, 3]
+    assert entered_cpu_layers(problem, with_gpu({2, 3})) == []
+    assert entered_cpu_layers(problem, with_gpu({3}, head=True)) == [0]  # the embedding is on the GPU
+    assert entered_cpu_layers(problem, base) == []
+    placement = with_gpu({0, 2})
+    per_layer = sum(evaluate_layer(l, problem.layer_sync_s, placement.attention_on_gpu[i], False, placement.gpu_chunks[i],
+                                   0, False)[0].total_s for i, l in enumerate(problem.layers))
+    evaluation = evaluate_placement(problem, placement)
+    assert evaluation.time_per_token_s - evaluation.output_head_s - evaluation.embeddings_s == pytest.approx(
+        per_layer + 2 * problem.layer_sync_s)
+    for budget in (15_000, 40_000):
+        tight = tiny_problem(tiny_config(num_layers=4), budget, seed=5)
+        result = solve_placement(tight, greedy_placement(tight), EXACT)
+        assert result.objective_s == pytest.approx(brute_force_best(tight, prefix_only=True), rel=1e-7)
 
 
 def test_ilp_equals_brute_force_with_predictors_and_untied_embeddings():

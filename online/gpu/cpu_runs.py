@@ -48,16 +48,20 @@ class CpuLayers:
         from ..kernels.native import NativeUnavailable, load_native
         from ..kernels.native.structs import TdmLayer
         last = model.cfg.num_layers if last is None else last
+        cfg = model.cfg
+        if not executor.packed or cfg.num_heads % cfg.num_kv_heads:  # as fused_decode._check_model
+            return None
         attention, ffn, hot, described, splits = set(), set(), set(), [], []
         for i in range(first, last):
             block, split = model.layers[i], executor.splits[i]
             if split is None:
                 return None
-            if not _on_tier(block.self_attn):
+            attn = block.self_attn
+            if not _on_tier(attn) and attn.qkv_proj is not None and hasattr(attn.o_proj, "linear"):  # packed
                 attention.add(i)
             if split.gpu is not None:
                 hot.add(i)
-            if split.cpu is not None and not _on_tier(split.predictor) and (split.gpu is None or split.predictor is None):
+            if _c_reads_cold_rows(split):
                 ffn.add(i)
             if i in attention or i in ffn:
                 described.append(i)
@@ -89,6 +93,17 @@ class CpuLayers:
             step._bind(cache)
         return int(step.native.lib.tdm_decode_parts(ctypes.byref(step._desc), first, last, pos,
                                                     residual.data_ptr(), parts))
+
+
+def _c_reads_cold_rows(split) -> bool:
+    """The C step computes the split's cold rows: no gate bias (decode.c reads only up's), a predictor only
+    as an MLP scorer on the host and only where the CPU part holds every neuron (its rows are the layer's)."""
+    cpu = split.cpu
+    if cpu is None or getattr(cpu, "gate_bias", None) is not None and cpu.gate_bias.size:
+        return False
+    if split.predictor is None:
+        return True
+    return split.gpu is None and not _on_tier(split.predictor) and getattr(split.predictor, "module", None) is not None
 
 
 class _RangeModel:

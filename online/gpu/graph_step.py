@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.core.errors import TandemError
+
 from .ops import Ops
 from .program import build_program
 from .stack import GpuStepUnavailable, Host, Launch, StepContext
@@ -46,8 +48,10 @@ class ProgramRunner:
             if self.capture:
                 self.graphs = [self._capture(fns) if kind == "launch" else None for kind, fns in self.items]
         else:
+            state = self.ctx.state
             for (kind, item), graph in zip(self.items, self.graphs):
                 if graph is not None:
+                    state["host_fresh"] = False  # the launches may change the residual stream
                     graph.replay()
                 else:
                     item()
@@ -59,6 +63,7 @@ class ProgramRunner:
         before = ops.launches
         for kind, item in self.items:
             if kind == "launch":
+                self.ctx.state["host_fresh"] = False
                 for fn in item:
                     fn()
             else:
@@ -88,17 +93,24 @@ class GpuLayers:
         self.ctx = StepContext.create(tier.device, model.cfg.hidden_size, Ops.create(tier.device, backend))
         self.runner_actions = build_program(model, executor, self.ctx, first, last, head)
         self.runner = ProgramRunner(self.ctx, self.runner_actions, capture)
+        caches = [b.self_attn.capacity_tokens for b in list(model.layers)[first:last]
+                  if getattr(b.self_attn, "on_tier", False)]
+        self.capacity_tokens = min(caches) if caches else None  # the tier's KV caches (the plan's context)
 
     def run(self, token_id: int, pos: int, cache) -> None:
         ctx, tier = self.ctx, self.tier
+        if self.capacity_tokens is not None and not 0 <= pos < self.capacity_tokens:
+            raise TandemError(f"context of {pos + 1} tokens exceeds the {self.capacity_tokens}-token KV cache the plan "
+                              f"put on the GPU tier (plan again with a larger --context)")
         ctx.state.update(token_id=token_id, pos=pos, cache=cache)
         syncs, link = ctx.syncs, ctx.link_bytes
+        replayed = self.runner.graphs is not None  # the first token runs eagerly, then is captured
         self.runner.run()
         tier.exchanges += ctx.syncs - syncs
         tier.link_bytes += ctx.link_bytes - link
         tier.tier_calls += 1
         tier.launches += self.runner.launches_per_token
-        tier.graph_replays += self.runner.groups_per_token if self.runner.graphs is not None else 0
+        tier.graph_replays += self.runner.groups_per_token if replayed else 0
 
     @property
     def launches_per_token(self) -> int:

@@ -28,9 +28,9 @@ def attention_actions(ctx: StepContext, model, block, layer: int, rope, c_layers
         return [_tier_attention(ctx, block, layer, model.cfg, rope)]
     if c_layers is not None and c_layers.attention(layer):
         def in_c() -> None:
-            x = ctx.fetch(ctx.x, ctx.x_host)
+            x = ctx.residual_on_host()
             c_layers.run(layer, layer + 1, ctx.state["pos"], ctx.state["cache"], x, ATTENTION)
-            ctx.send(ctx.x_host, ctx.x)
+            ctx.send_residual()
         return [Host(in_c, f"C attention {layer}")]
     return [_module_attention(ctx, model, block, layer)]
 
@@ -57,14 +57,14 @@ def _module_attention(ctx: StepContext, model, block, layer: int) -> Host:
     """The layer's attention through its (CPU) module: the residual stream fetched, updated, sent back."""
     def run() -> None:
         st = ctx.state
-        x = ctx.fetch(ctx.x, ctx.x_host)[None]  # [1, d]
+        x = ctx.residual_on_host()[None]  # [1, d]
         pos = st["pos"]
         cos = sin = None
         if model.rope_cos is not None:
             cos, sin = model.rope_cos[pos:pos + 1], model.rope_sin[pos:pos + 1]
         x = x + block.self_attn(block.input_layernorm(x), layer, pos, st["cache"], cos, sin)
         ctx.x_host.copy_(x[0])
-        ctx.send(ctx.x_host, ctx.x)
+        ctx.send_residual()
     return Host(run, f"host attention {layer}")
 
 
@@ -133,10 +133,10 @@ def c_layer_run(ctx: StepContext, executor, c_layers: CpuLayers, first: int, las
     counters = executor.counters
 
     def run() -> None:
-        x = ctx.fetch(ctx.x, ctx.x_host)
+        x = ctx.residual_on_host()
         counters.ffn_neurons_active += c_layers.run(first, last, ctx.state["pos"], ctx.state["cache"], x, BOTH)
         counters.ffn_neurons_total += n_ff
-        ctx.send(ctx.x_host, ctx.x)
+        ctx.send_residual()
     return Host(run, f"C layers {first}-{last - 1}")
 
 

@@ -53,11 +53,12 @@ def build_program(model, executor, ctx: StepContext, first: int, last: int, head
         actions += ffn_actions(ctx, executor, block, layer, input_on_host=not attention_on_tier(block),
                                c_layers=c_layers)
         layer += 1
-    actions += _logits(ctx, model, executor) if head else [Host(lambda: ctx.fetch(ctx.x, ctx.x_host), "residual out")]
+    actions += _logits(ctx, model, executor) if head else [Host(ctx.residual_on_host, "residual out")]
     return actions
 
 
 def _send_inputs(ctx: StepContext) -> None:
+    ctx.state["host_fresh"] = False  # x_host holds the last token's stream
     ctx.inputs_host[0], ctx.inputs_host[1] = ctx.state["token_id"], ctx.state["pos"]
     ctx.send(ctx.inputs_host, ctx.inputs)
 
@@ -71,7 +72,7 @@ def _embedding(ctx: StepContext, model) -> list:
 
     def on_host() -> None:
         ctx.x_host.copy_(model.embed(torch.tensor([ctx.state["token_id"]]), ctx.state["pos"])[0])
-        ctx.send(ctx.x_host, ctx.x)
+        ctx.send_residual()
     return [Host(on_host, "host embedding")]
 
 
@@ -92,7 +93,7 @@ def _logits(ctx: StepContext, model, executor) -> list:
                 Host(fetch, "logits out")]
 
     def on_host() -> None:
-        x = model.norm(ctx.fetch(ctx.x, ctx.x_host)[None])  # [1, d]
+        x = model.norm(ctx.residual_on_host()[None])  # [1, d]
         out = executor.output_logits(x, model.lm_head.weight)[0]
         ctx.state["logits"] = torch.tanh(out / cap) * cap if cap else out
     return [Host(on_host, "host head")]

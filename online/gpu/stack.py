@@ -102,6 +102,18 @@ class StepContext:
         self.link_bytes += src.numel() * src.element_size()
         return dst
 
+    def residual_on_host(self) -> torch.Tensor:
+        """``x_host``: the residual stream, fetched unless the host holds it already (it wrote it last and
+        no launch ran since: ``state["host_fresh"]``)."""
+        if not self.state.get("host_fresh"):
+            self.fetch(self.x, self.x_host)
+        return self.x_host
+
+    def send_residual(self) -> None:
+        """``x_host`` -> ``x``; the host's copy stays current until the next launch group."""
+        self.send(self.x_host, self.x)
+        self.state["host_fresh"] = True
+
     def send(self, src_host: torch.Tensor, dst: torch.Tensor) -> None:
         """dst (device) <- src (host, pinned), not waited for (stream order keeps it before later launches)."""
         dst.copy_(src_host, non_blocking=True)
@@ -145,5 +157,7 @@ def check_model(model) -> None:
         why = f"activation {cfg.hidden_act}"
     elif cfg.is_moe:
         why = "MoE layers"
+    elif cfg.head_dim & (cfg.head_dim - 1) or cfg.num_heads % cfg.num_kv_heads:
+        why = f"head_dim {cfg.head_dim} (the attention kernel reads power-of-two heads) or ungrouped heads"
     if why is not None:
         raise GpuStepUnavailable(f"no GPU step for this model: {why}")
