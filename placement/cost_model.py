@@ -172,9 +172,11 @@ def evaluate_layer(layer, layer_sync_s: float, attention_on_gpu: bool, predictor
         uses_gpu |= bool(on_gpu.any())
         uses_cpu |= bool((~on_gpu).any())
         violation = 0 < gpu_neurons < layer.min_gpu_neurons
-        if on_gpu.any():  # the hot rows' kernels, and the merge of the CPU's output where the layer uses both
-            ffn_gpu_s += layer.ffn_launch_s + (layer.merge_launch_s if uses_cpu else 0.0)
+        if on_gpu.any():  # the hot rows' kernels
+            ffn_gpu_s += layer.ffn_launch_s
     sync_s = layer_sync_s if (uses_gpu and uses_cpu) else 0.0
+    if not layer.is_moe and uses_gpu and not np.asarray(gpu_chunks, dtype=bool).all():
+        sync_s += layer.merge_launch_s  # the CPU's cold rows added on the GPU, after both parts
     time = LayerTime(attention_s=attention_s, predictor_s=predictor_s, ffn_gpu_s=ffn_gpu_s, ffn_cpu_s=ffn_cpu_s,
                      sync_s=sync_s, gpu_neurons=gpu_neurons, gpu_activation_share=share)
     return time, kinds, violation

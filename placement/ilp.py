@@ -183,9 +183,15 @@ class _Model:
         self.memory_terms += [int(b) / MiB * x for b, x in zip(layer.chunk_gpu_bytes, chunks)]
         ffn_time = self._var(f"ffn_time_mixed_us_{i}", lowBound=0)  # max(GPU part, CPU part)
         self.ffn_time_mixed_us[i] = ffn_time
-        launches_us = (layer.ffn_launch_s + layer.merge_launch_s) * MICROSECONDS  # mixed: the layer uses both devices
         self.lp += ffn_time >= pulp.lpSum(g * MICROSECONDS * x for g, x in zip(layer.chunk_gpu_s, chunks)) \
-            + launches_us * ffn_uses_gpu, f"ffn_time_covers_gpu_{i}"
+            + layer.ffn_launch_s * MICROSECONDS * ffn_uses_gpu, f"ffn_time_covers_gpu_{i}"
+        if layer.merge_launch_s > 0:  # mixed with cold rows: their output merged on the GPU (cost_model.evaluate_layer)
+            all_hot = self._var(f"all_hot_mixed_{i}", lowBound=0, upBound=1)  # = min(chunks) at the optimum
+            for c, x in enumerate(chunks):
+                self.lp += all_hot <= x, f"all_hot_{i}_{c}"
+            merge = self._var(f"merge_mixed_{i}", lowBound=0)
+            self.lp += merge >= mixed - all_hot, f"merge_{i}"
+            self.objective_terms.append(layer.merge_launch_s * MICROSECONDS * merge)
         self.lp += ffn_time >= ffn_cpu_total * MICROSECONDS * mixed - pulp.lpSum(
             c * MICROSECONDS * x for c, x in zip(layer.chunk_cpu_s, chunks)), f"ffn_time_covers_cpu_{i}"
         self.objective_terms.append(ffn_time)

@@ -290,6 +290,12 @@ def test_ilp_equals_brute_force_with_gpu_kernel_latency(seed, budget):
         result = solve_placement(problem, greedy_placement(problem), dataclasses.replace(EXACT, hot_prefix=hot_prefix))
         assert result.objective_s == pytest.approx(brute_force_best(problem, prefix_only=hot_prefix), rel=1e-7)
     assert brute_force_best(problem) > brute_force_best(free)
+    # a latency that outweighs every unit's saving sends everything back to the CPU
+    uses_gpu = lambda r: any(r.placement.attention_on_gpu) or any(c.any() for c in r.placement.gpu_chunks) \
+        or r.placement.output_head_on_gpu  # noqa: E731
+    assert uses_gpu(solve_placement(free, greedy_placement(free), EXACT))
+    costly = tiny_problem(tiny_config(), budget, hardware=tiny_hardware(gpu_launch_s=1e-2), seed=seed)
+    assert not uses_gpu(solve_placement(costly, greedy_placement(costly), EXACT))
 
 
 def test_entering_a_cpu_run_from_the_gpu_costs_one_sync():
