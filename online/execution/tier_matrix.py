@@ -112,18 +112,7 @@ class TierMatrix:
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[rows, cols]`` on the tier's device."""
-        if self.fmt in ("fp32", "fp16"):
-            return self.data.float()
-        if self.fmt == "q8":
-            w = self.data.float().reshape(self.rows, -1, BLOCK) * self.scale.float()[..., None]
-        else:
-            packed = self.data.reshape(self.rows, -1, BLOCK // 2)  # [R, C/32, 16]
-            codes = torch.cat([packed & 0xF, packed >> 4], dim=-1).float()  # [R, C/32, 32]
-            if self.minimum is None:
-                w = (codes - 8.0) * self.scale.float()[..., None]
-            else:
-                w = codes * self.scale.float()[..., None] + self.minimum.float()[..., None]
-        return w.reshape(self.rows, -1)[:, :self.cols]
+        return dequantize_blocks(self.fmt, self.rows, self.cols, self.data, self.scale, self.minimum)
 
     def kernel_weight(self):
         """The same codes as an ``online.kernels.quantize`` weight (CPU tier), or None where the kernels do not
@@ -169,6 +158,24 @@ class TierMatrix:
             y = kernel.forward(x.contiguous())
             return y if bias is None else y + bias
         return F.linear(x, self.dequantize(), bias)
+
+
+def dequantize_blocks(fmt: str, rows: int, cols: int, data: torch.Tensor, scale: torch.Tensor | None,
+                      minimum: torch.Tensor | None) -> torch.Tensor:
+    """float32 ``[rows, cols]`` of a tier matrix's tensors (fp32/fp16 values, or Q8_0 / Q4_0 / Q4_1 codes and
+    their f16 block scales and minima, GGUF's nibble order)."""
+    if fmt in ("fp32", "fp16"):
+        return data.float()
+    if fmt == "q8":
+        w = data.float().reshape(rows, -1, BLOCK) * scale.float()[..., None]
+    else:
+        packed = data.reshape(rows, -1, BLOCK // 2)  # [R, C/32, 16]
+        codes = torch.cat([packed & 0xF, packed >> 4], dim=-1).float()  # [R, C/32, 32]
+        if minimum is None:
+            w = (codes - 8.0) * scale.float()[..., None]
+        else:
+            w = codes * scale.float()[..., None] + minimum.float()[..., None]
+    return w.reshape(rows, -1)[:, :cols]
 
 
 def tier_threads(tier) -> int:

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from tandem.core.errors import TandemError
 
-BLOCK = 32
 _FORMAT_IDS = {"fp32": 0, "fp16": 1, "q8": 2, "q4": 3, "q4_1": 4}
 
 
@@ -49,18 +48,8 @@ class Mat:
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[rows, cols]`` (the torch backend's weights)."""
-        if self.fmt in ("fp32", "fp16"):
-            return self.data.float()
-        if self.fmt == "q8":
-            w = self.data.float().reshape(self.rows, -1, BLOCK) * self.scale.float()[..., None]
-        else:
-            packed = self.data.reshape(self.rows, -1, BLOCK // 2)  # [R, C/32, 16]
-            codes = torch.cat([packed & 0xF, packed >> 4], dim=-1).float()  # [R, C/32, 32]
-            if self.minimum is None:
-                w = (codes - 8.0) * self.scale.float()[..., None]
-            else:
-                w = codes * self.scale.float()[..., None] + self.minimum.float()[..., None]
-        return w.reshape(self.rows, -1)[:, :self.cols]
+        from ..execution.tier_matrix import dequantize_blocks
+        return dequantize_blocks(self.fmt, self.rows, self.cols, self.data, self.scale, self.minimum)
 
 
 def _act(kind: str, y: torch.Tensor) -> torch.Tensor:
