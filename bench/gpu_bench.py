@@ -56,6 +56,16 @@ def decode_tok_s(engine, tokens: int, rounds: int) -> tuple[float, dict]:
     return statistics.median(rates), stats
 
 
+def probed_hardware(work: Path) -> str:
+    """This machine's `tandem probe` profile (the GPU step's kernel latency included), made once in ``work``."""
+    path = work / "hardware-probed.json"
+    if not path.exists():
+        work.mkdir(parents=True, exist_ok=True)
+        from tandem import pipeline
+        pipeline.probe(path)
+    return str(path)
+
+
 def make_plan_dir(model: str, profile: Path, hardware: str, budget: int, out: Path, reuse: bool = False) -> Path:
     if reuse and (out / "plan.json").exists():
         return out
@@ -69,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
     p.add_argument("--profile", default="profiles/SmolLM2-135M-Instruct.Q4_1/profile")
-    p.add_argument("--hardware", default="rtx4090", help="preset or `tandem probe` JSON the plans are made for")
+    p.add_argument("--hardware", default="auto",
+                   help="preset or `tandem probe` JSON the plans are made for; auto: this machine probed (once, "
+                        "kept in --work) when the tier is CUDA, else rtx4090")
     p.add_argument("--gpu-device", choices=("cuda", "cpu"), default=None)
     p.add_argument("--tokens", type=int, default=32, help="decoded tokens per round")
     p.add_argument("--rounds", type=int, default=3)
@@ -85,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     from placement.budget import format_bytes
     from placement.plan import read_plan
     device = args.gpu_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.hardware == "auto":
+        args.hardware = probed_hardware(Path(args.work)) if device == "cuda" else "rtx4090"
     tier_label = "GPU" if device == "cuda" else "CPU tier (no GPU: not GPU numbers)"
     total, reserve = model_bytes(args.model, Path(args.profile), args.hardware, "auto")
     rows = []

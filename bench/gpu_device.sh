@@ -13,7 +13,7 @@ THREADS=${THREADS:-8}
 {
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py tests/test_gpu_step.py 2>&1 | tail -4
-  timeout 300 python3 -m bench.gpu_bench --reuse-plans --work .dev/plans --tokens ${TOKENS:-64} --rounds ${ROUNDS:-3} \
+  timeout 300 python3 -m bench.gpu_bench --hardware h100 --reuse-plans --work .dev/plans --tokens ${TOKENS:-64} --rounds ${ROUNDS:-3} \
     --threads "$THREADS" --out "$OUT/gpu.md" 2>&1 | grep -v Warning
   timeout 60 python3 -m bench.gpu_profile --plan .dev/plans/plan-1 --threads "$THREADS" 2>&1 | tail -3
   timeout 60 python3 -m bench.gpu_profile --plan .dev/plans/plan-0.1 --threads "$THREADS" 2>&1 | tail -3
