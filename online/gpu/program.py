@@ -4,8 +4,8 @@ of a model whose units sit on the tier, ending with the logits or with the resid
 Example::
 
     ctx = StepContext.create(tier.device, cfg.hidden_size, Ops.create(tier.device))
-    program = build_program(model, executor, ctx, 0, cfg.num_layers, head=True)
-    ctx.state.update(token_id=5, pos=12, cache=cache); run_eager(program)   # ctx.state["logits"] [vocab]
+    runner = ProgramRunner(ctx, build_program(model, executor, ctx, 0, cfg.num_layers, head=True), capture=True)
+    ctx.state.update(token_id=5, pos=12, cache=cache); runner.run()   # ctx.state["logits"] [vocab]
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def build_program(model, executor, ctx: StepContext, first: int, last: int, head
     """Actions for one token: input (embedding), layers ``[first, last)``, then the logits (``head``) into
     ``ctx.state["logits"]`` or the residual stream into ``ctx.x_host``."""
     check_model(model)
-    cfg, dev, ops = model.cfg, ctx.device, ctx.ops
+    dev = ctx.device
     for layer in range(first, last):
         split = executor.splits[layer] if layer < len(executor.splits) else None
         if split is None:
