@@ -320,10 +320,9 @@ def test_entering_a_cpu_run_from_the_gpu_costs_one_sync():
     evaluation = evaluate_placement(problem, placement)
     assert evaluation.time_per_token_s - evaluation.output_head_s - evaluation.embeddings_s == pytest.approx(
         per_layer + 2 * problem.layer_sync_s)
-    for budget in (15_000, 40_000):
-        tight = tiny_problem(tiny_config(num_layers=4), budget, seed=5)
-        result = solve_placement(tight, greedy_placement(tight), EXACT)
-        assert result.objective_s == pytest.approx(brute_force_best(tight, prefix_only=True), rel=1e-7)
+    tight = tiny_problem(tiny_config(num_layers=3), 25_000, seed=5)  # brute force: 3 layers keep it short
+    result = solve_placement(tight, greedy_placement(tight), EXACT)
+    assert result.objective_s == pytest.approx(brute_force_best(tight, prefix_only=True), rel=1e-7)
 
 
 def test_ilp_equals_brute_force_with_predictors_and_untied_embeddings():
