@@ -23,8 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     from online import Engine
     engine = Engine.load(args.model, plan=args.plan, profile=args.profile,
                          **({"threads": args.threads} if args.threads else {}))
-    out = engine.generate("Write a short story about a robot. Once upon a time", max_new_tokens=args.tokens,
-                          ignore_eos=True)
+    prompt = "Write a short story about a robot. Once upon a time"
+    engine.generate(prompt, max_new_tokens=8, ignore_eos=True)  # the first tokens compile and capture
+    out = engine.generate(prompt, max_new_tokens=args.tokens, ignore_eos=True)
     print(f"decode_path {engine.decode_path} ({engine.decode_path_reason}); decode tok/s "
           f"{out.stats['decode_tokens_per_s']}; " + ", ".join(f"{k} {out.stats.get(k)}" for k in (
               "tier_syncs_per_token", "link_bytes_per_token", "gpu_launches_per_token", "graph_replays_per_token")))
