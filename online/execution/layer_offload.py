@@ -30,13 +30,21 @@ def _matrix_bytes(rows: int, cols: int, fmt: str) -> int:
 
 def layer_tier_bytes(cfg, tier_format: str, kv_dtype: torch.dtype, kv_capacity_tokens: int) -> int:
     """Tier bytes of one whole dense layer: attention + KV cache + every FFN neuron (as the tier stores them)."""
-    d, q_dim, kv_dim, n_ff = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return _attention_bytes(cfg, tier_format, kv_dtype, kv_capacity_tokens) + _ffn_bytes(cfg, tier_format)
+
+
+def _attention_bytes(cfg, tier_format: str, kv_dtype: torch.dtype, kv_capacity_tokens: int) -> int:
+    """A layer's attention on the tier: q/k/v/o, their fp32 biases, the KV cache."""
+    d, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attention = _matrix_bytes(q_dim + 2 * kv_dim, d, tier_format) + _matrix_bytes(d, q_dim, tier_format)
     attention += 4 * ((q_dim + 2 * kv_dim) if cfg.attention_bias else 0) + 4 * (d if cfg.attention_out_bias else 0)
-    kv = 2 * kv_dim * kv_capacity_tokens * torch.empty(0, dtype=kv_dtype).element_size()
-    mats = 3 if cfg.mlp_gated else 2
-    ffn = mats * _matrix_bytes(n_ff, d, tier_format) + 8 * n_ff + (4 * n_ff * (mats - 1) if cfg.mlp_bias else 0)
-    return attention + kv + ffn
+    return attention + 2 * kv_dim * kv_capacity_tokens * torch.empty(0, dtype=kv_dtype).element_size()
+
+
+def _ffn_bytes(cfg, tier_format: str) -> int:
+    """A layer's FFN with every neuron hot on the tier: its matrices, the neuron index, the biases."""
+    n_ff, mats = cfg.intermediate_size, 3 if cfg.mlp_gated else 2
+    return mats * _matrix_bytes(n_ff, cfg.hidden_size, tier_format) + 8 * n_ff + (4 * n_ff * (mats - 1) if cfg.mlp_bias else 0)
 
 
 def gpu_layer_count(cfg, budget_bytes: int, tier_format: str, kv_dtype: torch.dtype, kv_capacity_tokens: int) -> int:
@@ -66,14 +74,6 @@ def offload_layers(model, executor, tier, n_gpu_layers: int, tier_format: str, k
     place_plan_units(model, executor, tier, attention_on_gpu=attention, output_head_on_gpu=head,
                      embeddings_on_gpu=False, tier_format=formats, kv_dtype=kv_dtype,
                      kv_capacity_tokens=kv_capacity_tokens, raw=raw)
-
-
-def _attention_bytes(cfg, tier_format: str, kv_dtype: torch.dtype, kv_capacity_tokens: int) -> int:
-    """A layer's tier bytes less its FFN (what ``offload_layers`` still places after the FFNs)."""
-    n_ff, d = cfg.intermediate_size, cfg.hidden_size
-    mats = 3 if cfg.mlp_gated else 2
-    ffn = mats * _matrix_bytes(n_ff, d, tier_format) + 8 * n_ff + (4 * n_ff * (mats - 1) if cfg.mlp_bias else 0)
-    return layer_tier_bytes(cfg, tier_format, kv_dtype, kv_capacity_tokens) - ffn
 
 
 class LayerOffloadStep(FusedDecodeStep):
