@@ -12,8 +12,6 @@ Example::
 """
 from __future__ import annotations
 
-import torch
-
 from .cpu_runs import ATTENTION, BOTH, FFN, CpuLayers
 from .ops import Mat
 from .stack import Host, Launch, StepContext, _device_copy, fuse_rows
@@ -83,7 +81,7 @@ def ffn_actions(ctx: StepContext, executor, block, layer: int, input_on_host: bo
         if not cold_in_c:
             actions.append(Launch(lambda: ops.rmsnorm(ctx.x, norm2, ctx.hn, cfg.norm_eps), f"cold input {layer}"))
         src, dst = (ctx.x, ctx.x_host) if cold_in_c else (ctx.hn, ctx.hn_host)
-        actions.append(Host(lambda: _start_fetch(ctx, src, dst), f"fetch cold input {layer}"))
+        actions.append(Host(lambda: ctx.fetch_async(src, dst), f"fetch cold input {layer}"))
     if hot is not None:
         bias = _device_copy(split.down_bias, ctx.device) if not cold_in_c else None  # C adds it with the cold rows
         actions.append(Launch(_hot_rows(ctx, hot, norm2, bias, cfg), f"hot FFN {layer}"))
@@ -96,7 +94,7 @@ def ffn_actions(ctx: StepContext, executor, block, layer: int, input_on_host: bo
 
     def run_cold() -> None:
         if not input_on_host:
-            _finish_fetch(ctx)
+            ctx.wait()
         if cold_in_c:
             x = ctx.x_host
             after = x.clone()
@@ -138,19 +136,3 @@ def c_layer_run(ctx: StepContext, executor, c_layers: CpuLayers, first: int, las
         counters.ffn_neurons_total += n_ff
         ctx.send_residual()
     return Host(run, f"C layers {first}-{last - 1}")
-
-
-def _start_fetch(ctx: StepContext, src: torch.Tensor, dst: torch.Tensor) -> None:
-    dst.copy_(src, non_blocking=True)
-    ctx.link_bytes += src.numel() * src.element_size()
-    if ctx.device.type == "cuda":
-        event = torch.cuda.Event()
-        event.record()
-        ctx.state["cold_event"] = event
-
-
-def _finish_fetch(ctx: StepContext) -> None:
-    event = ctx.state.pop("cold_event", None)
-    if event is not None:
-        event.synchronize()
-    ctx.syncs += 1

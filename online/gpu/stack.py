@@ -1,21 +1,12 @@
-"""What one decode token does, as a program of device launches and host actions, built from a model
-whose units the plan put on the tier (``execution.tier_units``, ``hybrid.GpuPart``).
-
-Per layer (PowerInfer's scheme):
-
-- ``attention`` on the tier: norm + q/k/v (one launch), rope + KV write, attention, o + residual;
-  else on the host through the model's module, the residual stream fetched and sent back;
-- the hot FFN rows on the tier (norm + gate/up + activation in one launch, down accumulated into the
-  residual) while the CPU computes the cold rows on the normed input it fetched (the layer's one
-  exchange); their sum arrives on the tier before the next layer reads the residual.
-
-Launches between two host actions form a group, captured once as a CUDA graph (``graph_step``). A
-plan with everything on the tier is one group: one replay per token.
+"""The pieces a GPU-step program is made of: ``Launch`` (device work, capturable) and ``Host`` actions,
+the ``StepContext`` they share (device buffers, pinned host buffers, the link counters), ``check_model``
+(the model families the step covers) and ``fuse_rows`` (q/k/v as one matrix). ``program`` and
+``layer_actions`` build a token from them; ``graph_step`` runs it.
 
 Example::
 
-    program = build_program(model, executor, ctx)     # ctx: StepContext (buffers, ops)
-    [type(s).__name__ for s in program]               # ['Launch', 'Launch', ..., 'Host']
+    ctx = StepContext.create(torch.device("cuda"), d=576, ops=Ops.create(torch.device("cuda")))
+    ctx.fetch_async(ctx.x, ctx.x_host); ...; ctx.wait()      # one exchange: a sync, d floats counted
 """
 from __future__ import annotations
 
@@ -93,13 +84,26 @@ class StepContext:
     def pos(self) -> torch.Tensor:
         return self.inputs[1:2]
 
+    def fetch_async(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Start dst (host, pinned) <- src (device); ``wait`` is the sync. Later launches may run meanwhile."""
+        dst.copy_(src, non_blocking=True)
+        self.link_bytes += src.numel() * src.element_size()
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self.state["fetch_event"] = event
+
+    def wait(self) -> None:
+        """The sync of the last ``fetch_async``."""
+        event = self.state.pop("fetch_event", None)
+        if event is not None:
+            event.synchronize()
+        self.syncs += 1
+
     def fetch(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         """dst (host) <- src (device), waited for: one sync."""
-        dst.copy_(src, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        self.syncs += 1
-        self.link_bytes += src.numel() * src.element_size()
+        self.fetch_async(src, dst)
+        self.wait()
         return dst
 
     def residual_on_host(self) -> torch.Tensor:
