@@ -73,3 +73,28 @@ def tiny_plan(folder: Path, out: Path, hardware: str, fraction: float, weight_fo
                      profile=load_profile(profile_dir), hardware=load_hardware(hardware), gpu_budget_bytes=budget,
                      settings=plan_settings(weight_format, tensor_formats))
     return save_plan(plan, out / f"plan-{hardware}-{weight_format}-{fraction}")
+
+
+def tier_units_model(folder: Path, attention, head: bool, embeddings: bool, weight_format: str = "fp32",
+                     tier_format: str = "fp32", kv_dtype=torch.float32, seed: int = 3, hot_neurons: int = 40):
+    """A tiny model split by hand (no plan): ``hot_neurons`` random neurons per layer on a CPU tier, attention per
+    layer where ``attention`` says, the output layer / embeddings there when asked. Returns (model, executor, tier).
+
+    Example::
+
+        model, executor, tier = tier_units_model(folder, (True, False), head=True, embeddings=False)
+    """
+    from online.execution.gpu_tier import GpuTier
+    from online.execution.hybrid import ExecutionSettings, HybridExecutor
+    from online.execution.tier_units import place_plan_units
+    from tandem.core.loading.hf_loader import load_hf_folder
+    from tandem.core.model.build import build_model
+    model, ffn = build_model(load_hf_folder(folder))
+    tier = GpuTier.create(1 << 24, "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    hot = [torch.randperm(model.cfg.intermediate_size, generator=gen)[:hot_neurons] for _ in range(model.cfg.num_layers)]
+    settings = ExecutionSettings(weight_format=weight_format, sparse=False, threads=1)
+    executor = HybridExecutor.build(model.cfg, ffn, tier, settings, gpu_neurons=hot, head_weight=model.lm_head.weight)
+    place_plan_units(model, executor, tier, attention_on_gpu=list(attention), output_head_on_gpu=head,
+                     embeddings_on_gpu=embeddings, tier_format=tier_format, kv_dtype=kv_dtype, kv_capacity_tokens=16)
+    return model, executor, tier

@@ -11,7 +11,7 @@ from online.execution.tier_matrix import TierMatrix
 from tandem.core.tier_format import TIER_FORMATS, tier_format_for
 from placement.plan import read_plan
 
-from helpers_plans import tiny_plan
+from helpers_plans import tier_units_model, tiny_plan
 
 # every kind the runtime places (predictors: tests/test_tier_formats.py)
 PLACED_KINDS = ("ffn_neurons", "experts", "attention_and_kv", "output_head", "embeddings", "shared_experts")
@@ -104,8 +104,6 @@ def test_planned_expert_slot_bytes_equal_the_packed_expert(fmt, gated, bias):
 def test_tier_units_equal_dense(tiny_model_dir, kind, attention, head, embeddings):
     """fp32 tier, all neurons active: attention + KV, output layer and embeddings on the tier change nothing."""
     from tandem.core.ffn import DenseExecutor
-    from online.execution.hybrid import ExecutionSettings, HybridExecutor
-    from online.execution.tier_units import place_plan_units
     from tandem.core.generate import prefill
     from tandem.core.kv_cache import KVCache
     from tandem.core.loading.hf_loader import load_hf_folder
@@ -121,14 +119,7 @@ def test_tier_units_equal_dense(tiny_model_dir, kind, attention, head, embedding
         return torch.cat(out)
     model, ffn = build_model(load_hf_folder(folder))
     ref = run(model, DenseExecutor(model.cfg, ffn))
-    model, ffn = build_model(load_hf_folder(folder))
-    tier = GpuTier.create(1 << 24, "cpu")
-    gen = torch.Generator().manual_seed(3)
-    hot = [torch.randperm(model.cfg.intermediate_size, generator=gen)[:40] for _ in range(model.cfg.num_layers)]
-    executor = HybridExecutor.build(model.cfg, ffn, tier, ExecutionSettings(weight_format="fp32", sparse=False),
-                                    gpu_neurons=hot, head_weight=model.lm_head.weight)
-    place_plan_units(model, executor, tier, attention_on_gpu=list(attention), output_head_on_gpu=head,
-                     embeddings_on_gpu=embeddings, tier_format="fp32", kv_dtype=torch.float32, kv_capacity_tokens=16)
+    model, executor, tier = tier_units_model(folder, attention, head, embeddings)
     kinds = tier.bytes_by_kind()
     assert (kinds.get("attention_and_kv", 0) > 0) == any(attention) and (kinds.get("output_head", 0) > 0) == head
     torch.testing.assert_close(run(model, executor), ref, rtol=1e-4, atol=1e-5)

@@ -11,7 +11,7 @@ from online import Engine
 from online.gpu.stack import GpuStepUnavailable
 from tandem.core.errors import TandemError
 
-from helpers_plans import tiny_plan
+from helpers_plans import tier_units_model, tiny_plan
 
 PROMPT = [5, 17, 42, 9, 77, 3, 11, 2]
 
@@ -79,9 +79,6 @@ def test_gpu_step_refuses_models_it_does_not_cover(tiny_model_dir, tmp_path_fact
 def test_gpu_program_with_hot_and_cold_rows_equals_dense(tiny_model_dir, kind, attention, head, embeddings):
     """40 hot neurons per layer on the tier, the rest cold on the CPU, all active: each decode token of the
     program equals the dense model's (transformers-checked) logits."""
-    from online.execution.gpu_tier import GpuTier
-    from online.execution.hybrid import ExecutionSettings, HybridExecutor
-    from online.execution.tier_units import place_plan_units
     from online.gpu.graph_step import GpuDecodeStep
     from tandem.core.ffn import DenseExecutor
     from tandem.core.kv_cache import KVCache
@@ -92,14 +89,7 @@ def test_gpu_program_with_hot_and_cold_rows_equals_dense(tiny_model_dir, kind, a
     dense = DenseExecutor(model.cfg, ffn)
     cache = KVCache(model.cfg, 16)
     ref = [model(torch.tensor([t]), pos, cache, dense)[0] for pos, t in enumerate(PROMPT)]
-    model, ffn = build_model(load_hf_folder(folder))
-    tier = GpuTier.create(1 << 24, "cpu")
-    gen = torch.Generator().manual_seed(3)
-    hot = [torch.randperm(model.cfg.intermediate_size, generator=gen)[:40] for _ in range(model.cfg.num_layers)]
-    executor = HybridExecutor.build(model.cfg, ffn, tier, ExecutionSettings(weight_format="fp32", sparse=False),
-                                    gpu_neurons=hot, head_weight=model.lm_head.weight)
-    place_plan_units(model, executor, tier, attention_on_gpu=list(attention), output_head_on_gpu=head,
-                     embeddings_on_gpu=embeddings, tier_format="fp32", kv_dtype=torch.float32, kv_capacity_tokens=16)
+    model, executor, tier = tier_units_model(folder, attention, head, embeddings)
     step = GpuDecodeStep.build(model, executor, capture=False, backend="torch")
     cache = KVCache(model.cfg, 16)
     got = [step(t, pos, cache) for pos, t in enumerate(PROMPT)]
@@ -152,21 +142,10 @@ def test_cuda_graph_step_equals_the_module_path(tiny_model_dir, tmp_path_factory
 def _int8_hybrid(folder, attention, seed=4):
     """A tiny model packed int8 with 40 hot neurons per layer on a CPU tier, attention where ``attention`` says,
     the output layer on the tier; and the module path's logits for PROMPT, token by token."""
-    from online.execution.gpu_tier import GpuTier
-    from online.execution.hybrid import ExecutionSettings, HybridExecutor
     from online.execution.quantized_linear import quantize_attention
-    from online.execution.tier_units import place_plan_units
     from tandem.core.kv_cache import KVCache
-    from tandem.core.loading.hf_loader import load_hf_folder
-    from tandem.core.model.build import build_model
-    model, ffn = build_model(load_hf_folder(folder))
-    tier = GpuTier.create(1 << 24, "cpu")
-    gen = torch.Generator().manual_seed(seed)
-    hot = [torch.randperm(model.cfg.intermediate_size, generator=gen)[:40] for _ in range(model.cfg.num_layers)]
-    settings = ExecutionSettings(weight_format="int8", sparse=False, threads=1)
-    executor = HybridExecutor.build(model.cfg, ffn, tier, settings, gpu_neurons=hot, head_weight=model.lm_head.weight)
-    place_plan_units(model, executor, tier, attention_on_gpu=list(attention), output_head_on_gpu=True,
-                     embeddings_on_gpu=False, tier_format="q8", kv_dtype=torch.float32, kv_capacity_tokens=16)
+    model, executor, _ = tier_units_model(folder, attention, head=True, embeddings=False, weight_format="int8",
+                                          tier_format="q8", seed=seed)
     quantize_attention(model, "int8", 1, {})
     cache = KVCache(model.cfg, 16)
     with torch.inference_mode():
