@@ -78,10 +78,6 @@ class ProgramRunner:
                 fn()
         return graph
 
-    @property
-    def graphs_per_token(self) -> int:
-        return self.groups_per_token
-
 
 class GpuLayers:
     """Layers ``[first, last)`` (and the head when ``head``) as a program on the tier."""
@@ -118,7 +114,7 @@ class GpuLayers:
 
     @property
     def graphs_per_token(self) -> int:
-        return self.runner.graphs_per_token
+        return self.runner.groups_per_token
 
 
 class GpuDecodeStep:
