@@ -41,9 +41,10 @@ def model_bytes(model: str, profile_dir: Path, hardware: str, weight_format: str
     problem = build_problem(cfg, ActivationStats.from_profile(load_profile(profile_dir), cfg), no_predictors(cfg.num_layers),
                             load_hardware(hardware), 1 << 50, settings)
     total = problem.output_head.gpu_bytes + (problem.embeddings.gpu_bytes if problem.embeddings else 0)
-    for layer in problem.layers:
-        total += layer.attention.gpu_bytes + (layer.dense_ffn.gpu_bytes if not layer.is_moe else
-                                              max(o.gpu_bytes for o in layer.expert_options))
+    for layer in problem.layers:  # an FFN as hot chunks costs its neuron indices too: 100% must hold all of them
+        ffn = (max(layer.dense_ffn.gpu_bytes, int(sum(layer.chunk_gpu_bytes))) if not layer.is_moe else
+               max(o.gpu_bytes for o in layer.expert_options))
+        total += layer.attention.gpu_bytes + ffn
     return total, problem.buffer_bytes
 
 
@@ -129,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             lambda: Engine.load(args.model, layer_offload=True, gpu_budget_bytes=reserve + 2 * total, gpu_device=device,
                                 context_length=CONTEXT_TOKENS, **threads), None)
     for fraction in (float(f) for f in args.fractions.split(",")):
-        budget = reserve + int(fraction * total)  # X% of the model's bytes + the planner's buffer reserve
+        # X% of the model's bytes + the planner's buffer reserve (+ 1 KiB over the ILP's 1 ppm margin: 100% holds
+        # every unit)
+        budget = reserve + int(fraction * total) + 1024
         plan_dir = make_plan_dir(args.model, Path(args.profile), args.hardware, budget,
                                  Path(args.work) / f"plan-{fraction:g}", args.reuse_plans)
         plan = read_plan(plan_dir)

@@ -3,7 +3,7 @@
 # made here (.dev/plans: `python -m bench.gpu_bench --gpu-device cpu --hardware h100 --work .dev/plans
 # --tokens 2 --rounds 1` on the CPU tier; the machine has no network and planning there costs device time),
 # a per-token profile, the probe (the GPU step's kernel latency included) and, with PEER=1, the
-# transformers + CUDA graphs peer. Writes $OUT/gpu.md, $OUT/h100-probed.json and $OUT/log. Expects
+# transformers + CUDA graphs peer (PROBE=0 skips the probe). Writes $OUT/gpu.md, $OUT/h100-probed.json and $OUT/log. Expects
 # PYTHONPATH with the staged wheels and models/ assembled.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,8 +15,9 @@ THREADS=${THREADS:-8}
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py tests/test_gpu_step.py 2>&1 | tail -4
   timeout 300 python3 -m bench.gpu_bench --hardware h100 --reuse-plans --work .dev/plans --tokens ${TOKENS:-64} --rounds ${ROUNDS:-3} \
     --threads "$THREADS" --out "$OUT/gpu.md" 2>&1 | grep -v Warning
-  timeout 60 python3 -m bench.gpu_profile --plan .dev/plans/plan-1 --threads "$THREADS" 2>&1 | tail -3
-  timeout 60 python3 -m bench.gpu_profile --plan .dev/plans/plan-0.1 --threads "$THREADS" 2>&1 | tail -3
-  timeout 120 python3 -m tandem.cli probe --threads "$THREADS" --out "$OUT/h100-probed.json" 2>&1 | tail -3
+  for f in 1 0.5 0.25 0.1; do
+    echo "profile plan-$f"; timeout 60 python3 -m bench.gpu_profile --plan .dev/plans/plan-$f --threads "$THREADS" 2>&1 | tail -3
+  done
+  [ "${PROBE:-1}" = 1 ] && timeout 120 python3 -m tandem.cli probe --threads "$THREADS" --out "$OUT/h100-probed.json" 2>&1 | tail -3
   [ -n "${PEER:-}" ] && timeout 200 python3 -m bench.hf_cuda_graph 2>&1 | tail -3
 } 2>&1 | tee "$OUT/log"

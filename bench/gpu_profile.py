@@ -54,7 +54,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"per token: step call {call_us:.0f} us, graph replays alone {replay_us:.0f} us "
           f"({runner.groups_per_token} graphs, {runner.launches_per_token} launches), "
           f"host actions + copies + waits {call_us - replay_us:.0f} us")
+    host_action_times(step, runner, pos, cache)
     return 0
+
+
+def host_action_times(step, runner, pos: int, cache, tokens: int = 30) -> None:
+    """Each host action's median wall time per token (its waits included: a fetch waits for the launches
+    before it), printed as one line."""
+    from online.gpu.stack import Host
+    host_names = iter([a.name for a in step.layers.runner_actions if isinstance(a, Host) and a.barrier])
+    times: dict = {}
+    items = []
+    for kind, item in runner.items:
+        if kind == "host":
+            name = next(host_names, "host")
+
+            def timed(fn=item, name=name):
+                t = time.perf_counter()
+                fn()
+                times.setdefault(name, []).append(time.perf_counter() - t)
+            items.append((kind, timed))
+        else:
+            items.append((kind, item))
+    saved, runner.items = runner.items, items
+    try:
+        for i in range(tokens):
+            step(1, pos + i, cache)
+    finally:
+        runner.items = saved
+    print("host actions (median us/token): " + ", ".join(
+        f"{n} {statistics.median(v) * 1e6:.0f}" for n, v in times.items()))
 
 
 if __name__ == "__main__":

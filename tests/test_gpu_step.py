@@ -53,6 +53,8 @@ def test_gpu_program_equals_the_module_path_at_every_split(tiny_model_dir, tmp_p
         runs = sum(1 for i, k in enumerate(kinds) if k == "C" and (i == 0 or kinds[i - 1] != "C"))
         names = [a.name for a in step.layers.runner_actions]
         assert sum(n.startswith("C layers") for n in names) == runs
+        if head_on_host and c_layers is not None:  # the output layer in C: alone, or ending the last C run
+            assert names[-1] == "C output layer" or names[-1].endswith("+ output layer"), names
         # at most: one per run of CPU layers, one per other layer using both devices, one for the logits; a
         # fetch is skipped where the host wrote the stream last (its embedding, a C run, host attention)
         assert 0 <= syncs_per_token <= runs + kinds.count("x") + 1, (fraction, syncs_per_token, kinds)
@@ -131,6 +133,9 @@ def test_cuda_graph_step_equals_the_module_path(tiny_model_dir, tmp_path_factory
         plan_dir = tiny_plan(folder, out, "rtx4090", fraction)
         modules = Engine.load(str(folder), plan=plan_dir, gpu_device="cuda", fused_decode=False)
         engine = Engine.load(str(folder), plan=plan_dir, gpu_device="cuda")
+        if not engine.executor.tier.used_bytes:  # the plan put nothing on the GPU: the CPU's fused step
+            assert engine.decode_path == "fused", engine.decode_path_reason
+            continue
         assert engine.decode_path == "gpu-graph", engine.decode_path_reason
         # whole CPU layers run through the fused C step (int8 activations): as the CPU-tier test allows
         torch.testing.assert_close(engine.step_logits(PROMPT), modules.step_logits(PROMPT), rtol=2e-2, atol=2e-2)
@@ -139,12 +144,12 @@ def test_cuda_graph_step_equals_the_module_path(tiny_model_dir, tmp_path_factory
         assert a.stats["graph_replays_per_token"] > 0
 
 
-def _int8_hybrid(folder, attention, seed=4):
+def _int8_hybrid(folder, attention, seed=4, head=True):
     """A tiny model packed int8 with 40 hot neurons per layer on a CPU tier, attention where ``attention`` says,
-    the output layer on the tier; and the module path's logits for PROMPT, token by token."""
+    the output layer on the tier (``head``); and the module path's logits for PROMPT, token by token."""
     from online.execution.quantized_linear import quantize_attention
     from tandem.core.kv_cache import KVCache
-    model, executor, _ = tier_units_model(folder, attention, head=True, embeddings=False, weight_format="int8",
+    model, executor, _ = tier_units_model(folder, attention, head=head, embeddings=False, weight_format="int8",
                                           tier_format="q8", seed=seed)
     quantize_attention(model, "int8", 1, {})
     cache = KVCache(model.cfg, 16)
@@ -178,6 +183,19 @@ def test_cold_rows_and_host_attention_in_c_equal_the_module_path(tiny_model_dir,
     torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)  # C: int8 activations
     with pytest.raises(TandemError, match="exceeds the 16-token KV cache"):  # the tier's cache, as the modules say
         step(PROMPT[0], 16, cache)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_host_embedding_and_output_layer_in_c(tiny_model_dir, kind):
+    """Embeddings and the output layer on the host: the embedding row and the logits come from C calls
+    (tdm_embed, tdm_decode_range over no layers), not the modules; each token equals the module path."""
+    folder, _ = tiny_model_dir(kind)
+    model, executor, ref = _int8_hybrid(folder, (False, True), head=False)
+    assert executor.tier_head is None and executor.head is not None
+    step, got, _ = _step_logits(model, executor)
+    names = [a.name for a in step.layers.runner_actions]
+    assert names[1] == "C embedding" and names[-1] == "C output layer", names
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)  # C: int8 activations
 
 
 def test_gate_biases_keep_the_cold_rows_in_python(tmp_path):

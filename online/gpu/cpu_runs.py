@@ -28,8 +28,10 @@ def _on_tier(obj) -> bool:
 class CpuLayers:
     """The fused C step's descriptor for the layers with a CPU part (the others blank: never run)."""
 
-    def __init__(self, step, attention: set, ffn: set, hot: set) -> None:
+    def __init__(self, step, attention: set, ffn: set, hot: set, head: bool = False, embed: bool = False) -> None:
         self.step, self._attention, self._ffn, self._hot = step, attention, ffn, hot
+        self.has_head = head    # the descriptor holds the host's output layer (C computes the logits)
+        self.has_embed = embed  # ... and the host's embedding table (C writes the input row)
 
     def attention(self, layer: int) -> bool:
         return layer in self._attention
@@ -84,15 +86,29 @@ class CpuLayers:
             return None
         finally:
             executor.head = head
-        return cls(step, attention, ffn, hot)
+        embed = hasattr(model.embed_tokens, "weight") and not _on_tier(model.embed_tokens) \
+            and hasattr(native.lib, "tdm_embed")
+        return cls(step, attention, ffn, hot, head=head is not None, embed=embed)
 
-    def run(self, first: int, last: int, pos: int, cache, residual: torch.Tensor, parts: int = BOTH) -> int:
-        """``parts`` of layers ``[first, last)`` on ``residual`` [d] in place; returns active neurons."""
+    def run(self, first: int, last: int, pos: int, cache, residual: torch.Tensor, parts: int = BOTH,
+            logits: torch.Tensor | None = None) -> int:
+        """``parts`` of layers ``[first, last)`` on ``residual`` [d] in place; returns active neurons. With
+        ``logits`` [vocab] (``has_head``, parts BOTH) also the final norm and the output layer, softcap
+        included; ``first == last`` computes only those."""
         step = self.step
         if step._bound_cache is None or step._bound_cache() is not cache:
             step._bind(cache)
-        return int(step.native.lib.tdm_decode_parts(ctypes.byref(step._desc), first, last, pos,
-                                                    residual.data_ptr(), parts))
+        if logits is None:
+            return int(step.native.lib.tdm_decode_parts(ctypes.byref(step._desc), first, last, pos,
+                                                        residual.data_ptr(), parts))
+        if not self.has_head or parts != BOTH:
+            raise TandemError("the C step's logits need the host's output layer and whole layers")
+        return int(step.native.lib.tdm_decode_range(ctypes.byref(step._desc), first, last, pos,
+                                                    residual.data_ptr(), logits.data_ptr()))
+
+    def embed(self, token_id: int, pos: int, residual: torch.Tensor) -> None:
+        """The token's input row at ``pos`` into ``residual`` [d] (``has_embed``)."""
+        self.step.native.lib.tdm_embed(ctypes.byref(self.step._desc), token_id, pos, residual.data_ptr())
 
 
 def _c_reads_cold_rows(split) -> bool:

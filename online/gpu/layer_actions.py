@@ -12,6 +12,9 @@ Example::
 """
 from __future__ import annotations
 
+import numpy as np
+import torch
+
 from .cpu_runs import ATTENTION, BOTH, FFN, CpuLayers
 from .ops import Mat
 from .stack import Host, Launch, StepContext, _device_copy, fuse_rows
@@ -125,14 +128,23 @@ def _hot_rows(ctx: StepContext, hot, norm2, bias, cfg):
     return run
 
 
-def c_layer_run(ctx: StepContext, executor, c_layers: CpuLayers, first: int, last: int) -> Host:
-    """Whole CPU layers ``[first, last)``: one exchange, one C call."""
+def c_layer_run(ctx: StepContext, executor, c_layers: CpuLayers, first: int, last: int, logits: bool = False) -> Host:
+    """Whole CPU layers ``[first, last)``: one exchange, one C call; with ``logits`` that call ends with the
+    output layer (into ``ctx.state["logits"]``) and the residual stream stays on the host."""
     n_ff = sum(executor.splits[i].cpu_neurons.numel() for i in range(first, last))
     counters = executor.counters
+    vocab = int(c_layers.step._desc.vocab)
 
     def run() -> None:
         x = ctx.residual_on_host()
-        counters.ffn_neurons_active += c_layers.run(first, last, ctx.state["pos"], ctx.state["cache"], x, BOTH)
+        # numpy's allocation, as the fused step's (a fresh torch.empty page-faults every token)
+        out = torch.from_numpy(np.empty(vocab, dtype=np.float32)) if logits else None  # [vocab]
+        counters.ffn_neurons_active += c_layers.run(first, last, ctx.state["pos"], ctx.state["cache"], x, BOTH,
+                                                    logits=out)
         counters.ffn_neurons_total += n_ff
-        ctx.send_residual()
-    return Host(run, f"C layers {first}-{last - 1}")
+        if logits:
+            ctx.state["logits"] = out
+        else:
+            ctx.send_residual()
+    name = f"C layers {first}-{last - 1}" if last > first else "C output layer"
+    return Host(run, name + (" + output layer" if logits and last > first else ""))

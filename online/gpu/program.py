@@ -36,16 +36,20 @@ def build_program(model, executor, ctx: StepContext, first: int, last: int, head
             if any(attention_on_tier(b) for b in model.layers) else 1
         rope = (model.rope_cos[:capacity].contiguous().to(dev), model.rope_sin[:capacity].contiguous().to(dev))
     actions: list = [Host(lambda: _send_inputs(ctx), "inputs")]
-    if first == 0:
-        actions += _embedding(ctx, model)
     c_layers = CpuLayers.build(model, executor, first, last)
+    c_head = head and executor.tier_head is None and c_layers is not None and c_layers.has_head
+    if first == 0:
+        actions += _embedding(ctx, model, c_layers)
     layer = first
     while layer < last:
         if c_layers is not None and c_layers.whole(layer):  # a run of whole CPU layers: one exchange, one C call
             end = layer
             while end < last and c_layers.whole(end):
                 end += 1
-            actions.append(c_layer_run(ctx, executor, c_layers, layer, end))
+            with_logits = c_head and end == model.cfg.num_layers  # the output layer in the same call
+            actions.append(c_layer_run(ctx, executor, c_layers, layer, end, logits=with_logits))
+            if with_logits:
+                return actions
             layer = end
             continue
         block = model.layers[layer]
@@ -53,27 +57,42 @@ def build_program(model, executor, ctx: StepContext, first: int, last: int, head
         actions += ffn_actions(ctx, executor, block, layer, input_on_host=not attention_on_tier(block),
                                c_layers=c_layers)
         layer += 1
-    actions += _logits(ctx, model, executor) if head else [Host(ctx.residual_on_host, "residual out")]
+    if c_head:
+        actions.append(c_layer_run(ctx, executor, c_layers, last, last, logits=True))  # the output layer alone
+    else:
+        actions += _logits(ctx, model, executor) if head else [Host(ctx.residual_on_host, "residual out")]
     return actions
 
 
 def _send_inputs(ctx: StepContext) -> None:
     ctx.state["host_fresh"] = False  # x_host holds the last token's stream
-    ctx.inputs_host[0], ctx.inputs_host[1] = ctx.state["token_id"], ctx.state["pos"]
+    ctx.inputs_host.numpy()[:] = (ctx.state["token_id"], ctx.state["pos"])  # one write, not two tensor indexings
     ctx.send(ctx.inputs_host, ctx.inputs)
 
 
-def _embedding(ctx: StepContext, model) -> list:
+def _embedding(ctx: StepContext, model, c_layers: CpuLayers | None) -> list:
     table = getattr(model.embed_tokens, "table", None)
     scale = float(model.cfg.embed_scale)
-    if table is not None and table.data.device == ctx.device:
+    if table is not None and _same_device(table.data.device, ctx.device):
         mat = Mat.of(table)
         return [Launch(lambda: ctx.ops.embed(ctx.token, mat, ctx.x, scale), "embed")]
+
+    if c_layers is not None and c_layers.has_embed:
+        def in_c() -> None:
+            c_layers.embed(ctx.state["token_id"], ctx.state["pos"], ctx.x_host)
+            ctx.send_residual()
+        return [Host(in_c, "C embedding")]
 
     def on_host() -> None:
         ctx.x_host.copy_(model.embed(torch.tensor([ctx.state["token_id"]]), ctx.state["pos"])[0])
         ctx.send_residual()
     return [Host(on_host, "host embedding")]
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` are one device (the tier is created as ``cuda``, its tensors say ``cuda:0``)."""
+    index = lambda d: d.index if d.index is not None else (torch.cuda.current_device() if d.type == "cuda" else None)  # noqa: E731
+    return a.type == b.type and index(a) == index(b)
 
 
 def _logits(ctx: StepContext, model, executor) -> list:

@@ -291,6 +291,13 @@ int64_t tdm_decode(const tdm_model *m, int64_t token, int64_t pos, float *logits
     return tdm_decode_range(m, 0, m->n_layers, pos, res, logits);
 }
 
+/* The token's input row at pos into res [d] (embedding, its scale, a learned position): the GPU step's
+ * host embedding, where the embeddings are not on the tier. */
+void tdm_embed(const tdm_model *m, int64_t token, int64_t pos, float *res) {
+    embed_row(m, token, res);
+    add_position(m, pos, res);
+}
+
 /* Self-check for the tests: out[i] = W[r0 + i] . x (i < n) with the code the step uses. */
 void tdm_dot_rows(const tdm_weight *w, int64_t r0, int64_t n, const float *x, double residual_ratio, float *out) {
     int64_t cols = w->cols, nb = cols / QB + 1;

@@ -98,6 +98,9 @@ def bind_signatures(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "tdm_decode_parts"):  # (bench A/Bs load libraries built from older refs too)
         lib.tdm_decode_parts.argtypes = [ctypes.POINTER(TdmModel), _I, _I, _I, _P, _I]
         lib.tdm_decode_parts.restype = _I
+    if hasattr(lib, "tdm_embed"):
+        lib.tdm_embed.argtypes = [ctypes.POINTER(TdmModel), _I, _I, _P]
+        lib.tdm_embed.restype = None
     lib.tdm_decode_batch.argtypes = [ctypes.POINTER(TdmModel), ctypes.POINTER(TdmBatch)]
     lib.tdm_decode_batch.restype = _I
     lib.tdm_batch_work_bytes.argtypes = [ctypes.POINTER(TdmModel), _I, _I]
