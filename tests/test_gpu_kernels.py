@@ -87,8 +87,10 @@ def test_matvec_t_accumulates_down_rows(fmt):
     torch.testing.assert_close(outs[1], start + h @ w.dequantize() + bias, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("rope,hd", [(True, 16), (False, 16), (True, 64)])
-def test_rope_kv_write_then_attention(rope, hd):
+@pytest.mark.parametrize("rope,hd,qk_norm,window", [(True, 16, False, 0), (False, 16, False, 0), (True, 64, False, 0),
+                                                    (True, 32, True, 0), (True, 32, True, 8), (False, 16, True, 50)])
+def test_rope_kv_write_then_attention(rope, hd, qk_norm, window):
+    """Per-head q/k norms (Qwen3, Gemma 3) and sliding windows (8 rows; 50 > pos: all) included."""
     tri, ref = _both()
     H, KV, cap = 6, 2, 40
     g = torch.Generator().manual_seed(5)
@@ -96,16 +98,26 @@ def test_rope_kv_write_then_attention(rope, hd):
     past_v = torch.randn(KV, cap, hd, generator=g).half().to(DEVICE)
     qkv = torch.randn((H + 2 * KV) * hd, generator=g).to(DEVICE)
     cos, sin = (torch.rand(cap, hd, generator=g).to(DEVICE), torch.rand(cap, hd, generator=g).to(DEVICE)) if rope else (None, None)
+    q_norm, k_norm = ((torch.rand(hd, generator=g) + 0.5).to(DEVICE), (torch.rand(hd, generator=g) + 0.5).to(DEVICE)) \
+        if qk_norm else (None, None)
     pos = torch.tensor([33], device=DEVICE)
     results = []
     for ops in (tri, ref):
         k, v = past_k.clone(), past_v.clone()
         q, out = torch.zeros(H * hd, device=DEVICE), torch.zeros(H * hd, device=DEVICE)
-        ops.rope_kv(qkv, q, k, v, cos, sin, pos, H, KV, hd)
-        ops.attention(q, k, v, out, pos, 0.25, H, KV, hd)
+        ops.rope_kv(qkv, q, k, v, cos, sin, pos, H, KV, hd, q_norm=q_norm, k_norm=k_norm, eps=1e-6)
+        ops.attention(q, k, v, out, pos, 0.25, H, KV, hd, window=window)
         results.append((q, k, v, out))
     for a, b in zip(*results):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-3, atol=2e-3)
+    # the reference by hand: head 0 (kv head 0) over the visible rows
+    q0, k_rows, v_rows = results[1][0][:hd], results[1][1][0].float(), results[1][2][0].float()
+    if qk_norm and not rope:  # the norm alone, by hand
+        raw = qkv[:hd]
+        torch.testing.assert_close(q0, raw * torch.rsqrt(raw.pow(2).mean() + 1e-6) * q_norm, rtol=1e-5, atol=1e-5)
+    first = max(0, 34 - window) if window else 0
+    probs = torch.softmax(k_rows[first:34] @ q0 * 0.25, dim=0)
+    torch.testing.assert_close(results[0][3][:hd], probs @ v_rows[first:34], rtol=2e-3, atol=2e-3)
     # the cache rows past pos are untouched, row pos holds the new k
     assert torch.equal(results[0][1][:, 34:], past_k[:, 34:])
     assert not torch.equal(results[0][1][:, 33], past_k[:, 33])
@@ -124,7 +136,10 @@ def test_embed_row_and_add_and_norm(fmt):
         ops.add(x, y)
         z = torch.zeros(96, device=DEVICE)
         ops.rmsnorm(x, torch.full((96,), 2.0, device=DEVICE), z, 1e-6)
-        outs.append((x, z))
+        r = torch.ones(96, device=DEVICE)
+        ops.rmsnorm(x, torch.full((96,), 2.0, device=DEVICE), r, 1e-6, add=True)  # r = 1 + z
+        outs.append((x, z, r))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outs[1][0], table.dequantize()[17] * 1.5 + 1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0][2], outs[0][1] + 1, rtol=1e-5, atol=1e-5)

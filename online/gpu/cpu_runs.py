@@ -63,8 +63,8 @@ class CpuLayers:
                 attention.add(i)
             if split.gpu is not None:
                 hot.add(i)
-            if _c_reads_cold_rows(split):
-                ffn.add(i)
+            if _c_reads_cold_rows(split) and not (cfg.sandwich_norms and split.gpu is not None):
+                ffn.add(i)  # (C norms the FFN output it computes: a sandwich norm needs the hot rows' share first)
             if i in attention or i in ffn:
                 described.append(i)
                 splits.append(split if i in ffn else replace(split, cpu=None, predictor=None))

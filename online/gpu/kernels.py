@@ -123,43 +123,51 @@ def matvec_t_kernel(h_ptr, d1, s1, m1, bias_ptr, y_ptr, R, C, sd1, ss1, rows_per
 
 
 @triton.jit
-def rope_kv_kernel(qkv_ptr, q_ptr, k_cache, v_cache, cos_ptr, sin_ptr, pos_ptr, capacity,
-                   H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, ROPE: tl.constexpr,
-                   BQ: tl.constexpr, BK: tl.constexpr):
-    """q (rotated) -> q_ptr; k (rotated), v -> the caches' row ``pos`` ([KV, capacity, HD] each)."""
-    pos = tl.load(pos_ptr)
+def _heads(ptr, heads, n, d, pos, cos_ptr, sin_ptr, norm_ptr, eps, ROPE: tl.constexpr, NORM: tl.constexpr,
+           HD: tl.constexpr):
+    """Heads ``heads`` [BH, 1] (< n) of a [n, HD] vector at ``ptr``: RMS-normed per head (NORM: Qwen3 / Gemma 3's
+    q/k norms) then rotated (ROPE) at position ``pos``. Returns ([BH, HD] values, their mask)."""
     half: tl.constexpr = HD // 2
-    i = tl.arange(0, BQ)
-    ok = i < H * HD
-    x = tl.load(qkv_ptr + i, mask=ok, other=0.0)
+    ok = (heads < n) & (d < HD)  # [BH, HD]
+    x = tl.load(ptr + heads * HD + d, mask=ok, other=0.0)
+    if NORM:
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / HD + eps)  # [BH]
+        x = x * inv[:, None] * tl.load(norm_ptr + d)
     if ROPE:
-        d = i % HD
         first = d < half
-        partner = tl.load(qkv_ptr + tl.where(first, i + half, i - half), mask=ok, other=0.0)
-        c = tl.load(cos_ptr + pos * HD + d, mask=ok, other=0.0)
-        s = tl.load(sin_ptr + pos * HD + d, mask=ok, other=0.0)
+        pd = tl.where(first, d + half, d - half)
+        partner = tl.load(ptr + heads * HD + pd, mask=ok, other=0.0)
+        if NORM:
+            partner = partner * inv[:, None] * tl.load(norm_ptr + pd)
+        c = tl.load(cos_ptr + pos * HD + d)
+        s = tl.load(sin_ptr + pos * HD + d)
         x = x * c + tl.where(first, -partner, partner) * s
-    tl.store(q_ptr + i, x, mask=ok)
-    j = tl.arange(0, BK)
-    kok = j < KV * HD
-    k = tl.load(qkv_ptr + H * HD + j, mask=kok, other=0.0)
-    dk = j % HD
-    if ROPE:
-        kfirst = dk < half
-        kpartner = tl.load(qkv_ptr + H * HD + tl.where(kfirst, j + half, j - half), mask=kok, other=0.0)
-        kc = tl.load(cos_ptr + pos * HD + dk, mask=kok, other=0.0)
-        ks = tl.load(sin_ptr + pos * HD + dk, mask=kok, other=0.0)
-        k = k * kc + tl.where(kfirst, -kpartner, kpartner) * ks
-    v = tl.load(qkv_ptr + H * HD + KV * HD + j, mask=kok, other=0.0)
-    slot = (j // HD) * capacity * HD + pos * HD + dk
+    return x, ok
+
+
+@triton.jit
+def rope_kv_kernel(qkv_ptr, q_ptr, k_cache, v_cache, cos_ptr, sin_ptr, pos_ptr, qn_ptr, kn_ptr, eps, capacity,
+                   H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
+                   BH: tl.constexpr, BKV: tl.constexpr):
+    """q (normed, rotated) -> q_ptr; k (normed, rotated), v -> the caches' row ``pos`` ([KV, capacity, HD] each)."""
+    pos = tl.load(pos_ptr)
+    d = tl.arange(0, HD)[None, :]  # [1, HD]
+    hq = tl.arange(0, BH)[:, None]  # [BH, 1]
+    q, qok = _heads(qkv_ptr, hq, H, d, pos, cos_ptr, sin_ptr, qn_ptr, eps, ROPE, QK_NORM, HD)
+    tl.store(q_ptr + hq * HD + d, q, mask=qok)
+    hk = tl.arange(0, BKV)[:, None]  # [BKV, 1]
+    k, kok = _heads(qkv_ptr + H * HD, hk, KV, d, pos, cos_ptr, sin_ptr, kn_ptr, eps, ROPE, QK_NORM, HD)
+    v = tl.load(qkv_ptr + H * HD + KV * HD + hk * HD + d, mask=kok, other=0.0)
+    slot = hk * capacity * HD + pos * HD + d
     tl.store(k_cache + slot, k.to(k_cache.dtype.element_ty), mask=kok)
     tl.store(v_cache + slot, v.to(v_cache.dtype.element_ty), mask=kok)
 
 
 @triton.jit
-def attention_kernel(q_ptr, k_cache, v_cache, out_ptr, pos_ptr, capacity, scale,
+def attention_kernel(q_ptr, k_cache, v_cache, out_ptr, pos_ptr, capacity, scale, window,
                      GROUP: tl.constexpr, HD: tl.constexpr, BN: tl.constexpr):
-    """One query head per program over cache rows 0..pos (online softmax)."""
+    """One query head per program over cache rows 0..pos, or the last ``window`` of them (> 0: sliding-window
+    layers), with an online softmax."""
     h = tl.program_id(0)
     kv = h // GROUP
     n = tl.load(pos_ptr) + 1
@@ -169,7 +177,7 @@ def attention_kernel(q_ptr, k_cache, v_cache, out_ptr, pos_ptr, capacity, scale,
     l_i = tl.sum(tl.zeros([BN], dtype=tl.float32), 0)
     acc = tl.zeros([HD], dtype=tl.float32)
     base = kv * capacity * HD
-    s = 0
+    s = tl.maximum(n - tl.where(window > 0, window, n), 0)  # the first visible row
     while s < n:
         offs = s + tl.arange(0, BN)  # [BN]
         ok = offs < n
@@ -205,8 +213,9 @@ def add_kernel(x_ptr, y_ptr, C, BC: tl.constexpr):
 
 
 @triton.jit
-def rmsnorm_kernel(x_ptr, norm_ptr, y_ptr, eps, C: tl.constexpr, BC: tl.constexpr):
-    """y = rmsnorm(x) * norm, one program (a CPU part's input, fetched in the layer's exchange)."""
+def rmsnorm_kernel(x_ptr, norm_ptr, y_ptr, eps, C: tl.constexpr, RESIDUAL: tl.constexpr, BC: tl.constexpr):
+    """y = rmsnorm(x) * norm (a CPU part's input), or y += that (RESIDUAL: a sandwich norm's output into the
+    residual stream); one program."""
     sq = tl.zeros([BC], dtype=tl.float32)
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
@@ -216,5 +225,7 @@ def rmsnorm_kernel(x_ptr, norm_ptr, y_ptr, eps, C: tl.constexpr, BC: tl.constexp
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
         ok = c < C
-        tl.store(y_ptr + c, tl.load(x_ptr + c, mask=ok, other=0.0) * inv * tl.load(norm_ptr + c, mask=ok, other=0.0),
-                 mask=ok)
+        y = tl.load(x_ptr + c, mask=ok, other=0.0) * inv * tl.load(norm_ptr + c, mask=ok, other=0.0)
+        if RESIDUAL:
+            y += tl.load(y_ptr + c, mask=ok, other=0.0)
+        tl.store(y_ptr + c, y, mask=ok)

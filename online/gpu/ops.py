@@ -150,14 +150,18 @@ class Ops:
     # --- attention -------------------------------------------------------------------------------
     def rope_kv(self, qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cos: torch.Tensor | None, sin: torch.Tensor | None, pos: torch.Tensor, n_heads: int,
-                n_kv_heads: int, head_dim: int) -> None:
-        """q (rotated) -> ``q_out`` [H*hd]; k (rotated) and v -> row ``pos`` of the caches [KV, capacity, hd]."""
+                n_kv_heads: int, head_dim: int, q_norm: torch.Tensor | None = None,
+                k_norm: torch.Tensor | None = None, eps: float = 0.0) -> None:
+        """q (rotated) -> ``q_out`` [H*hd]; k (rotated) and v -> row ``pos`` of the caches [KV, capacity, hd].
+        ``q_norm`` / ``k_norm`` [hd]: each head RMS-normed first (Qwen3, Gemma 3)."""
         self.launches += 1
         if self.backend == "torch":
             q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
             q = qkv[:q_dim].reshape(n_heads, head_dim)
             k = qkv[q_dim:q_dim + kv_dim].reshape(n_kv_heads, head_dim)
             v = qkv[q_dim + kv_dim:q_dim + 2 * kv_dim].reshape(n_kv_heads, head_dim)
+            if q_norm is not None:
+                q, k = F.rms_norm(q, (head_dim,), q_norm, eps), F.rms_norm(k, (head_dim,), k_norm, eps)
             if cos is not None:
                 c, s = cos.index_select(0, pos), sin.index_select(0, pos)  # [1, hd]
                 half = head_dim // 2
@@ -168,13 +172,16 @@ class Ops:
             v_cache.index_copy_(1, pos, v[:, None, :].to(v_cache.dtype))
             return
         self.k.rope_kv_kernel[(1,)](qkv, q_out, k_cache, v_cache, cos if cos is not None else qkv,
-                                    sin if sin is not None else qkv, pos, k_cache.shape[1], H=n_heads,
-                                    KV=n_kv_heads, HD=head_dim, ROPE=cos is not None, BQ=_pow2(n_heads * head_dim),
-                                    BK=_pow2(n_kv_heads * head_dim))
+                                    sin if sin is not None else qkv, pos, _or(q_norm, qkv), _or(k_norm, qkv),
+                                    float(eps), k_cache.shape[1], H=n_heads, KV=n_kv_heads, HD=head_dim,
+                                    ROPE=cos is not None, QK_NORM=q_norm is not None, BH=_pow2(n_heads),
+                                    BKV=_pow2(n_kv_heads))
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                  pos: torch.Tensor, scale: float, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
-        """out [H*hd]: each head's softmax(q k^T * scale) v over cache rows 0..pos."""
+                  pos: torch.Tensor, scale: float, n_heads: int, n_kv_heads: int, head_dim: int,
+                  window: int = 0) -> None:
+        """out [H*hd]: each head's softmax(q k^T * scale) v over cache rows 0..pos, or only the last ``window``
+        of them (sliding-window layers; 0: all)."""
         self.launches += 1
         if self.backend == "torch":
             capacity = k_cache.shape[1]
@@ -182,12 +189,13 @@ class Ops:
             keys = k_cache.float().repeat_interleave(group, dim=0)  # [H, cap, hd]
             values = v_cache.float().repeat_interleave(group, dim=0)
             scores = torch.einsum("hd,hcd->hc", q.reshape(n_heads, head_dim), keys) * scale  # [H, cap]
-            visible = torch.arange(capacity, device=q.device) <= pos  # [cap]
+            rows = torch.arange(capacity, device=q.device)
+            visible = (rows <= pos) & ((pos - rows < window) if window > 0 else True)  # [cap]
             probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
             out.copy_(torch.einsum("hc,hcd->hd", probs, values).reshape(-1))
             return
         self.k.attention_kernel[(n_heads,)](q, k_cache, v_cache, out, pos, k_cache.shape[1], float(scale),
-                                            GROUP=n_heads // n_kv_heads, HD=head_dim, BN=32)
+                                            int(window), GROUP=n_heads // n_kv_heads, HD=head_dim, BN=32)
 
     # --- small ops -------------------------------------------------------------------------------
     def embed(self, token: torch.Tensor, table: Mat, x: torch.Tensor, embed_scale: float = 1.0) -> None:
@@ -212,13 +220,19 @@ class Ops:
             return
         self.k.add_kernel[(triton_cdiv(x.numel(), 1024),)](x, y, x.numel(), BC=1024)
 
-    def rmsnorm(self, x: torch.Tensor, norm: torch.Tensor, y: torch.Tensor, eps: float) -> None:
-        """y = rmsnorm(x) * norm."""
+    def rmsnorm(self, x: torch.Tensor, norm: torch.Tensor, y: torch.Tensor, eps: float, add: bool = False) -> None:
+        """y = rmsnorm(x) * norm; with ``add``, y += that (a sandwich norm's output into the residual stream)."""
         self.launches += 1
         if self.backend == "torch":
-            y.copy_(F.rms_norm(x, x.shape, norm, eps))
+            out = F.rms_norm(x, x.shape, norm, eps)
+            y.copy_(y + out if add else out)
             return
-        self.k.rmsnorm_kernel[(1,)](x, norm, y, float(eps), x.numel(), BC=1024)
+        self.k.rmsnorm_kernel[(1,)](x, norm, y, float(eps), x.numel(), RESIDUAL=add, BC=1024)
+
+    def zero(self, x: torch.Tensor) -> None:
+        """x = 0 (an accumulator the hot rows add into)."""
+        self.launches += 1
+        x.zero_()
 
 
 def _or(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:

@@ -30,11 +30,11 @@ def build_program(model, executor, ctx: StepContext, first: int, last: int, head
             raise GpuStepUnavailable(f"layer {layer} has no FFN part")
     if any(not attention_on_tier(model.layers[i]) for i in range(first, last)) and first > 0:
         raise GpuStepUnavailable("host attention only in a whole-model program")
-    rope = (None, None)
-    if model.rope_cos is not None:
-        capacity = max(int(b.self_attn.keys.shape[1]) for b in model.layers if attention_on_tier(b)) \
-            if any(attention_on_tier(b) for b in model.layers) else 1
-        rope = (model.rope_cos[:capacity].contiguous().to(dev), model.rope_sin[:capacity].contiguous().to(dev))
+    rope = {False: (None, None), True: (None, None)}  # by local_rope: the global table, Gemma 3's windowed layers'
+    capacity = max((int(b.self_attn.keys.shape[1]) for b in model.layers if attention_on_tier(b)), default=1)
+    for local, (cos, sin) in ((False, (model.rope_cos, model.rope_sin)), (True, (model.rope_local_cos, model.rope_local_sin))):
+        if cos is not None:
+            rope[local] = (cos[:capacity].contiguous().to(dev), sin[:capacity].contiguous().to(dev))
     actions: list = [Host(lambda: _send_inputs(ctx), "inputs")]
     c_layers = CpuLayers.build(model, executor, first, last)
     c_head = head and executor.tier_head is None and c_layers is not None and c_layers.has_head

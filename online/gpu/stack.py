@@ -146,17 +146,14 @@ def fuse_rows(parts: list) -> Mat:
 
 
 def check_model(model) -> None:
-    """The model families the step covers: RMSNorm, rope, one rope table, no windows or q/k norms."""
+    """The model families the step covers: RMSNorm and rope (with Gemma 3's sandwich norms, q/k norms, local rope
+    table and sliding windows), dense FFNs, power-of-two heads."""
     cfg = model.cfg
     why = None
     if cfg.norm != "rms":
         why = "layer norm"
     elif cfg.position != "rope":
         why = f"{cfg.position} positions"
-    elif cfg.sandwich_norms or cfg.qk_norm or cfg.rope_local_theta:
-        why = "sandwich norms, q/k norms or local rope (Gemma 3, Qwen3)"
-    elif any(cfg.window_of(i) for i in range(cfg.num_layers)):
-        why = "sliding-window attention"
     elif cfg.hidden_act not in SUPPORTED_ACTS:
         why = f"activation {cfg.hidden_act}"
     elif cfg.is_moe:
