@@ -3,7 +3,7 @@
 # made here (.dev/plans: `python -m bench.gpu_bench --gpu-device cpu --hardware h100 --work .dev/plans
 # --tokens 2 --rounds 1` on the CPU tier; the machine has no network and planning there costs device time),
 # a per-token profile, the probe (the GPU step's kernel latency included) and, with PEER=1, the
-# transformers + CUDA graphs peer (PROBE=0 skips the probe). Writes $OUT/gpu.md, $OUT/h100-probed.json and $OUT/log. Expects
+# transformers + CUDA graphs peer (PROBE=0 skips the probe; OMP_AB=1 adds bench.gpu_ab under three OpenMP wait settings). Writes $OUT/gpu.md, $OUT/h100-probed.json and $OUT/log. Expects
 # PYTHONPATH with the staged wheels and models/ assembled.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,4 +20,10 @@ THREADS=${THREADS:-8}
   done
   [ "${PROBE:-1}" = 1 ] && timeout 120 python3 -m tandem.cli probe --threads "$THREADS" --out "$OUT/h100-probed.json" 2>&1 | tail -3
   [ -n "${PEER:-}" ] && timeout 200 python3 -m bench.hf_cuda_graph 2>&1 | tail -3
+  # OMP_AB=1: plans vs layer offload interleaved under libgomp's default, a long spin count and active waiting
+  if [ -n "${OMP_AB:-}" ]; then
+    for env in "X=1" "GOMP_SPINCOUNT=20000000" "OMP_WAIT_POLICY=active"; do
+      echo "A/B with $env"; env "$env" timeout 110 python3 -m bench.gpu_ab --plans .dev/plans --threads "$THREADS" 2>&1 | tail -4
+    done
+  fi
 } 2>&1 | tee "$OUT/log"

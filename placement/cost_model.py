@@ -188,6 +188,22 @@ def layer_uses_gpu(placement: Placement, i: int) -> bool:
                 or np.asarray(placement.gpu_chunks[i], dtype=bool).any())
 
 
+def cpu_run_starts(problem: "PlacementProblem", placement: Placement) -> list[int]:
+    """Dense all-CPU layers that begin a run of them (after a layer that used the GPU, a MoE layer, or at
+    the start): the runtime makes one host call (a fused C call) per run."""
+    layers = problem.layers
+    return [i for i, layer in enumerate(layers) if not layer.is_moe and not layer_uses_gpu(placement, i)
+            and (i == 0 or layers[i - 1].is_moe or layer_uses_gpu(placement, i - 1))]
+
+
+def head_after_gpu(problem: "PlacementProblem", placement: Placement) -> bool:
+    """The output layer on the CPU right after a dense layer that used the GPU: the runtime fetches the
+    residual stream (a sync) and makes a host call of its own for it (else it ends the last CPU run's call)."""
+    last = len(problem.layers) - 1
+    return (not placement.output_head_on_gpu and last >= 0 and not problem.layers[last].is_moe
+            and layer_uses_gpu(placement, last))
+
+
 def entered_cpu_layers(problem: "PlacementProblem", placement: Placement) -> list[int]:
     """Dense layers all on the CPU that the residual stream reaches from the GPU: the runtime fetches it
     there (one sync), after a layer that used the GPU or, for the first layer, after the GPU's embedding.
@@ -211,7 +227,7 @@ def evaluate_placement(problem: "PlacementProblem", placement: Placement) -> Eva
     layer_times, violations = [], []
     for i, layer in enumerate(problem.layers):
         time, layer_kinds, violation = evaluate_layer(
-            layer, problem.layer_sync_s, placement.attention_on_gpu[i], placement.predictor_on_gpu[i],
+            layer, problem.mixed_layer_s, placement.attention_on_gpu[i], placement.predictor_on_gpu[i],
             placement.gpu_chunks[i], placement.expert_option[i], placement.shared_expert_on_gpu[i])
         layer_times.append(time)
         for key, value in layer_kinds.items():
@@ -220,8 +236,12 @@ def evaluate_placement(problem: "PlacementProblem", placement: Placement) -> Eva
             violations.append(i)
     for i in entered_cpu_layers(problem, placement):
         layer_times[i] = replace(layer_times[i], sync_s=layer_times[i].sync_s + problem.layer_sync_s)
+    for i in cpu_run_starts(problem, placement):
+        layer_times[i] = replace(layer_times[i], sync_s=layer_times[i].sync_s + problem.cpu_call_s)
     head = problem.output_head
     output_head_s = head.gpu_s if placement.output_head_on_gpu else head.cpu_s
+    if head_after_gpu(problem, placement):
+        output_head_s += problem.layer_sync_s + problem.cpu_call_s
     kinds["output_head"] = head.gpu_bytes if placement.output_head_on_gpu else 0
     embeddings_s = 0.0
     if problem.embeddings is not None:
@@ -270,6 +290,8 @@ def layer_offload_estimate(problem: "PlacementProblem") -> LayerOffloadEstimate:
     devices = ["cpu"] + ["gpu" if i >= first_gpu_layer else "cpu" for i in range(len(layers))] + ["gpu" if head_on_gpu else "cpu"]
     hand_overs = sum(1 for a, b in zip(devices, devices[1:]) if a != b)
     time_s += hand_overs * problem.hardware.layer_sync_latency_s
+    host_calls = sum(1 for a, b in zip(["gpu"] + devices[1:], devices[1:]) if b == "cpu" and a != "cpu")  # CPU runs
+    time_s += host_calls * problem.cpu_call_s
     return LayerOffloadEstimate(gpu_layers=gpu_layers, output_head_on_gpu=head_on_gpu,
                                 gpu_bytes=used + (problem.buffer_bytes if gpu_layers else 0), time_per_token_s=time_s)
 

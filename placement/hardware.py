@@ -40,6 +40,9 @@ class HardwareProfile:
     # seconds per kernel of the GPU step replayed in a CUDA graph (online/gpu: latency-bound at decode
     # sizes); measured by `tandem probe` on CUDA; 0 = not modeled (and not part of the fingerprint then)
     gpu_launch_s: float = 0.0
+    # seconds per host call of the GPU step's CPU share (one fused C call: an OpenMP region entered while its
+    # threads waited on the GPU); 0 = not modeled (and not part of the fingerprint then)
+    cpu_call_s: float = 0.0
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> TandemError:
@@ -51,7 +54,8 @@ class HardwareProfile:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(f"{key} must be an integer, got {value!r}")
         for key in ("gpu_bandwidth_bytes_per_s", "gpu_matmul_flops", "cpu_bandwidth_bytes_per_s",
-                    "cpu_matmul_flops", "h2d_bandwidth_bytes_per_s", "layer_sync_latency_s", "gpu_launch_s"):
+                    "cpu_matmul_flops", "h2d_bandwidth_bytes_per_s", "layer_sync_latency_s", "gpu_launch_s",
+                    "cpu_call_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise bad(f"{key} must be a finite number >= 0, got {value!r}")
@@ -80,7 +84,7 @@ class HardwareProfile:
         if not isinstance(data, dict):
             raise TandemError(f"{source}: expected a JSON object with the hardware fields")
         known = {f.name for f in dataclasses.fields(cls)}
-        required = known - {"description", "gpu_launch_s"}
+        required = known - {"description", "gpu_launch_s", "cpu_call_s"}
         missing = sorted(required - data.keys())
         unknown = sorted(data.keys() - known)
         if missing:
@@ -93,8 +97,9 @@ class HardwareProfile:
     def fingerprint(self) -> str:
         """Hash of the numbers that change a plan (name and description excluded)."""
         values = {k: v for k, v in self.to_dict().items() if k not in ("name", "description")}
-        if not values["gpu_launch_s"]:
-            del values["gpu_launch_s"]  # profiles from before the term keep their fingerprints
+        for key in ("gpu_launch_s", "cpu_call_s"):
+            if not values[key]:
+                del values[key]  # profiles from before the term keep their fingerprints
         return fingerprint(values)
 
 
@@ -154,7 +159,11 @@ PRESETS: dict[str, HardwareProfile] = {
         layer_sync_latency_s=54e-6,  # measured there by `tandem probe`: a 4 KB round trip
         cpu_threads=8,
         description="NVIDIA H100 80GB + 16-core host (8 threads used), as measured on the lent GPU machine",
-        gpu_launch_s=4.6e-6),  # measured 2026-11-27: 846 us of graph replay for the GPU step's 183 kernels (SmolLM2)
+        gpu_launch_s=4.6e-6,  # measured 2026-11-27: 846 us of graph replay for the GPU step's 183 kernels (SmolLM2)
+        # measured 2026-11-27 (bench.gpu_ab): a second C call per token (the 10% plan's output layer after its GPU
+        # layers, against layer offload's one call) cost 15 us with spinning OpenMP threads, ~250 us with libgomp's
+        # default wait; the lower figure
+        cpu_call_s=15e-6),
     "cpu-only": HardwareProfile(
         name="cpu-only",
         gpu_memory_bytes=0, gpu_bandwidth_bytes_per_s=0.0, gpu_matmul_flops=0.0,  # no GPU

@@ -108,6 +108,7 @@ class _Model:
             emb = problem.embeddings
             self.embeddings_on_gpu = self._binary_unit("embeddings_on_gpu", emb.gpu_bytes, emb.gpu_s, emb.cpu_s)
         self._add_cpu_entries(problem)
+        self._add_host_calls(problem)
         self.lp += pulp.lpSum(self.objective_terms)
         capacity_mib = problem.capacity_bytes / MiB * (1 - CAPACITY_MARGIN_REL) - 1e-6
         self.lp += pulp.lpSum(self.memory_terms) <= capacity_mib, "gpu_budget"
@@ -130,6 +131,25 @@ class _Model:
             entry = self._var(f"cpu_entry_{i}", lowBound=0)
             self.lp += entry >= all_cpu - before, f"cpu_entry_{i}"
             self.objective_terms.append(sync_us * entry)
+
+    def _add_host_calls(self, problem: PlacementProblem) -> None:
+        """One host call per run of all-CPU dense layers, and a sync + call for an output layer on the CPU after a
+        layer that used the GPU: cost_model.cpu_run_starts / head_after_gpu (a mixed layer's call is in its mode)."""
+        call_us, sync_us = problem.cpu_call_s * MICROSECONDS, problem.layer_sync_s * MICROSECONDS
+        if call_us > 0:
+            for i in self.layer_mode:
+                all_cpu = self.layer_mode[i][0]
+                if i == 0 or i - 1 not in self.layer_mode:  # the first layer, or after a MoE layer
+                    self.objective_terms.append(call_us * all_cpu)
+                    continue
+                start = self._var(f"cpu_run_start_{i}", lowBound=0)
+                self.lp += start >= all_cpu - self.layer_mode[i - 1][0], f"cpu_run_start_{i}"
+                self.objective_terms.append(call_us * start)
+        last = len(problem.layers) - 1
+        if call_us + sync_us > 0 and last in self.layer_mode:
+            head_after = self._var("head_after_gpu", lowBound=0)
+            self.lp += head_after >= 1 - self.output_head_on_gpu - self.layer_mode[last][0], "head_after_gpu"
+            self.objective_terms.append((call_us + sync_us) * head_after)
 
     def _var(self, name: str, cat: str = "Continuous", lowBound: float | None = None,
              upBound: float | None = None) -> pulp.LpVariable:
@@ -155,7 +175,7 @@ class _Model:
         gpu_time = attention.gpu_s + ffn_gpu_total + (predictor.gpu_s if predictor else 0.0) \
             + (layer.ffn_launch_s if layer.num_chunks else 0.0)
         gpu_bytes = attention.gpu_bytes + int(layer.chunk_gpu_bytes.sum()) + (predictor.gpu_bytes if predictor else 0)
-        mixed_base = attention.cpu_s + (predictor.cpu_s if predictor else 0.0) + self.problem.layer_sync_s
+        mixed_base = attention.cpu_s + (predictor.cpu_s if predictor else 0.0) + self.problem.mixed_layer_s
         self.objective_terms += [cpu_time * MICROSECONDS * all_cpu, gpu_time * MICROSECONDS * all_gpu,
                                  mixed_base * MICROSECONDS * mixed]
         self.memory_terms.append(gpu_bytes / MiB * all_gpu)
@@ -206,7 +226,7 @@ class _Model:
         for attention in (False, True):
             for shared in shared_choices:
                 for k in range(len(layer.expert_options)):
-                    time, kinds, _ = evaluate_layer(layer, self.problem.layer_sync_s, attention, False,
+                    time, kinds, _ = evaluate_layer(layer, self.problem.mixed_layer_s, attention, False,
                                                     np.zeros(0, dtype=bool), k, shared)
                     var = self._var(f"moe_choice_{i}_{int(attention)}_{int(shared)}_{k}", cat="Binary")
                     combos.append((var, attention, shared, k))

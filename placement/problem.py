@@ -98,6 +98,12 @@ class PlacementProblem:
     output_head: DenseUnit  # with tied embeddings this unit is the shared table (lookup time included)
     embeddings: DenseUnit | None  # None when tied to the output head
     layer_sync_s: float
+    cpu_call_s: float = 0.0  # per host call of the GPU step's CPU share (cost_model.host_calls)
+
+    @property
+    def mixed_layer_s(self) -> float:
+        """What a layer using both devices pays beyond its units: the exchange and the host's call."""
+        return self.layer_sync_s + self.cpu_call_s
 
     @property
     def capacity_bytes(self) -> int:
@@ -273,7 +279,8 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
     return PlacementProblem(config=config, hardware=hardware, settings=settings, gpu_budget_bytes=int(gpu_budget_bytes),
                             buffer_bytes=estimate_buffer_bytes(config, settings) if gpu_enabled else 0,
                             neurons_per_chunk=chunk_size, layers=layers, output_head=output_head, embeddings=embeddings,
-                            layer_sync_s=hardware.layer_sync_latency_s if gpu_enabled else 0.0)
+                            layer_sync_s=hardware.layer_sync_latency_s if gpu_enabled else 0.0,
+                            cpu_call_s=hardware.cpu_call_s if gpu_enabled else 0.0)
 
 
 def _read_seconds(read_bytes: float, bpw: float, hw: HardwareProfile) -> tuple[float, float]:

@@ -206,7 +206,10 @@ def test_cost_model_matches_a_per_neuron_hand_sum():
     assert evaluation.layers[0].ffn_s == pytest.approx(ffn_expected, rel=1e-9)
     assert evaluation.layers[0].attention_s == pytest.approx(attention_expected, rel=1e-9)
     assert evaluation.layers[0].sync_s == 3e-6
-    assert evaluation.time_per_token_s == pytest.approx(ffn_expected + attention_expected + 3e-6 + head_expected, rel=1e-9)
+    # the output layer on the CPU after a layer that used the GPU: the stream fetched for it, a second sync
+    assert evaluation.output_head_s == pytest.approx(problem.output_head.cpu_s + 3e-6, rel=1e-9)
+    assert evaluation.time_per_token_s == pytest.approx(ffn_expected + attention_expected + 2 * 3e-6 + head_expected,
+                                                        rel=1e-9)
     assert evaluation.gpu_bytes_by_kind["ffn_neurons"] == 128 * (3 * d * 2 + 8)
     assert evaluation.gpu_bytes_by_kind["attention_and_kv"] == attention_bytes + 2 * 16 * 64 * 2
 
@@ -598,3 +601,31 @@ def test_a_budget_that_holds_every_unit_exactly_plans_them_all():
     result = solve_placement(tight, greedy_placement(tight), SolverSettings(time_limit_s=20))
     assert sum(result.placement.attention_on_gpu) == config.num_layers - 1
     assert result.objective_s < 1.1 * everything.time_per_token_s < 0.5 * result.greedy_objective_s
+
+
+@pytest.mark.parametrize("seed,budget", [(0, 20_000), (2, 52_000), (3, 9_000)])
+def test_host_calls_are_priced_and_the_ilp_still_matches_brute_force(seed, budget):
+    """``cpu_call_s`` per host call of the GPU step's CPU share (a run of CPU layers, a mixed layer, an output
+    layer on the CPU after the GPU, which also fetches the stream): the ILP optimum equals brute force's."""
+    called = tiny_problem(tiny_config(), budget, hardware=tiny_hardware(cpu_call_s=3e-6), seed=seed)
+    for hot_prefix in (False, True):
+        result = solve_placement(called, greedy_placement(called), dataclasses.replace(EXACT, hot_prefix=hot_prefix))
+        assert result.objective_s == pytest.approx(brute_force_best(called, prefix_only=hot_prefix), rel=1e-7)
+
+
+def test_gpu_layers_first_make_one_host_call_gpu_layers_last_two():
+    """The same units on the GPU: layer 0 (the CPU's layers 1-2 and the output layer are one C call, entered
+    once from the GPU) against layer 2 (layers 0-1 one call, then the output layer a second call after the
+    GPU, with its own fetch). Priced, the first costs one host call less, as the runtime measured."""
+    config = tiny_config(num_layers=3)
+
+    def extra(call_s: float) -> float:
+        problem = tiny_problem(config, 1 << 30, hardware=tiny_hardware(cpu_call_s=call_s), seed=1)
+        base = all_cpu_placement(problem)
+
+        def on_gpu(layer):
+            return dataclasses.replace(base, attention_on_gpu=[i == layer for i in range(3)],
+                                       gpu_chunks=[np.full(l.num_chunks, i == layer) for i, l in enumerate(problem.layers)])
+        return (evaluate_placement(problem, on_gpu(2)).time_per_token_s
+                - evaluate_placement(problem, on_gpu(0)).time_per_token_s)
+    assert extra(5e-6) - extra(0.0) == pytest.approx(5e-6, rel=1e-9)
