@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from placement.ilp import CAPACITY_MARGIN_REL
 
 BENCH_DIR = Path(__file__).resolve().parent
 FRACTIONS = (0.10, 0.25, 0.50, 1.00)
@@ -130,9 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             lambda: Engine.load(args.model, layer_offload=True, gpu_budget_bytes=reserve + 2 * total, gpu_device=device,
                                 context_length=CONTEXT_TOKENS, **threads), None)
     for fraction in (float(f) for f in args.fractions.split(",")):
-        # X% of the model's bytes + the planner's buffer reserve (+ 1 KiB over the ILP's 1 ppm margin: 100% holds
+        # X% of the model's bytes + the planner's buffer reserve (+ the ILP's 1 ppm margin and 1 KiB: 100% holds
         # every unit)
-        budget = reserve + int(fraction * total) + 1024
+        budget = reserve + int(fraction * total)
+        budget += math.ceil(budget * CAPACITY_MARGIN_REL) + 1024
         plan_dir = make_plan_dir(args.model, Path(args.profile), args.hardware, budget,
                                  Path(args.work) / f"plan-{fraction:g}", args.reuse_plans)
         plan = read_plan(plan_dir)

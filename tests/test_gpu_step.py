@@ -13,7 +13,7 @@ from tandem.core.errors import TandemError
 
 from helpers_plans import tier_units_model, tiny_plan
 
-PROMPT = [5, 17, 42, 9, 77, 3, 11, 2]
+PROMPT = [5, 17, 42, 9, 77, 3, 11, 2, 60, 8, 31, 99]  # 12 tokens: past the tiny Gemma 3's 8-token window
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -35,9 +35,11 @@ def test_gpu_program_equals_the_module_path_at_every_split(tiny_model_dir, tmp_p
         got = engine.step_logits(PROMPT)  # every token through the step: its own exchanges only
         syncs_per_token = (tier.exchanges - syncs) / len(PROMPT)
         # whole CPU layers run through the fused C step (int8 activations, as test_layer_offload allows; Gemma 3's
-        # sandwich norms scale that error up: 0.075 of its softcapped +-3 logits, which the fused CPU step shows too)
-        tol = 1e-1 if kind == "gemma3" else 2e-2
+        # sandwich norms scale that error up: up to 0.11 of its softcapped +-3 logits, as the fused CPU step shows
+        # too; the tight check of its GPU program is the dense test below)
+        tol = 1.5e-1 if kind == "gemma3" else 2e-2
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        assert float((got - want).abs().mean()) < tol / 5
         step = engine.compiled_decode
         seen_groups[fraction] = step.graphs_per_token
         result = engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
@@ -94,6 +96,7 @@ def test_gpu_program_with_hot_and_cold_rows_equals_dense(tiny_model_dir, kind, a
     dense = DenseExecutor(model.cfg, ffn)
     cache = KVCache(model.cfg, 16)
     ref = [model(torch.tensor([t]), pos, cache, dense)[0] for pos, t in enumerate(PROMPT)]
+    attention = tuple(attention[i % 2] for i in range(model.cfg.num_layers))  # the pattern over every layer
     model, executor, tier = tier_units_model(folder, attention, head, embeddings)
     step = GpuDecodeStep.build(model, executor, capture=False, backend="torch")
     cache = KVCache(model.cfg, 16)
@@ -195,11 +198,15 @@ def test_cold_rows_and_host_attention_in_c_equal_the_module_path(tiny_model_dir,
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
-def test_host_embedding_and_output_layer_in_c(tiny_model_dir, kind):
+@pytest.mark.parametrize("all_attention_on_tier", [False, True])
+def test_host_embedding_and_output_layer_in_c(tiny_model_dir, kind, all_attention_on_tier):
     """Embeddings and the output layer on the host: the embedding row and the logits come from C calls
-    (tdm_embed, tdm_decode_range over no layers), not the modules; each token equals the module path."""
-    folder, _ = tiny_model_dir(kind)
-    model, executor, ref = _int8_hybrid(folder, (False, True), head=False)
+    (tdm_embed, tdm_decode_range over no layers), not the modules, also where no layer has a part in C
+    (Gemma 3 with every attention on the tier); each token equals the module path."""
+    folder, hf = tiny_model_dir(kind)
+    n = hf.config.num_hidden_layers
+    pattern = tuple(all_attention_on_tier or i % 2 == 1 for i in range(n))
+    model, executor, ref = _int8_hybrid(folder, pattern, head=False)
     assert executor.tier_head is None and executor.head is not None
     step, got, _ = _step_logits(model, executor)
     names = [a.name for a in step.layers.runner_actions]

@@ -37,6 +37,8 @@ class GpuTier:
             raise TandemError(f"GPU budget must be >= 0 bytes, got {budget_bytes}")
         if threads is not None and threads < 1:
             raise TandemError(f"GPU-tier threads must be >= 1, got {threads}")
+        if device.type == "cuda" and device.index is None:  # the index its tensors report (cuda:0), so == holds
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.threads = threads or torch.get_num_threads()  # CPU-kernel threads when the tier is the CPU
         self.budget_bytes = budget_bytes

@@ -1,13 +1,15 @@
 """The CPU's share of a GPU step through the fused C step (decode.c ``tdm_decode_parts``) instead of the
 modules: runs of whole CPU layers in one call, a layer's attention alone where its FFN rows are all on
-the tier, a layer's cold FFN rows alone while the tier computes its hot rows. Each is one C call on the
-residual stream (host), however many layers it holds.
+the tier, a layer's cold FFN rows alone while the tier computes its hot rows, the host's output layer and
+embedding row. Each is one C call on the residual stream (host), however many layers it holds.
 
 Example::
 
     c = CpuLayers.build(model, executor)        # None where the C step does not apply
     c.whole(3), c.attention(3), c.ffn(3)        # which parts of layer 3 the C step runs
     c.run(3, 6, pos, cache, residual, parts=3)  # residual [d] float32 (host), in place
+    c.run(6, 30, pos, cache, residual, logits=out)  # ... then the output layer: out [vocab] (c.has_head)
+    c.embed(token_id, pos, residual)            # the host's embedding row (c.has_embed)
 """
 from __future__ import annotations
 
@@ -28,10 +30,14 @@ def _on_tier(obj) -> bool:
 class CpuLayers:
     """The fused C step's descriptor for the layers with a CPU part (the others blank: never run)."""
 
-    def __init__(self, step, attention: set, ffn: set, hot: set, head: bool = False, embed: bool = False) -> None:
+    def __init__(self, step, attention: set, ffn: set, hot: set, head: bool = False, embed_rows: int = 0) -> None:
         self.step, self._attention, self._ffn, self._hot = step, attention, ffn, hot
-        self.has_head = head    # the descriptor holds the host's output layer (C computes the logits)
-        self.has_embed = embed  # ... and the host's embedding table (C writes the input row)
+        self.has_head = head  # the descriptor holds the host's output layer (C computes the logits)
+        self.embed_rows = embed_rows  # ... and the host's embedding table of that many rows (0: none)
+
+    @property
+    def has_embed(self) -> bool:
+        return self.embed_rows > 0
 
     def attention(self, layer: int) -> bool:
         return layer in self._attention
@@ -68,8 +74,9 @@ class CpuLayers:
             if i in attention or i in ffn:
                 described.append(i)
                 splits.append(split if i in ffn else replace(split, cpu=None, predictor=None))
-        if not described:
-            return None
+        host_embed = hasattr(model.embed_tokens, "weight") and not _on_tier(model.embed_tokens)
+        if not described and executor.head is None and not host_embed:
+            return None  # nothing of the token on the host (its output layer and embedding included)
         try:
             native = load_native()
             layers, keep = FusedDecodeStep._describe_layers(_Subset(model, described), _Splits(executor, splits), native)
@@ -86,9 +93,8 @@ class CpuLayers:
             return None
         finally:
             executor.head = head
-        embed = hasattr(model.embed_tokens, "weight") and not _on_tier(model.embed_tokens) \
-            and hasattr(native.lib, "tdm_embed")
-        return cls(step, attention, ffn, hot, head=head is not None, embed=embed)
+        rows = int(model.embed_tokens.weight.shape[0]) if host_embed and hasattr(native.lib, "tdm_embed") else 0
+        return cls(step, attention, ffn, hot, head=head is not None, embed_rows=rows)
 
     def run(self, first: int, last: int, pos: int, cache, residual: torch.Tensor, parts: int = BOTH,
             logits: torch.Tensor | None = None) -> int:
@@ -108,7 +114,14 @@ class CpuLayers:
 
     def embed(self, token_id: int, pos: int, residual: torch.Tensor) -> None:
         """The token's input row at ``pos`` into ``residual`` [d] (``has_embed``)."""
+        if not 0 <= token_id < self.embed_rows:  # C reads the row unchecked
+            raise TandemError(f"token id {token_id} is outside the vocabulary (0..{self.embed_rows - 1})")
         self.step.native.lib.tdm_embed(ctypes.byref(self.step._desc), token_id, pos, residual.data_ptr())
+
+    @property
+    def vocab(self) -> int:
+        """The output layer's rows (``has_head``; else a stand-in's)."""
+        return int(self.step._desc.vocab)
 
 
 def _c_reads_cold_rows(split) -> bool:

@@ -24,7 +24,8 @@ def attention_on_tier(block) -> bool:
     return getattr(block.self_attn, "on_tier", False)
 
 
-def attention_actions(ctx: StepContext, model, block, layer: int, rope, c_layers: CpuLayers | None) -> list:
+def attention_actions(ctx: StepContext, model, block, layer: int, rope: dict, c_layers: CpuLayers | None) -> list:
+    """``rope``: local_rope (bool) -> (cos, sin) tables on the device (Gemma 3's windowed layers use the local one)."""
     if attention_on_tier(block):
         return [_tier_attention(ctx, block, layer, model.cfg, rope)]
     if c_layers is not None and c_layers.attention(layer):
@@ -105,6 +106,7 @@ def ffn_actions(ctx: StepContext, executor, block, layer: int, input_on_host: bo
     norm2 = _device_copy(block.post_attention_layernorm.weight, ctx.device)
     # the FFN output's own norm: applied here unless a whole FFN runs in C (which applies it itself)
     post = _device_copy(block.ffn_output_norm.weight, ctx.device) if cfg.sandwich_norms and not cold_in_c else None
+    assert not (cfg.sandwich_norms and cold_in_c and hot is not None), "C norms its share: CpuLayers keeps these out"
     acc = ctx.buffer("ffn_out", cfg.hidden_size) if post is not None else ctx.x  # what the FFN's rows add into
     actions = []
     if cold is not None and not input_on_host:  # the cold rows' input, fetched while the hot rows run
@@ -173,7 +175,7 @@ def c_layer_run(ctx: StepContext, executor, c_layers: CpuLayers, first: int, las
     output layer (into ``ctx.state["logits"]``) and the residual stream stays on the host."""
     n_ff = sum(executor.splits[i].cpu_neurons.numel() for i in range(first, last))
     counters = executor.counters
-    vocab = int(c_layers.step._desc.vocab)
+    vocab = c_layers.vocab
 
     def run() -> None:
         x = ctx.residual_on_host()

@@ -73,7 +73,7 @@ def _send_inputs(ctx: StepContext) -> None:
 def _embedding(ctx: StepContext, model, c_layers: CpuLayers | None) -> list:
     table = getattr(model.embed_tokens, "table", None)
     scale = float(model.cfg.embed_scale)
-    if table is not None and _same_device(table.data.device, ctx.device):
+    if table is not None and table.data.device == ctx.device:  # (GpuTier keeps the index: cuda:0)
         mat = Mat.of(table)
         return [Launch(lambda: ctx.ops.embed(ctx.token, mat, ctx.x, scale), "embed")]
 
@@ -87,12 +87,6 @@ def _embedding(ctx: StepContext, model, c_layers: CpuLayers | None) -> list:
         ctx.x_host.copy_(model.embed(torch.tensor([ctx.state["token_id"]]), ctx.state["pos"])[0])
         ctx.send_residual()
     return [Host(on_host, "host embedding")]
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """``cuda`` and ``cuda:0`` are one device (the tier is created as ``cuda``, its tensors say ``cuda:0``)."""
-    index = lambda d: d.index if d.index is not None else (torch.cuda.current_device() if d.type == "cuda" else None)  # noqa: E731
-    return a.type == b.type and index(a) == index(b)
 
 
 def _logits(ctx: StepContext, model, executor) -> list:

@@ -54,7 +54,7 @@ class StepContext:
     x_host: torch.Tensor  # [d]
     hn_host: torch.Tensor
     y_cold_host: torch.Tensor
-    scratch: dict = field(default_factory=dict)  # shared by name: qkv, q, attn, h, logits
+    scratch: dict = field(default_factory=dict)  # shared by name: qkv, q, attn, o_out, h, ffn_out, logits
     state: dict = field(default_factory=dict)  # token_id, pos, cache, logits (host) of the step in flight
     syncs: int = 0
     link_bytes: int = 0
