@@ -132,8 +132,8 @@ def test_step_batch_paged_gemma_equals_contiguous_single_steps(tiny_model_dir):
 @pytest.mark.parametrize("kind", KINDS)
 def test_layer_offload_range_step(tiny_model_dir, kind):
     """No tier layers: the range step (embedding scaled in torch) is the whole-model step, bit for bit.
-    One tier layer: Qwen3's runs; Gemma 3's tier layers would need sandwich norms and the local rope
-    table in the Python loop, so that engine decodes through the modules and says why."""
+    One tier layer (through the model's own layer loop: Gemma 3's sandwich norms and local rope table
+    included) + the C range: as the module path, within the C step's int8 activations."""
     from online.engine import Engine
     from online.execution.layer_offload import layer_tier_bytes
     folder, _ = tiny_model_dir(kind)
@@ -144,10 +144,8 @@ def test_layer_offload_range_step(tiny_model_dir, kind):
     budget = layer_tier_bytes(offload.config, "q8", torch.float16, offload.max_context) + 100
     one = Engine.load(folder, weight_format="int8", layer_offload=True, gpu_budget_bytes=budget)
     assert one.layer_offload_gpu_layers == 1
-    if kind == "gemma3":
-        assert one.decode_path == "modules" and "Gemma 3" in one.decode_path_reason
-    else:
-        modules = Engine.load(folder, weight_format="int8", layer_offload=True, gpu_budget_bytes=budget,
-                              fused_decode=False)
-        assert one.decode_path == "layer-offload"
-        torch.testing.assert_close(one.step_logits(PROMPT), modules.step_logits(PROMPT), rtol=0.02, atol=0.02)
+    modules = Engine.load(folder, weight_format="int8", layer_offload=True, gpu_budget_bytes=budget,
+                          fused_decode=False)
+    assert one.decode_path == "layer-offload"
+    tol = 0.1 if kind == "gemma3" else 0.02  # int8 activations through Gemma's sandwich norms (softcapped +-3)
+    torch.testing.assert_close(one.step_logits(PROMPT), modules.step_logits(PROMPT), rtol=tol, atol=tol)

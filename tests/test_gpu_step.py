@@ -111,7 +111,7 @@ def test_gpu_program_with_hot_and_cold_rows_equals_dense(tiny_model_dir, kind, a
     assert tier.exchanges - before == model.cfg.num_layers + 1 - (0 if attention[0] or embedded_on_tier else 1)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
 def test_layer_offload_tier_layers_as_one_program(tiny_model_dir, kind):
     """--layer-offload with its tier layer run as the GPU program (torch ops, eager) + the C range equals
     the same engine through the modules, with one exchange per token."""
@@ -127,7 +127,10 @@ def test_layer_offload_tier_layers_as_one_program(tiny_model_dir, kind):
     before = tier.exchanges
     got = engine.step_logits(PROMPT)
     assert (tier.exchanges - before) == len(PROMPT)
-    torch.testing.assert_close(got, reference, rtol=2e-3, atol=2e-3)
+    # the tier layers agree to float noise (1e-6 relative); the C layers after them quantize activations to int8,
+    # which Gemma 3's sandwich norms turn into up to 1e-2 of its softcapped logits
+    tol = 2e-2 if kind == "gemma3" else 2e-3
+    torch.testing.assert_close(got, reference, rtol=tol, atol=tol)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the captured graphs and Triton kernels")

@@ -131,13 +131,7 @@ class LayerOffloadStep(FusedDecodeStep):
             res = self.gpu_layers.ctx.x_host.clone()  # [d]
         else:
             x = model.embed(torch.tensor([token_id]), pos)  # [1, d]
-            cos = sin = None
-            if model.rope_cos is not None:
-                cos, sin = model.rope_cos[pos:pos + 1], model.rope_sin[pos:pos + 1]
-            for layer in range(k):
-                block = model.layers[layer]
-                x = x + block.self_attn(block.input_layernorm(x), layer, pos, cache, cos, sin)
-                x = x + self.executor.forward(layer, block.post_attention_layernorm(x))
+            x = model.forward_layers(x, pos, cache, self.executor, 0, k)
             res = x[0].contiguous().clone()  # [d] float32, updated in place by C
         logits = torch.empty(self._desc.vocab, dtype=torch.float32)
         active = self.native.lib.tdm_decode_range(ctypes.byref(self._desc), k, self.cfg.num_layers, pos,
@@ -164,8 +158,6 @@ class _SplitView:
 def _check_model_range(model, executor, n_gpu_layers: int) -> None:
     """The fused step's checks, on the CPU layers only."""
     cpu_blocks = list(model.layers)[n_gpu_layers:]
-    if n_gpu_layers and (model.cfg.sandwich_norms or model.cfg.rope_local_theta):
-        raise FusedDecodeUnavailable("no fused decode: layer offload runs Gemma 3's tier layers through the modules")
 
     class _M:
         cfg, embed_tokens = model.cfg, model.embed_tokens

@@ -132,22 +132,29 @@ class DecoderModel(nn.Module):
             x = x + self.embed_positions.weight[offset: offset + token_ids.shape[0]]
         return x
 
-    def forward(self, token_ids: torch.Tensor, start_pos: int, cache: KVCache, executor,
-                all_logits: bool = False) -> torch.Tensor:
-        """token_ids [T] at positions start_pos.. -> logits [T or 1, vocab] (float32)."""
-        n_tokens = token_ids.shape[0]
-        x = self.embed(token_ids, start_pos)  # [T, d]
+    def forward_layers(self, x: torch.Tensor, start_pos: int, cache: KVCache, executor, first: int,
+                       last: int) -> torch.Tensor:
+        """The residual stream x [T, d] at positions start_pos.. through layers [first, last)."""
+        n_tokens = x.shape[0]
         tables = {}
         for local, (cos_t, sin_t) in ((False, (self.rope_cos, self.rope_sin)),
                                       (True, (self.rope_local_cos, self.rope_local_sin))):
             if cos_t is not None:
                 tables[local] = (cos_t[start_pos: start_pos + n_tokens], sin_t[start_pos: start_pos + n_tokens])  # [T, hd]
-        for layer, block in enumerate(self.layers):
+        for layer in range(first, last):
+            block = self.layers[layer]
             cos, sin = tables.get(block.self_attn.local_rope, (None, None))
             h = block.self_attn(block.input_layernorm(x), layer, start_pos, cache, cos, sin)  # [T, d]
             x = x + (block.attn_output_norm(h) if self.cfg.sandwich_norms else h)
             h = executor.forward(layer, block.post_attention_layernorm(x))  # [T, d]
             x = x + (block.ffn_output_norm(h) if self.cfg.sandwich_norms else h)
+        return x
+
+    def forward(self, token_ids: torch.Tensor, start_pos: int, cache: KVCache, executor,
+                all_logits: bool = False) -> torch.Tensor:
+        """token_ids [T] at positions start_pos.. -> logits [T or 1, vocab] (float32)."""
+        x = self.embed(token_ids, start_pos)  # [T, d]
+        x = self.forward_layers(x, start_pos, cache, executor, 0, len(self.layers))
         x = self.norm(x if all_logits else x[-1:])  # [T or 1, d]
         logits = executor.output_logits(x, self.lm_head.weight)  # [T or 1, vocab]
         cap = self.cfg.final_logit_softcap
