@@ -69,8 +69,8 @@ class CpuLayers:
                 attention.add(i)
             if split.gpu is not None:
                 hot.add(i)
-            if _c_reads_cold_rows(split) and not (cfg.sandwich_norms and split.gpu is not None):
-                ffn.add(i)  # (C norms the FFN output it computes: a sandwich norm needs the hot rows' share first)
+            if _c_reads_cold_rows(split):
+                ffn.add(i)
             if i in attention or i in ffn:
                 described.append(i)
                 splits.append(split if i in ffn else replace(split, cpu=None, predictor=None))
@@ -82,6 +82,9 @@ class CpuLayers:
             layers, keep = FusedDecodeStep._describe_layers(_Subset(model, described), _Splits(executor, splits), native)
         except (NativeUnavailable, FusedDecodeUnavailable, TandemError, AttributeError):
             return None
+        for i, layer in zip(described, layers):
+            if i in hot:  # C adds only the cold rows' share; the tier norms the sum (Gemma 3's sandwich norm)
+                layer.ffn_out_norm = None
         by_layer = dict(zip(described, layers))
         full = [by_layer.get(i, TdmLayer()) for i in range(model.cfg.num_layers)]
         head = executor.head

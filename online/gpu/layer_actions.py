@@ -104,9 +104,10 @@ def ffn_actions(ctx: StepContext, executor, block, layer: int, input_on_host: bo
     n_hot = hot.neurons.numel() if hot is not None else 0
     counters = executor.counters
     norm2 = _device_copy(block.post_attention_layernorm.weight, ctx.device)
-    # the FFN output's own norm: applied here unless a whole FFN runs in C (which applies it itself)
-    post = _device_copy(block.ffn_output_norm.weight, ctx.device) if cfg.sandwich_norms and not cold_in_c else None
-    assert not (cfg.sandwich_norms and cold_in_c and hot is not None), "C norms its share: CpuLayers keeps these out"
+    # the FFN output's own norm: applied here, after the hot and cold rows are summed, unless the whole FFN runs
+    # in C (which applies it itself; for a layer with hot rows CpuLayers leaves it out of the C call)
+    whole_in_c = cold_in_c and hot is None
+    post = _device_copy(block.ffn_output_norm.weight, ctx.device) if cfg.sandwich_norms and not whole_in_c else None
     acc = ctx.buffer("ffn_out", cfg.hidden_size) if post is not None else ctx.x  # what the FFN's rows add into
     actions = []
     if cold is not None and not input_on_host:  # the cold rows' input, fetched while the hot rows run
