@@ -236,3 +236,55 @@ def test_gate_biases_keep_the_cold_rows_in_python(tmp_path):
     assert c_layers is not None and not any(c_layers.ffn(i) for i in range(2)) and c_layers.attention(1)
     _, got, _ = _step_logits(model, executor)
     torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("act", ["relu", "silu"])
+def test_predictor_gated_cold_rows_in_c_beside_hot_rows_on_the_tier(tiny_model_dir, act):
+    """PowerInfer's layer: 40 hot rows on the tier, the cold rows gated by the layer's predictor on the host.
+    The C call scores only the cold rows (the predictor's output rows sliced to them) and reads only the
+    predicted ones; each token equals the module path, which maps the whole layer's prediction to them."""
+    import dataclasses
+    from online.execution.gpu_tier import GpuTier
+    from online.execution.hybrid import ExecutionSettings, HybridExecutor
+    from online.execution.quantized_linear import quantize_attention
+    from online.execution.tier_units import place_plan_units
+    from online.gpu.cpu_runs import CpuLayers
+    from predictors.model import LayerEntry, LayerPredictor, PredictorSet
+    from predictors.runtime import LayerGate
+    from tandem.core.kv_cache import KVCache
+    from tandem.core.loading.hf_loader import load_hf_folder
+    from tandem.core.model.build import build_model
+    folder, _ = tiny_model_dir("llama")
+    ckpt = load_hf_folder(folder)
+    ckpt = dataclasses.replace(ckpt, config=dataclasses.replace(ckpt.config, hidden_act=act))
+    model, ffn = build_model(ckpt)
+    cfg, n = model.cfg, model.cfg.num_layers
+    torch.manual_seed(2)
+    pset = PredictorSet([LayerEntry("predictor", LayerPredictor(cfg.hidden_size, 32, cfg.intermediate_size).eval()
+                                    .requires_grad_(False), threshold=0.0) for _ in range(n)])  # ~half predicted
+    gates = [LayerGate(pset, i) for i in range(n)]
+    gen = torch.Generator().manual_seed(3)
+    hot = [torch.randperm(cfg.intermediate_size, generator=gen)[:40] for _ in range(n)]
+    tier = GpuTier.create(1 << 24, "cpu")
+    settings = ExecutionSettings(weight_format="int8", down_format="fp32", sparse=True, threads=1)
+    executor = HybridExecutor.build(cfg, ffn, tier, settings, gpu_neurons=hot, thresholds=[0.0 if act == "relu" else 0.01] * n,
+                                    predictors=gates, head_weight=model.lm_head.weight)
+    place_plan_units(model, executor, tier, attention_on_gpu=[True] * n, output_head_on_gpu=True, embeddings_on_gpu=False,
+                     tier_format="q8", kv_dtype=torch.float32, kv_capacity_tokens=16)
+    quantize_attention(model, "int8", 1, {})
+    c_layers = CpuLayers.build(model, executor)
+    assert c_layers is not None and all(c_layers.ffn(i) and not c_layers.whole(i) for i in range(n))
+    cache = KVCache(cfg, 16)
+    with torch.inference_mode():
+        ref = torch.stack([model(torch.tensor([t]), pos, cache, executor)[0] for pos, t in enumerate(PROMPT)])
+    active_module = executor.counters.ffn_neurons_active
+    step, got, _ = _step_logits(model, executor)
+    names = [a.name for a in step.layers.runner_actions]
+    assert sum(a.startswith("cold FFN") for a in names) == n
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)  # C: int8 activations
+    # the predictor gates the cold rows in C as in the modules: about as many neurons computed (a row at the
+    # predictor's threshold may flip under int8 activations)
+    active_step = executor.counters.ffn_neurons_active - active_module
+    assert abs(active_step - active_module) <= 0.05 * active_module
+    total = len(PROMPT) * n * cfg.intermediate_size
+    assert active_module < 0.75 * total  # the predictor (and ReLU's zeros) did leave rows out

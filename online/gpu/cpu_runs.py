@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
@@ -73,7 +74,11 @@ class CpuLayers:
                 ffn.add(i)
             if i in attention or i in ffn:
                 described.append(i)
-                splits.append(split if i in ffn else replace(split, cpu=None, predictor=None))
+                if i not in ffn:
+                    split = replace(split, cpu=None, predictor=None)
+                elif split.gpu is not None and split.predictor is not None:  # score the cold rows only
+                    split = replace(split, predictor=_ColdRowsGate(split.predictor, split.cpu_neurons))
+                splits.append(split)
         host_embed = hasattr(model.embed_tokens, "weight") and not _on_tier(model.embed_tokens)
         if not described and executor.head is None and not host_embed:
             return None  # nothing of the token on the host (its output layer and embedding included)
@@ -129,13 +134,25 @@ class CpuLayers:
 
 def _c_reads_cold_rows(split) -> bool:
     """The C step computes the split's cold rows: no gate bias (decode.c reads only up's), a predictor only
-    as an MLP scorer on the host and only where the CPU part holds every neuron (its rows are the layer's)."""
+    as an MLP scorer on the host (with hot rows on the tier, restricted to the cold rows: _ColdRowsGate)."""
     cpu = split.cpu
     if cpu is None or getattr(cpu, "gate_bias", None) is not None and cpu.gate_bias.size:
         return False
     if split.predictor is None:
         return True
-    return split.gpu is None and not _on_tier(split.predictor) and getattr(split.predictor, "module", None) is not None
+    return not _on_tier(split.predictor) and getattr(split.predictor, "module", None) is not None
+
+
+class _ColdRowsGate:
+    """A layer's predictor (``predictors.runtime.LayerGate``) scoring only its cold rows, in the CPU part's
+    order: the scorer's output rows ``up`` sliced to those neurons. The C step then gates the cold part like a
+    layer of its own (PowerInfer: the CPU predicts and computes only its cold neurons)."""
+
+    def __init__(self, gate, cold_neurons: torch.Tensor) -> None:
+        module = gate.module
+        up = SimpleNamespace(weight=module.up.weight.detach()[cold_neurons], bias=module.up.bias.detach()[cold_neurons])
+        self.module = SimpleNamespace(down=module.down, up=up)  # down [rank, d]; up [n_cold, rank]
+        self.threshold = gate.threshold
 
 
 class _RangeModel:
