@@ -20,6 +20,13 @@ THREADS=${THREADS:-8}
   done
   [ "${PROBE:-1}" = 1 ] && timeout 120 python3 -m tandem.cli probe --threads "$THREADS" --out "$OUT/h100-probed.json" 2>&1 | tail -3
   [ -n "${PEER:-}" ] && timeout 200 python3 -m bench.hf_cuda_graph 2>&1 | tail -3
+  # Gemma 3 270M when staged (bench/gpu_stage_model.sh; plans made here into .dev/g3plans, its profile carried)
+  g3=models/gemma-3-270m-q4_k_m.gguf
+  if [ -f "$g3" ] && [ -d .dev/g3plans ]; then
+    timeout 300 python3 -m bench.gpu_bench --model "$g3" --profile profiles/gemma-3-270m-q4_k_m/profile --hardware h100 \
+      --reuse-plans --work .dev/g3plans --tokens ${TOKENS:-64} --rounds ${ROUNDS:-3} --threads "$THREADS" \
+      --out "$OUT/gpu_gemma3.md" 2>&1 | grep -v Warning
+  fi
   # OMP_AB=1: plans vs layer offload interleaved under libgomp's default, a long spin count and active waiting
   if [ -n "${OMP_AB:-}" ]; then
     for env in "X=1" "GOMP_SPINCOUNT=20000000" "OMP_WAIT_POLICY=active"; do
