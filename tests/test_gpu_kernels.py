@@ -87,12 +87,14 @@ def test_matvec_t_accumulates_down_rows(fmt):
     torch.testing.assert_close(outs[1], start + h @ w.dequantize() + bias, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("rope,hd,qk_norm,window", [(True, 16, False, 0), (False, 16, False, 0), (True, 64, False, 0),
-                                                    (True, 32, True, 0), (True, 32, True, 8), (False, 16, True, 50)])
-def test_rope_kv_write_then_attention(rope, hd, qk_norm, window):
+@pytest.mark.parametrize("rope,hd,qk_norm,window,heads", [
+    (True, 16, False, 0, (6, 2)), (False, 16, False, 0, (6, 2)), (True, 64, False, 0, (6, 2)),
+    (True, 32, True, 0, (6, 2)), (True, 32, True, 8, (6, 2)), (False, 16, True, 50, (6, 2)),
+    (True, 256, True, 8, (4, 1))])  # the last: Gemma 3 270M's heads (one k/v head of 256)
+def test_rope_kv_write_then_attention(rope, hd, qk_norm, window, heads):
     """Per-head q/k norms (Qwen3, Gemma 3) and sliding windows (8 rows; 50 > pos: all) included."""
     tri, ref = _both()
-    H, KV, cap = 6, 2, 40
+    (H, KV), cap = heads, 40
     g = torch.Generator().manual_seed(5)
     past_k = torch.randn(KV, cap, hd, generator=g).half().to(DEVICE)
     past_v = torch.randn(KV, cap, hd, generator=g).half().to(DEVICE)

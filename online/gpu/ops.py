@@ -174,8 +174,8 @@ class Ops:
         self.k.rope_kv_kernel[(1,)](qkv, q_out, k_cache, v_cache, cos if cos is not None else qkv,
                                     sin if sin is not None else qkv, pos, _or(q_norm, qkv), _or(k_norm, qkv),
                                     float(eps), k_cache.shape[1], H=n_heads, KV=n_kv_heads, HD=head_dim,
-                                    ROPE=cos is not None, QK_NORM=q_norm is not None, BH=_pow2(n_heads),
-                                    BKV=_pow2(n_kv_heads))
+                                    ROPE=cos is not None, QK_NORM=q_norm is not None, BH=max(2, _pow2(n_heads)),
+                                    BKV=max(2, _pow2(n_kv_heads)))  # (a 1-wide arange: avoided)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                   pos: torch.Tensor, scale: float, n_heads: int, n_kv_heads: int, head_dim: int,
