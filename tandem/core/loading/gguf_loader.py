@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import re
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,15 @@ def read_gguf(path: str | Path) -> tuple[GGUFHeader, dict[str, Any]]:
     return header, header.fields
 
 
+def _decode_workers() -> int:
+    """Threads that decode tensors at load: the CPUs this process may use, at most 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus))
+
+
 def _release_pages(reader: Any, offset: int, nbytes: int) -> None:
     """Drop the decoded bytes' file pages from this process's RSS (they stay readable, from the page cache)."""
     mm = getattr(reader.data, "_mmap", None)
@@ -93,18 +104,26 @@ def load_gguf(path: str | Path, with_tokenizer: bool = True) -> Checkpoint:
     config = config_from_gguf(fields, by_name, tokenizer)
     tensors: dict[str, torch.Tensor] = {}
     raw: dict[str, RawQuantTensor] = {}
-    for t in reader.tensors:
-        if t.name in _IGNORED:
-            continue
-        for name, qtype, shape, data in _canonical_pieces(t, config, arch):
-            out = torch.empty(shape, dtype=torch.float32)
-            dequantize(data, qtype, shape, out=out.numpy())
-            if name.endswith("shared_expert_gate.weight"):
-                out = out.reshape(1, -1)  # [1, d]
-                shape = tuple(out.shape)
-            tensors[name] = out
-            raw[name] = RawQuantTensor(qtype=qtype, shape=shape, data=data)
-        _release_pages(reader, t.data_offset, t.n_bytes)
+    # numpy's decoding releases the GIL: tensors decode on a few threads, each file's pages dropped once decoded
+    with ThreadPoolExecutor(max_workers=_decode_workers()) as pool:
+        pending = []
+        for t in reader.tensors:
+            if t.name in _IGNORED:
+                continue
+            jobs = []
+            for name, qtype, shape, data in _canonical_pieces(t, config, arch):
+                out = torch.empty(shape, dtype=torch.float32)
+                jobs.append(pool.submit(dequantize, data, qtype, shape, out.numpy()))
+                if name.endswith("shared_expert_gate.weight"):
+                    out = out.reshape(1, -1)  # [1, d] (a view: filled by the job above)
+                    shape = tuple(out.shape)
+                tensors[name] = out
+                raw[name] = RawQuantTensor(qtype=qtype, shape=shape, data=data)
+            pending.append((t, jobs))
+        for t, jobs in pending:
+            for job in jobs:
+                job.result()  # (re-raises a decoding error)
+            _release_pages(reader, t.data_offset, t.n_bytes)
     _check_tensors(config, tensors, path)
     return Checkpoint(config=config, tensors=tensors, source_path=path.resolve(),
                       model_id=path.stem, tokenizer=tokenizer, quant_types={k: v.qtype for k, v in raw.items()},
