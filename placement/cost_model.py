@@ -208,15 +208,9 @@ def entered_cpu_layers(problem: "PlacementProblem", placement: Placement) -> lis
     """Dense layers all on the CPU that the residual stream reaches from the GPU: the runtime fetches it
     there (one sync), after a layer that used the GPU or, for the first layer, after the GPU's embedding.
     Runs of CPU layers pay once (the fused C step runs them in one call)."""
-    layers = problem.layers
     emb_gpu = placement.output_head_on_gpu if problem.embeddings is None else placement.embeddings_on_gpu
-    out = []
-    for i, layer in enumerate(layers):
-        if layer.is_moe or layer_uses_gpu(placement, i):
-            continue
-        if (i == 0 and emb_gpu) or (i > 0 and not layers[i - 1].is_moe and layer_uses_gpu(placement, i - 1)):
-            out.append(i)
-    return out
+    return [i for i in cpu_run_starts(problem, placement)  # a start after a dense layer follows one using the GPU
+            if (i == 0 and emb_gpu) or (i > 0 and not problem.layers[i - 1].is_moe)]
 
 
 def evaluate_placement(problem: "PlacementProblem", placement: Placement) -> Evaluation:
@@ -290,7 +284,8 @@ def layer_offload_estimate(problem: "PlacementProblem") -> LayerOffloadEstimate:
     devices = ["cpu"] + ["gpu" if i >= first_gpu_layer else "cpu" for i in range(len(layers))] + ["gpu" if head_on_gpu else "cpu"]
     hand_overs = sum(1 for a, b in zip(devices, devices[1:]) if a != b)
     time_s += hand_overs * problem.hardware.layer_sync_latency_s
-    host_calls = sum(1 for a, b in zip(["gpu"] + devices[1:], devices[1:]) if b == "cpu" and a != "cpu")  # CPU runs
+    on = devices[1:]  # the layers' and the head's devices
+    host_calls = sum(1 for i, dev in enumerate(on) if dev == "cpu" and (i == 0 or on[i - 1] != "cpu"))  # CPU runs
     time_s += host_calls * problem.cpu_call_s
     return LayerOffloadEstimate(gpu_layers=gpu_layers, output_head_on_gpu=head_on_gpu,
                                 gpu_bytes=used + (problem.buffer_bytes if gpu_layers else 0), time_per_token_s=time_s)

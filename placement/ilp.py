@@ -107,44 +107,32 @@ class _Model:
         if problem.embeddings is not None:
             emb = problem.embeddings
             self.embeddings_on_gpu = self._binary_unit("embeddings_on_gpu", emb.gpu_bytes, emb.gpu_s, emb.cpu_s)
-        self._add_cpu_entries(problem)
-        self._add_host_calls(problem)
+        self._add_cpu_runs(problem)
         self.lp += pulp.lpSum(self.objective_terms)
         capacity_mib = problem.capacity_bytes / MiB * (1 - CAPACITY_MARGIN_REL) - 1e-6
         self.lp += pulp.lpSum(self.memory_terms) <= capacity_mib, "gpu_budget"
 
-    def _add_cpu_entries(self, problem: PlacementProblem) -> None:
-        """A sync where the residual stream enters a run of all-CPU layers from the GPU (after a layer using
-        it, or after the GPU's embedding): cost_model.entered_cpu_layers."""
-        sync_us = problem.layer_sync_s * MICROSECONDS
-        if sync_us <= 0:
-            return
+    def _add_cpu_runs(self, problem: PlacementProblem) -> None:
+        """Runs of all-CPU dense layers: a host call each (cost_model.cpu_run_starts), and a sync where the residual
+        stream enters one from the GPU, after a layer using it or the GPU's embedding (entered_cpu_layers); a sync
+        + call for an output layer on the CPU after a layer that used the GPU (head_after_gpu). A mixed layer's
+        call is in its mode."""
+        call_us, sync_us = problem.cpu_call_s * MICROSECONDS, problem.layer_sync_s * MICROSECONDS
         emb = self.embeddings_on_gpu if self.embeddings_on_gpu is not None else self.output_head_on_gpu
         for i in self.layer_mode:
             all_cpu = self.layer_mode[i][0]
-            if i == 0:
-                before = 1 - emb  # "the layer before is all on the CPU" = the embedding is on the host
-            elif i - 1 in self.layer_mode:
-                before = self.layer_mode[i - 1][0]
-            else:
-                continue  # after a MoE layer: not modeled (as the evaluator)
-            entry = self._var(f"cpu_entry_{i}", lowBound=0)
-            self.lp += entry >= all_cpu - before, f"cpu_entry_{i}"
-            self.objective_terms.append(sync_us * entry)
-
-    def _add_host_calls(self, problem: PlacementProblem) -> None:
-        """One host call per run of all-CPU dense layers, and a sync + call for an output layer on the CPU after a
-        layer that used the GPU: cost_model.cpu_run_starts / head_after_gpu (a mixed layer's call is in its mode)."""
-        call_us, sync_us = problem.cpu_call_s * MICROSECONDS, problem.layer_sync_s * MICROSECONDS
-        if call_us > 0:
-            for i in self.layer_mode:
-                all_cpu = self.layer_mode[i][0]
-                if i == 0 or i - 1 not in self.layer_mode:  # the first layer, or after a MoE layer
-                    self.objective_terms.append(call_us * all_cpu)
-                    continue
-                start = self._var(f"cpu_run_start_{i}", lowBound=0)
-                self.lp += start >= all_cpu - self.layer_mode[i - 1][0], f"cpu_run_start_{i}"
-                self.objective_terms.append(call_us * start)
+            if i - 1 in self.layer_mode:  # after a dense layer: one run start, entered from the GPU
+                if call_us + sync_us > 0:
+                    start = self._var(f"cpu_run_start_{i}", lowBound=0)
+                    self.lp += start >= all_cpu - self.layer_mode[i - 1][0], f"cpu_run_start_{i}"
+                    self.objective_terms.append((call_us + sync_us) * start)
+                continue
+            if call_us > 0:  # the first layer, or after a MoE layer (not entered)
+                self.objective_terms.append(call_us * all_cpu)
+            if i == 0 and sync_us > 0:
+                entry = self._var("cpu_entry_0", lowBound=0)
+                self.lp += entry >= all_cpu - (1 - emb), "cpu_entry_0"  # after the GPU's embedding
+                self.objective_terms.append(sync_us * entry)
         last = len(problem.layers) - 1
         if call_us + sync_us > 0 and last in self.layer_mode:
             head_after = self._var("head_after_gpu", lowBound=0)

@@ -98,7 +98,7 @@ class PlacementProblem:
     output_head: DenseUnit  # with tied embeddings this unit is the shared table (lookup time included)
     embeddings: DenseUnit | None  # None when tied to the output head
     layer_sync_s: float
-    cpu_call_s: float = 0.0  # per host call of the GPU step's CPU share (cost_model.host_calls)
+    cpu_call_s: float = 0.0  # per host call of the GPU step's CPU share (cost_model.cpu_run_starts)
 
     @property
     def mixed_layer_s(self) -> float:
