@@ -48,9 +48,10 @@ def measure(engine, context: int, rounds: int, counts=TOKEN_COUNTS) -> list[dict
     return rows
 
 
-def measure_batch(engine, context: int, rounds: int, n_seqs: int = 8, block_tokens: int = 16) -> dict:
-    """One decode step of ``n_seqs`` sequences (one token each, histories of different lengths, a
-    paged pool with shuffled blocks) through ``step_batch`` vs one single-token step."""
+def batch_fixture(engine, context: int, n_seqs: int = 8, block_tokens: int = 16):
+    """A paged pool holding ``n_seqs`` histories of different lengths (context, context + 8, ...) in
+    shuffled blocks, and a contiguous cache with a ``context``-token history. Returns (decode step of
+    the batch, single-token step): two no-argument callables."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -71,10 +72,17 @@ def measure_batch(engine, context: int, rounds: int, n_seqs: int = 8, block_toke
     cache = KVCache(cfg, context + 1)
     step.step_many([(7 * i + 3) % cfg.vocab_size for i in range(context)], 0, cache)
     tokens = [(11 * s + 5) % cfg.vocab_size for s in range(n_seqs)]
+    return (lambda: step.step_batch(tokens, lengths, tables, pool)), (lambda: step(tokens[0], context, cache))
+
+
+def measure_batch(engine, context: int, rounds: int, n_seqs: int = 8, block_tokens: int = 16) -> dict:
+    """One decode step of ``n_seqs`` sequences (one token each, histories of different lengths, a
+    paged pool with shuffled blocks) through ``step_batch`` vs one single-token step."""
+    run_batch, run_single = batch_fixture(engine, context, n_seqs, block_tokens)
     batch, single = [], []
     for _ in range(rounds):
-        batch.append(time_ms(lambda: step.step_batch(tokens, lengths, tables, pool)))
-        single.append(time_ms(lambda: step(tokens[0], context, cache)))
+        batch.append(time_ms(run_batch))
+        single.append(time_ms(run_single))
     return {"n": n_seqs, "batch_ms": statistics.median(b[0] for b in batch),
             "single_ms": statistics.median(b[0] for b in single),
             "batch_cpu_ms": statistics.median(b[1] for b in batch),
@@ -97,19 +105,26 @@ def measure_ab(engine, ref: str, context: int, rounds: int, counts=TOKEN_COUNTS)
         rows[T] = interleaved_cpu_ms(step, libs, lambda: step.step_many(tokens, context, cache), rounds)
         for k, v in interleaved_cpu_ms(step, libs, lambda: step(tokens[0], context, cache), rounds).items():
             singles[k] += v
+    rows["batch"] = interleaved_cpu_ms(step, libs, batch_fixture(engine, context)[0], rounds, clock=time.perf_counter)
     return rows, singles
 
 
-def print_ab(ref: str, rows: dict, singles: dict) -> None:
+def print_ab(ref: str, rows: dict, singles: dict, context_note: str = "") -> None:
     sa, sb = min(singles["A"]), min(singles["B"])
     print(f"\nA = kernels at `{ref}`, B = this checkout; this thread's CPU ms, min (median) of the interleaved rounds; "
           f"single step A {sa:.2f} ({statistics.median(singles['A']):.2f}), B {sb:.2f} ({statistics.median(singles['B']):.2f})")
     print("\n| T | A step_many ms | B step_many ms | A / single | B / single | B / A |")
     print("|---|---|---|---|---|---|")
+    batch = rows.pop("batch")
     for T, r in rows.items():
         a, b = min(r["A"]), min(r["B"])
         print(f"| {T} | {a:.2f} ({statistics.median(r['A']):.2f}) | {b:.2f} ({statistics.median(r['B']):.2f}) "
               f"| {a / sa:.2f}x | {b / sb:.2f}x | {b / a:.3f} |")
+    a, b = statistics.median(batch["A"]), statistics.median(batch["B"])
+    ratios = sorted(y / x for x, y in zip(batch["A"], batch["B"]))
+    print(f"\n8 sequences x 1 token (`step_batch`, paged pool, histories {context_note}), wall ms, median of the "
+          f"interleaved rounds: A {a:.2f}, B {b:.2f}; per-round B / A median {statistics.median(ratios):.3f} "
+          f"(range {ratios[0]:.3f}-{ratios[-1]:.3f})")
 
 
 def main() -> None:
@@ -130,7 +145,8 @@ def main() -> None:
     if args.baseline_ref:
         print(f"- Date: {dt.date.today().isoformat()}; threads: {args.threads}; model {args.model}, plan {args.plan}; "
               f"{args.rounds} interleaved rounds")
-        print_ab(args.baseline_ref, *measure_ab(engine, args.baseline_ref, args.context, args.rounds))
+        print_ab(args.baseline_ref, *measure_ab(engine, args.baseline_ref, args.context, args.rounds),
+                 context_note=f"{args.context}..{args.context + 56} tokens")
         return
     rows = measure(engine, args.context, args.rounds)
     print(f"- Date: {dt.date.today().isoformat()}; threads: {args.threads}; command: `python -m bench.multi_token "

@@ -51,17 +51,18 @@ def baseline_library(ref: str, repo: Path | None = None) -> NativeLibrary:
     raise TandemError(f"could not build the kernels of {ref!r}: {errors}")
 
 
-def interleaved_cpu_ms(step, libs: dict[str, NativeLibrary], fn, rounds: int) -> dict[str, list[float]]:
-    """{name: [CPU ms of fn() per round]} with step.native switched per call, the order flipped every round."""
+def interleaved_cpu_ms(step, libs: dict[str, NativeLibrary], fn, rounds: int, clock=time.thread_time) -> dict[str, list[float]]:
+    """{name: [ms of fn() per round]} with step.native switched per call, the order flipped every round; ``clock``:
+    this thread's CPU time (default) or ``time.perf_counter`` (wall: the other threads' share counts too)."""
     names, out = list(libs), {name: [] for name in libs}
     original = step.native
     try:
         for r in range(rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
                 use_library(step, libs[name])
-                c0 = time.thread_time()
+                c0 = clock()
                 fn()
-                out[name].append((time.thread_time() - c0) * 1e3)
+                out[name].append((clock() - c0) * 1e3)
     finally:
         use_library(step, original)
     return out
