@@ -35,18 +35,11 @@ typedef struct {
 } batch_shared;
 
 typedef struct {
-    float *res, *xn, *h, *scores; /* [T, d], [T, max_in], [T, n_ff], [group heads, span] */
+    float *res, *xn, *h, *scores; /* [T, d], [T, max_in], [T, n_ff], [span] */
     int32_t *idx;                 /* [T, n_ff] */
     int64_t *n_act;               /* [T] */
     qvec *x;                      /* [T] */
 } batch_thread;
-
-/* query heads attended together (one KV group's, or one at a time past TDM_MAX_GROUP) */
-#define TDM_MAX_GROUP 16
-static int64_t group_heads(const tdm_model *m) {
-    int64_t rep = m->n_heads / m->n_kv;
-    return rep <= TDM_MAX_GROUP ? rep : 1;
-}
 
 static int64_t batch_shared_bytes(const tdm_model *m, int64_t T, int64_t span) {
     int64_t q = m->n_heads * m->head_dim, kv = m->n_kv * m->head_dim;
@@ -57,7 +50,7 @@ static int64_t batch_shared_bytes(const tdm_model *m, int64_t T, int64_t span) {
 
 static int64_t batch_thread_bytes(const tdm_model *m, int64_t T, int64_t span) {
     int64_t n = max_in(m), nb = n / QB + 1;
-    return align64(4 * T * m->d) + align64(4 * T * n) + 2 * align64(4 * T * m->n_ff) + align64(4 * span * group_heads(m))
+    return align64(4 * T * m->d) + align64(4 * T * n) + 2 * align64(4 * T * m->n_ff) + align64(4 * span)
            + align64(8 * T) + align64((int64_t)sizeof(qvec) * T) + T * (2 * align64(n) + 4 * align64(4 * nb));
 }
 
@@ -87,7 +80,7 @@ static batch_thread batch_get_thread(const tdm_model *m, int64_t T, int64_t span
     b.xn = (float *)p; p += align64(4 * T * n);
     b.h = (float *)p; p += align64(4 * T * m->n_ff);
     b.idx = (int32_t *)p; p += align64(4 * T * m->n_ff);
-    b.scores = (float *)p; p += align64(4 * span * group_heads(m));
+    b.scores = (float *)p; p += align64(4 * span);
     b.n_act = (int64_t *)p; p += align64(8 * T);
     b.x = (qvec *)p; p += align64((int64_t)sizeof(qvec) * T);
     for (int64_t i = 0; i < T; i++) {
@@ -146,53 +139,26 @@ static void key_scores_rows(const float *q, const float *K, const float *V, cons
     for (; s < end; s++) scores[s] = dot_f32(q, K + (int64_t)rows[s] * hd, hd) * scale;
 }
 
-/* out[j] [hd] = attend_head over the rows rows[start..pos] of K and V for the n_q query heads q[j] of one KV
- * group (n_q <= TDM_MAX_GROUP; scores: [n_q, span]). Each head's arithmetic is attend_head's, in its order;
- * the V pass reads each V row once for all the heads (their sums side by side). */
-static void attend_group_rows(const float *K, const float *V, const int32_t *rows, int64_t start, int64_t pos,
-                              int64_t hd, float scale, const float *q, int64_t n_q, float *out, float *scores,
-                              int64_t span, int fetch) {
-    float inv[TDM_MAX_GROUP];
-    for (int64_t j = 0; j < n_q; j++) {
-        float *sc = scores + j * span;
-        key_scores_rows(q + j * hd, K, V, rows, start, pos + 1, hd, scale, sc, fetch && j == 0);
-        inv[j] = 1.0f / softmax_exp(sc, start, pos);
-        for (int64_t k = 0; k < hd; k++) out[j * hd + k] = 0.0f;
-    }
+static void attend_head_rows(const float *K, const float *V, const int32_t *rows, int64_t start, int64_t pos,
+                             int64_t hd, float scale, const float *q, float *out, float *scores, int fetch) {
+    key_scores_rows(q, K, V, rows, start, pos + 1, hd, scale, scores, fetch);
+    float sum = softmax_exp(scores, start, pos);
+    for (int64_t k = 0; k < hd; k++) out[k] = 0.0f;
     for (int64_t s = start; s <= pos; s++) {
         const float *restrict vs = V + (int64_t)rows[s] * hd;
+        float p = scores[s];
         if (s + 3 <= pos) {
             const float *restrict v1 = V + (int64_t)rows[s + 1] * hd, *restrict v2 = V + (int64_t)rows[s + 2] * hd;
             const float *restrict v3 = V + (int64_t)rows[s + 3] * hd;
-            int64_t k = 0;
-#ifdef TDM_SIMD
-            for (; k + 8 <= hd; k += 8) {
-                __m256 a = _mm256_loadu_ps(vs + k), b = _mm256_loadu_ps(v1 + k);
-                __m256 c = _mm256_loadu_ps(v2 + k), e = _mm256_loadu_ps(v3 + k);
-                for (int64_t j = 0; j < n_q; j++) { /* (p v0 + p1 v1) + (p2 v2 + p3 v3), rounded as the scalar loop */
-                    const float *sc = scores + j * span + s;
-                    __m256 lo = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(sc[0]), a), _mm256_mul_ps(_mm256_set1_ps(sc[1]), b));
-                    __m256 hi = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(sc[2]), c), _mm256_mul_ps(_mm256_set1_ps(sc[3]), e));
-                    float *o = out + j * hd + k;
-                    _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_add_ps(lo, hi)));
-                }
-            }
-#endif
-            for (int64_t j = 0; j < n_q; j++) {
-                const float *sc = scores + j * span + s;
-                float p = sc[0], p1 = sc[1], p2 = sc[2], p3 = sc[3], *o = out + j * hd;
-                for (int64_t kk = k; kk < hd; kk++) o[kk] += (p * vs[kk] + p1 * v1[kk]) + (p2 * v2[kk] + p3 * v3[kk]);
-            }
+            float p1 = scores[s + 1], p2 = scores[s + 2], p3 = scores[s + 3];
+            for (int64_t k = 0; k < hd; k++) out[k] += (p * vs[k] + p1 * v1[k]) + (p2 * v2[k] + p3 * v3[k]);
             s += 3;
         } else {
-            for (int64_t j = 0; j < n_q; j++) {
-                float p = scores[j * span + s], *o = out + j * hd;
-                for (int64_t k = 0; k < hd; k++) o[k] += p * vs[k];
-            }
+            for (int64_t k = 0; k < hd; k++) out[k] += p * vs[k];
         }
     }
-    for (int64_t j = 0; j < n_q; j++)
-        for (int64_t k = 0; k < hd; k++) out[j * hd + k] *= inv[j];
+    float inv = 1.0f / sum;
+    for (int64_t k = 0; k < hd; k++) out[k] *= inv;
 }
 
 static void batch_norm_quantize(const tdm_model *m, const float *x, const float *w, const float *b, float *xn,
@@ -225,17 +191,15 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
         }
     }
 #pragma omp barrier
-    /* units (KV group, token, heads of the group): a group's rows of one token are read from memory once, by
-     * its first unit, and stay in cache for the rest; whole groups per unit where there are enough units to
-     * share out (T * n_kv >= 4 threads), else one head per unit */
-    int64_t rep = m->n_heads / m->n_kv, per = T * m->n_kv >= 4 * nt ? group_heads(m) : 1, parts = rep / per;
-    chunk(T * m->n_kv * parts, t, nt, &lo, &hi);
-    for (int64_t e = lo; e < hi; e++) {
-        int64_t part = e % parts, i = (e / parts) % T, g = e / (parts * T), h = g * rep + part * per, pos = B->pos[i];
+    int64_t rep = m->n_heads / m->n_kv;
+    chunk(T * m->n_heads, t, nt, &lo, &hi);
+    for (int64_t e = lo; e < hi; e++) { /* (KV group, token, head of the group): a group's rows of one token are
+                                         * read from memory once, by its first head, and stay in cache for the rest */
+        int64_t j = e % rep, i = (e / rep) % T, g = e / (rep * T), h = g * rep + j, pos = B->pos[i];
         int64_t start = window_start(m, L, pos);
-        attend_group_rows(L->k_cache + g * B->kv_rows * hd, L->v_cache + g * B->kv_rows * hd, sb->rowmap + i * span,
-                          start, pos, hd, (float)m->attn_scale, sb->qkv + i * width + h * hd, per,
-                          sb->attn + i * qn + h * hd, tb->scores, span, part == 0 || e == lo);
+        attend_head_rows(L->k_cache + g * B->kv_rows * hd, L->v_cache + g * B->kv_rows * hd, sb->rowmap + i * span,
+                         start, pos, hd, (float)m->attn_scale, sb->qkv + i * width + h * hd,
+                         sb->attn + i * qn + h * hd, tb->scores, j == 0 || e == lo);
     }
 #pragma omp barrier
     for (int64_t i = 0; i < T; i++) {
