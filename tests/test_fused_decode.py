@@ -73,6 +73,38 @@ def test_residual_quantization_is_nearly_exact_and_plain_int8_is_not():
     torch.testing.assert_close(flagged_only[32:], quantized_activation(x, -1.0)[32:])  # the others are not
 
 
+
+@pytest.mark.parametrize("n_blocks", [1, 7, 8, 18, 48])  # the vector path quantizes 8 blocks at a time, the rest one by one
+def test_activation_quantization_matches_its_statement_exactly(n_blocks):
+    """quantize_q8 (codes, scales, block sums, residual blocks) against a numpy statement of it: codes
+    round(x * (127 / amax)) half to even, d = amax / 127, sums in column order from 0.0, the residual
+    where d > ratio * mean(d)."""
+    lib = native.load_native().lib
+    n = 32 * n_blocks
+    x = (RNG.standard_normal(n) * RNG.uniform(0.01, 3.0, n)).astype(np.float32)
+    x[5] = 60.0  # an outlier block
+    x[32 * (n_blocks - 1):] *= np.float32(0.0) if n_blocks > 2 else np.float32(1.0)  # an all-zero block: d = 0
+    q, r = np.zeros(n, np.int8), np.zeros(n, np.int8)
+    d, dr, s = (np.zeros(n_blocks, np.float32) for _ in range(3))
+    flagged = lib.tdm_quantize_q8(x.ctypes.data, n, 2.0, q.ctypes.data, r.ctypes.data, d.ctypes.data,
+                                  dr.ctypes.data, s.ctypes.data)
+    xb = x.reshape(n_blocks, 32)
+    amax = np.abs(xb).max(axis=1)  # [nb]
+    inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    np.testing.assert_array_equal(q.reshape(n_blocks, 32), np.rint(xb * inv[:, None]).astype(np.int8))
+    np.testing.assert_array_equal(d, amax / np.float32(127.0))
+    sums = np.zeros(n_blocks, np.float32)
+    for k in range(32):  # sequential float32 sums, column by column
+        sums = sums + xb[:, k]
+    np.testing.assert_array_equal(s, sums)
+    mean_d = np.float32(0.0)
+    for v in d:
+        mean_d = np.float32(mean_d + v)
+    mean_d = mean_d / np.float32(n_blocks)
+    expect_flag = (d > np.float32(2.0) * mean_d) & (d > 0)
+    assert flagged == int(expect_flag.sum()) and (flagged >= 1 or n_blocks == 1)
+    np.testing.assert_array_equal(dr != 0, expect_flag)
+
 # --- the step ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["llama", "llama-relu", "qwen2", "mistral"])

@@ -135,6 +135,17 @@ static void quantize_q8(const float *restrict x, int64_t n, qvec *out, float res
     }
 }
 
+/* Self-check entry (tests/test_fused_decode.py): quantize_q8 of x [n] into q [n], r [n], d / dr / s [n / 32];
+ * returns the number of flagged blocks */
+int64_t tdm_quantize_q8(const float *x, int64_t n, double residual_ratio, int8_t *q, int8_t *r, float *d, float *dr,
+                        float *s) {
+    int32_t flagged[n / QB + 1];
+    qvec v = {x, q, r, d, dr, s, flagged, 0};
+    for (int64_t b = 0; b < n / QB; b++) dr[b] = 0.0f;
+    quantize_q8(x, n, &v, (float)residual_ratio);
+    return v.n_flagged;
+}
+
 #ifdef TDM_SIMD
 /* e^x for 8 floats: Cephes' expf polynomial after a ln2 range reduction (~1 ulp; x clamped to
  * +-88.38, where expf over/underflows) */

@@ -93,6 +93,9 @@ def bind_signatures(lib: ctypes.CDLL) -> None:
     lib.tdm_ffn_fused.restype = _I
     lib.tdm_dot_rows_idx.argtypes = [ctypes.POINTER(TdmWeight), _P, _I, _P, ctypes.c_double, _P]
     lib.tdm_dot_rows_idx.restype = None
+    if hasattr(lib, "tdm_quantize_q8"):
+        lib.tdm_quantize_q8.argtypes = [_P, _I, ctypes.c_double, _P, _P, _P, _P, _P]
+        lib.tdm_quantize_q8.restype = _I
     lib.tdm_decode_range.argtypes = [ctypes.POINTER(TdmModel), _I, _I, _I, _P, _P]
     lib.tdm_decode_range.restype = _I
     if hasattr(lib, "tdm_decode_parts"):  # (bench A/Bs load libraries built from older refs too)
