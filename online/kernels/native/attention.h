@@ -77,15 +77,19 @@ static float softmax_exp(float *scores, int64_t start, int64_t pos) {
     return sum;
 }
 
-/* scores[s] = scale * q . K[s] for s in [start, end) */
-static void key_scores(const float *q, const float *K, int64_t start, int64_t end, int64_t hd, float scale,
-                       float *scores) {
+/* scores[s] = scale * q . K[s] for s in [start, end); fetch_v (non-NULL: the first head of a KV group) sends the V
+ * rows of each block of keys toward L2 meanwhile, so the value pass that follows does not wait on memory
+ * (the K rows stream in order; the V rows would only start streaming when that pass begins) */
+static void key_scores(const float *q, const float *K, const float *fetch_v, int64_t start, int64_t end, int64_t hd,
+                       float scale, float *scores) {
     int64_t s = start;
 #ifdef TDM_SIMD
     if (hd % 8 == 0) {
         __m256 vs = _mm256_set1_ps(scale);
         for (; s + 8 <= end; s += 8) {
             __m256 acc[8];
+            if (fetch_v)
+                for (int64_t c = 0; c < 8 * hd; c += 16) _mm_prefetch((const char *)(fetch_v + s * hd + c), _MM_HINT_T1);
             for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
             for (int64_t c = 0; c < hd; c += 8) {
                 __m256 qc = _mm256_loadu_ps(q + c);
@@ -100,8 +104,8 @@ static void key_scores(const float *q, const float *K, int64_t start, int64_t en
 
 /* out [hd] = softmax(scale * q . K[start..pos]) @ V[start..pos] for one query head (K, V: [*, hd]) */
 static void attend_head(const float *K, const float *V, int64_t start, int64_t pos, int64_t hd, float scale,
-                        const float *q, float *out, float *scores) {
-    key_scores(q, K, start, pos + 1, hd, scale, scores);
+                        const float *q, float *out, float *scores, int fetch) {
+    key_scores(q, K, fetch ? V : NULL, start, pos + 1, hd, scale, scores);
     float sum = softmax_exp(scores, start, pos);
     for (int64_t k = 0; k < hd; k++) out[k] = 0.0f;
     for (int64_t s = start; s <= pos; s++) { /* out stays in L1; four keys per pass over it */

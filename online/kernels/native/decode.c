@@ -265,7 +265,8 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
     for (int64_t h = lo; h < hi; h++) {
         int64_t g = h / (m->n_heads / m->n_kv);
         attend_head(L->k_cache + g * m->capacity * hd, L->v_cache + g * m->capacity * hd, start, pos, hd,
-                    (float)m->attn_scale, sb->qkv + h * hd, sb->attn + h * hd, tb->scores);
+                    (float)m->attn_scale, sb->qkv + h * hd, sb->attn + h * hd, tb->scores,
+                    h == lo || h % (m->n_heads / m->n_kv) == 0); /* the group's first head here fetches its V rows */
     }
 #pragma omp barrier
     tb->x.f = sb->attn;
