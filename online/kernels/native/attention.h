@@ -77,51 +77,103 @@ static float softmax_exp(float *scores, int64_t start, int64_t pos) {
     return sum;
 }
 
-/* scores[s] = scale * q . K[s] for s in [start, end); fetch_v (non-NULL: the first head of a KV group) sends the V
- * rows of each block of keys toward L2 meanwhile, so the value pass that follows does not wait on memory
- * (the K rows stream in order; the V rows would only start streaming when that pass begins) */
-static void key_scores(const float *q, const float *K, const float *fetch_v, int64_t start, int64_t end, int64_t hd,
-                       float scale, float *scores) {
+/* Query heads attended together: the heads of one KV group that one thread takes, up to TDM_MAX_GROUP */
+#define TDM_MAX_GROUP 16
+
+/* the K (or V) row of position s: rows[s] in a paged pool (batch.h), s in a contiguous cache (rows NULL) */
+static inline const float *kv_row(const float *X, const int32_t *rows, int64_t s, int64_t hd) {
+    return X + (rows ? (int64_t)rows[s] : s) * hd;
+}
+
+#ifdef TDM_SIMD
+/* the rows of positions [s, e) of X on their way to L2 */
+static inline void fetch_rows(const float *X, const int32_t *rows, int64_t s, int64_t e, int64_t hd) {
+    for (; s < e; s++)
+        for (int64_t c = 0; c < hd; c += 16) _mm_prefetch((const char *)(kv_row(X, rows, s, hd) + c), _MM_HINT_T1);
+}
+#endif
+
+/* scores[j * span + s] = scale * q_j . K[s] for the n_q heads q_j = q + j * hd, s in [start, end): eight keys at
+ * a time for every head while they are in L1. fetch: the V rows of each block go toward L2 meanwhile (the value
+ * pass then finds them there), and paged K rows a block ahead (their 4 KiB blocks are scattered, so the
+ * hardware's stream prefetchers restart at each one; a contiguous cache streams by itself). */
+static void key_scores(const float *q, int64_t n_q, const float *K, const float *V, const int32_t *rows,
+                       int64_t start, int64_t end, int64_t hd, float scale, float *scores, int64_t span, int fetch) {
     int64_t s = start;
 #ifdef TDM_SIMD
     if (hd % 8 == 0) {
         __m256 vs = _mm256_set1_ps(scale);
+        if (fetch && rows) fetch_rows(K, rows, s, s + 8 < end ? s + 8 : end, hd);
         for (; s + 8 <= end; s += 8) {
-            __m256 acc[8];
-            if (fetch_v)
-                for (int64_t c = 0; c < 8 * hd; c += 16) _mm_prefetch((const char *)(fetch_v + s * hd + c), _MM_HINT_T1);
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-            for (int64_t c = 0; c < hd; c += 8) {
-                __m256 qc = _mm256_loadu_ps(q + c);
-                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(K + (s + j) * hd + c), acc[j]);
+            const float *k[8];
+            for (int j = 0; j < 8; j++) k[j] = kv_row(K, rows, s + j, hd);
+            if (fetch) {
+                if (rows) fetch_rows(K, rows, s + 8, s + 16 < end ? s + 16 : end, hd);
+                fetch_rows(V, rows, s, s + 8, hd);
             }
-            _mm256_storeu_ps(scores + s, _mm256_mul_ps(hsum8x8(acc), vs));
+            for (int64_t h = 0; h < n_q; h++) {
+                __m256 acc[8];
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+                for (int64_t c = 0; c < hd; c += 8) {
+                    __m256 qc = _mm256_loadu_ps(q + h * hd + c);
+                    for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[j] + c), acc[j]);
+                }
+                _mm256_storeu_ps(scores + h * span + s, _mm256_mul_ps(hsum8x8(acc), vs));
+            }
         }
     }
 #endif
-    for (; s < end; s++) scores[s] = dot_f32(q, K + s * hd, hd) * scale;
+    for (; s < end; s++)
+        for (int64_t h = 0; h < n_q; h++) scores[h * span + s] = dot_f32(q + h * hd, kv_row(K, rows, s, hd), hd) * scale;
 }
 
-/* out [hd] = softmax(scale * q . K[start..pos]) @ V[start..pos] for one query head (K, V: [*, hd]) */
-static void attend_head(const float *K, const float *V, int64_t start, int64_t pos, int64_t hd, float scale,
-                        const float *q, float *out, float *scores, int fetch) {
-    key_scores(q, K, fetch ? V : NULL, start, pos + 1, hd, scale, scores);
-    float sum = softmax_exp(scores, start, pos);
-    for (int64_t k = 0; k < hd; k++) out[k] = 0.0f;
-    for (int64_t s = start; s <= pos; s++) { /* out stays in L1; four keys per pass over it */
-        const float *restrict vs = V + s * hd;
-        float p = scores[s];
+/* out + j * hd = softmax(scale * q_j . K[start..pos]) @ V[start..pos] for the n_q <= TDM_MAX_GROUP query heads
+ * q_j = q + j * hd of one KV group (K, V: that group's rows; rows: see kv_row; scores: [n_q, span] scratch).
+ * Each head's arithmetic is the same whatever n_q (the decode step's and batch.h's tokens are bit-identical);
+ * the heads share each K and V row while it is in L1. */
+static void attend_group(const float *K, const float *V, const int32_t *rows, int64_t start, int64_t pos,
+                         int64_t hd, float scale, const float *q, int64_t n_q, float *out, float *scores,
+                         int64_t span, int fetch) {
+    float inv[TDM_MAX_GROUP];
+    key_scores(q, n_q, K, V, rows, start, pos + 1, hd, scale, scores, span, fetch);
+    for (int64_t h = 0; h < n_q; h++) {
+        inv[h] = 1.0f / softmax_exp(scores + h * span, start, pos);
+        for (int64_t k = 0; k < hd; k++) out[h * hd + k] = 0.0f;
+    }
+    for (int64_t s = start; s <= pos; s++) { /* the outputs stay in L1; four values per pass over them */
+        const float *restrict v0 = kv_row(V, rows, s, hd);
         if (s + 3 <= pos) {
-            const float *restrict v1 = vs + hd, *restrict v2 = vs + 2 * hd, *restrict v3 = vs + 3 * hd;
-            float p1 = scores[s + 1], p2 = scores[s + 2], p3 = scores[s + 3];
-            for (int64_t k = 0; k < hd; k++) out[k] += (p * vs[k] + p1 * v1[k]) + (p2 * v2[k] + p3 * v3[k]);
+            const float *restrict v1 = kv_row(V, rows, s + 1, hd), *restrict v2 = kv_row(V, rows, s + 2, hd);
+            const float *restrict v3 = kv_row(V, rows, s + 3, hd);
+            int64_t k0 = 0;
+#ifdef TDM_SIMD
+            for (; k0 + 8 <= hd; k0 += 8) {
+                __m256 a = _mm256_loadu_ps(v0 + k0), b = _mm256_loadu_ps(v1 + k0);
+                __m256 c = _mm256_loadu_ps(v2 + k0), e = _mm256_loadu_ps(v3 + k0);
+                for (int64_t h = 0; h < n_q; h++) { /* (p v0 + p1 v1) + (p2 v2 + p3 v3), rounded as below */
+                    const float *p = scores + h * span + s;
+                    __m256 lo = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(p[0]), a), _mm256_mul_ps(_mm256_set1_ps(p[1]), b));
+                    __m256 hi = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(p[2]), c), _mm256_mul_ps(_mm256_set1_ps(p[3]), e));
+                    float *o = out + h * hd + k0;
+                    _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_add_ps(lo, hi)));
+                }
+            }
+#endif
+            for (int64_t h = 0; h < n_q; h++) {
+                const float *p = scores + h * span + s;
+                float *o = out + h * hd;
+                for (int64_t k = k0; k < hd; k++) o[k] += (p[0] * v0[k] + p[1] * v1[k]) + (p[2] * v2[k] + p[3] * v3[k]);
+            }
             s += 3;
         } else {
-            for (int64_t k = 0; k < hd; k++) out[k] += p * vs[k];
+            for (int64_t h = 0; h < n_q; h++) {
+                float p = scores[h * span + s], *o = out + h * hd;
+                for (int64_t k = 0; k < hd; k++) o[k] += p * v0[k];
+            }
         }
     }
-    float inv = 1.0f / sum;
-    for (int64_t k = 0; k < hd; k++) out[k] *= inv;
+    for (int64_t h = 0; h < n_q; h++)
+        for (int64_t k = 0; k < hd; k++) out[h * hd + k] *= inv[h];
 }
 
 #endif

@@ -35,7 +35,7 @@ typedef struct {
 } batch_shared;
 
 typedef struct {
-    float *res, *xn, *h, *scores; /* [T, d], [T, max_in], [T, n_ff], [span] */
+    float *res, *xn, *h, *scores; /* [T, d], [T, max_in], [T, n_ff], [group_heads, span] */
     int32_t *idx;                 /* [T, n_ff] */
     int64_t *n_act;               /* [T] */
     qvec *x;                      /* [T] */
@@ -50,7 +50,7 @@ static int64_t batch_shared_bytes(const tdm_model *m, int64_t T, int64_t span) {
 
 static int64_t batch_thread_bytes(const tdm_model *m, int64_t T, int64_t span) {
     int64_t n = max_in(m), nb = n / QB + 1;
-    return align64(4 * T * m->d) + align64(4 * T * n) + 2 * align64(4 * T * m->n_ff) + align64(4 * span)
+    return align64(4 * T * m->d) + align64(4 * T * n) + 2 * align64(4 * T * m->n_ff) + align64(4 * span * group_heads(m))
            + align64(8 * T) + align64((int64_t)sizeof(qvec) * T) + T * (2 * align64(n) + 4 * align64(4 * nb));
 }
 
@@ -80,7 +80,7 @@ static batch_thread batch_get_thread(const tdm_model *m, int64_t T, int64_t span
     b.xn = (float *)p; p += align64(4 * T * n);
     b.h = (float *)p; p += align64(4 * T * m->n_ff);
     b.idx = (int32_t *)p; p += align64(4 * T * m->n_ff);
-    b.scores = (float *)p; p += align64(4 * span);
+    b.scores = (float *)p; p += align64(4 * span * group_heads(m));
     b.n_act = (int64_t *)p; p += align64(8 * T);
     b.x = (qvec *)p; p += align64((int64_t)sizeof(qvec) * T);
     for (int64_t i = 0; i < T; i++) {
@@ -95,70 +95,6 @@ static batch_thread batch_get_thread(const tdm_model *m, int64_t T, int64_t span
         v->n_flagged = 0;
     }
     return b;
-}
-
-/* out [hd] = attend_head over the rows rows[start..pos] of K and V (rows[s] = s: attend_head itself) */
-#ifdef TDM_SIMD
-/* the KV rows of positions [s, e) on their way to the cache (T1: L2; the rows are 4 KiB pages apart at block
- * boundaries, so the hardware's stream prefetchers restart at each one) */
-static inline void fetch_kv_rows(const float *X, const int32_t *rows, int64_t s, int64_t e, int64_t hd) {
-    for (; s < e; s++)
-        for (int64_t c = 0; c < hd; c += 16) _mm_prefetch((const char *)(X + (int64_t)rows[s] * hd + c), _MM_HINT_T1);
-}
-#endif
-
-/* scores[s] = scale * q . K[rows[s]] for s in [start, end); fetch: the first head of a KV group also sends
- * the K rows a block ahead and the V rows of the same block toward the cache (the group's other heads and the
- * V pass then find them there) */
-static void key_scores_rows(const float *q, const float *K, const float *V, const int32_t *rows, int64_t start,
-                            int64_t end, int64_t hd, float scale, float *scores, int fetch) {
-    int64_t s = start;
-#ifdef TDM_SIMD
-    if (hd % 8 == 0) {
-        __m256 vs = _mm256_set1_ps(scale);
-        if (fetch) fetch_kv_rows(K, rows, s, s + 8 < end ? s + 8 : end, hd);
-        for (; s + 8 <= end; s += 8) {
-            __m256 acc[8];
-            const float *k[8];
-            if (fetch) {
-                fetch_kv_rows(K, rows, s + 8, s + 16 < end ? s + 16 : end, hd);
-                fetch_kv_rows(V, rows, s, s + 8, hd);
-            }
-            for (int j = 0; j < 8; j++) {
-                acc[j] = _mm256_setzero_ps();
-                k[j] = K + (int64_t)rows[s + j] * hd;
-            }
-            for (int64_t c = 0; c < hd; c += 8) {
-                __m256 qc = _mm256_loadu_ps(q + c);
-                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[j] + c), acc[j]);
-            }
-            _mm256_storeu_ps(scores + s, _mm256_mul_ps(hsum8x8(acc), vs));
-        }
-    }
-#endif
-    for (; s < end; s++) scores[s] = dot_f32(q, K + (int64_t)rows[s] * hd, hd) * scale;
-}
-
-static void attend_head_rows(const float *K, const float *V, const int32_t *rows, int64_t start, int64_t pos,
-                             int64_t hd, float scale, const float *q, float *out, float *scores, int fetch) {
-    key_scores_rows(q, K, V, rows, start, pos + 1, hd, scale, scores, fetch);
-    float sum = softmax_exp(scores, start, pos);
-    for (int64_t k = 0; k < hd; k++) out[k] = 0.0f;
-    for (int64_t s = start; s <= pos; s++) {
-        const float *restrict vs = V + (int64_t)rows[s] * hd;
-        float p = scores[s];
-        if (s + 3 <= pos) {
-            const float *restrict v1 = V + (int64_t)rows[s + 1] * hd, *restrict v2 = V + (int64_t)rows[s + 2] * hd;
-            const float *restrict v3 = V + (int64_t)rows[s + 3] * hd;
-            float p1 = scores[s + 1], p2 = scores[s + 2], p3 = scores[s + 3];
-            for (int64_t k = 0; k < hd; k++) out[k] += (p * vs[k] + p1 * v1[k]) + (p2 * v2[k] + p3 * v3[k]);
-            s += 3;
-        } else {
-            for (int64_t k = 0; k < hd; k++) out[k] += p * vs[k];
-        }
-    }
-    float inv = 1.0f / sum;
-    for (int64_t k = 0; k < hd; k++) out[k] *= inv;
 }
 
 static void batch_norm_quantize(const tdm_model *m, const float *x, const float *w, const float *b, float *xn,
@@ -191,15 +127,16 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
         }
     }
 #pragma omp barrier
-    int64_t rep = m->n_heads / m->n_kv;
+    int64_t rep = m->n_heads / m->n_kv, per = group_heads(m);
     chunk(T * m->n_heads, t, nt, &lo, &hi);
-    for (int64_t e = lo; e < hi; e++) { /* (KV group, token, head of the group): a group's rows of one token are
-                                         * read from memory once, by its first head, and stay in cache for the rest */
+    for (int64_t e = lo, n_q; e < hi; e += n_q) { /* e = (KV group, token, head of the group): this thread's heads
+                                                   * of one group and token together, its rows read once */
         int64_t j = e % rep, i = (e / rep) % T, g = e / (rep * T), h = g * rep + j, pos = B->pos[i];
-        int64_t start = window_start(m, L, pos);
-        attend_head_rows(L->k_cache + g * B->kv_rows * hd, L->v_cache + g * B->kv_rows * hd, sb->rowmap + i * span,
-                         start, pos, hd, (float)m->attn_scale, sb->qkv + i * width + h * hd,
-                         sb->attn + i * qn + h * hd, tb->scores, j == 0 || e == lo);
+        int64_t end = e - j + rep < hi ? e - j + rep : hi;
+        n_q = end - e < per ? end - e : per;
+        attend_group(L->k_cache + g * B->kv_rows * hd, L->v_cache + g * B->kv_rows * hd, sb->rowmap + i * span,
+                     window_start(m, L, pos), pos, hd, (float)m->attn_scale, sb->qkv + i * width + h * hd, n_q,
+                     sb->attn + i * qn + h * hd, tb->scores, span, 1);
     }
 #pragma omp barrier
     for (int64_t i = 0; i < T; i++) {

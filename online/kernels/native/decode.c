@@ -105,7 +105,7 @@ typedef struct {
 /* Every thread keeps its own copy of the residual stream, updated from the shared pieces in the
  * same order by all threads (so the copies stay bit-identical): no barrier to publish it. */
 typedef struct {
-    float *res, *xn, *h, *scores; /* [d], [max_in], [n_ff], [capacity] */
+    float *res, *xn, *h, *scores; /* [d], [max_in], [n_ff], [group_heads, capacity] */
     int32_t *idx;                 /* [n_ff] active neuron ids */
     qvec x;
 } thread_bufs;
@@ -123,10 +123,16 @@ static int64_t shared_bytes(const tdm_model *m) {
            + align64(8 * m->threads) + align64(4 * m->n_ff);
 }
 
+/* query heads one attend_group call may take: a whole KV group, or one head where groups exceed TDM_MAX_GROUP */
+static int64_t group_heads(const tdm_model *m) {
+    int64_t rep = m->n_heads / m->n_kv;
+    return rep <= TDM_MAX_GROUP ? rep : 1;
+}
+
 static int64_t thread_bytes(const tdm_model *m) {
     int64_t n = max_in(m);
     return align64(4 * m->d) + align64(4 * n) + 4 * align64(4 * (n / QB + 1)) + 2 * align64(4 * m->n_ff)
-           + align64(4 * m->capacity) + 2 * align64(n);
+           + align64(4 * m->capacity * group_heads(m)) + 2 * align64(n);
 }
 
 static int64_t moe_bytes(const tdm_model *m); /* moe.h: MoE scratch after the step's own */
@@ -158,7 +164,7 @@ static thread_bufs get_thread(const tdm_model *m, int t) {
     b.x.flagged = (int32_t *)p; p += align64(4 * (n / QB + 1));
     b.h = (float *)p; p += align64(4 * m->n_ff);
     b.idx = (int32_t *)p; p += align64(4 * m->n_ff);
-    b.scores = (float *)p; p += align64(4 * m->capacity);
+    b.scores = (float *)p; p += align64(4 * m->capacity * group_heads(m));
     b.x.q = (int8_t *)p; p += align64(n);
     b.x.r = (int8_t *)p;
     b.x.f = b.xn;
@@ -261,12 +267,12 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
     }
 #pragma omp barrier
     chunk(m->n_heads, t, nt, &lo, &hi);
-    int64_t start = window_start(m, L, pos);
-    for (int64_t h = lo; h < hi; h++) {
-        int64_t g = h / (m->n_heads / m->n_kv);
-        attend_head(L->k_cache + g * m->capacity * hd, L->v_cache + g * m->capacity * hd, start, pos, hd,
-                    (float)m->attn_scale, sb->qkv + h * hd, sb->attn + h * hd, tb->scores,
-                    h == lo || h % (m->n_heads / m->n_kv) == 0); /* the group's first head here fetches its V rows */
+    int64_t start = window_start(m, L, pos), rep = m->n_heads / m->n_kv, per = group_heads(m);
+    for (int64_t h = lo, n_q; h < hi; h += n_q) { /* this thread's heads of one KV group together */
+        int64_t g = h / rep, end = (g + 1) * rep < hi ? (g + 1) * rep : hi;
+        n_q = end - h < per ? end - h : per;
+        attend_group(L->k_cache + g * m->capacity * hd, L->v_cache + g * m->capacity * hd, NULL, start, pos, hd,
+                     (float)m->attn_scale, sb->qkv + h * hd, n_q, sb->attn + h * hd, tb->scores, m->capacity, 1);
     }
 #pragma omp barrier
     tb->x.f = sb->attn;
