@@ -75,3 +75,5 @@ def use_library(step, native: NativeLibrary) -> None:
     calls = getattr(step, "_calls", None)
     if calls is not None and hasattr(calls, "native"):
         calls.native = native
+    if hasattr(step, "_bound_cache"):  # the next call re-sizes the scratch for this library (it only grows): the
+        step._bound_cache = None  # two sides may lay it out differently, and the larger must fit both
