@@ -67,6 +67,9 @@ def tiny_hf_model(kind: str):
                                                    "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
                                   **common)
         return _perturb_norms(tf.Gemma3ForCausalLM(cfg))
+    if kind == "llama-mqa":  # one KV group of four query heads: two threads split it in the fused steps
+        cfg = tf.LlamaConfig(num_key_value_heads=1, intermediate_size=128, **TINY_COMMON)
+        return tf.LlamaForCausalLM(cfg)
     acts = {"llama": "silu", "llama-relu": "relu"}
     if kind in acts:
         cfg = tf.LlamaConfig(num_key_value_heads=2, intermediate_size=128, hidden_act=acts[kind],

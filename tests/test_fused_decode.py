@@ -107,7 +107,7 @@ def test_activation_quantization_matches_its_statement_exactly(n_blocks):
 
 # --- the step ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["llama", "llama-relu", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "llama-relu", "qwen2", "mistral", "llama-mqa"])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_step_matches_reference_arithmetic(tiny_model_dir, kind, fmt):
     """Every decode step (rope, GQA, biases, sliding window, KV writes, head) equals the torch

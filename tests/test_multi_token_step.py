@@ -16,7 +16,7 @@ from tandem.core.errors import TandemError
 from test_fused_decode import PROMPT, packed
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "llama-mqa"])
 def test_step_many_equals_single_steps(tiny_model_dir, kind):
     folder, _ = tiny_model_dir(kind)
     model, executor = packed(folder, "int4", thresholds=[0.02] * 2)
@@ -141,10 +141,11 @@ def test_step_many_with_predictor_layers(tiny_model_dir, act, predictor_format):
 # --- step_batch: tokens of several sequences over a paged pool ------------------------------
 
 @pytest.mark.parametrize("block_tokens", [16, 4])
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "llama-mqa"])
 def test_step_batch_several_sequences_random_tables(tiny_model_dir, block_tokens, kind):
     """Rounds of mixed prefill chunks and decode tokens of four sequences, interleaved in one batch,
-    against each sequence alone on a contiguous cache; random block tables, random logits_for."""
+    against each sequence alone on a contiguous cache; random block tables, random logits_for. With one
+    KV group of four heads (llama-mqa) the two threads split a group's heads in both steps."""
     folder, _ = tiny_model_dir(kind)
     model, executor = packed(folder, "int4", thresholds=[0.02] * 2)
     step = FusedDecodeStep.build(model, executor)
