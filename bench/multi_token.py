@@ -158,7 +158,7 @@ def main() -> None:
         print(f"| {r['T']} | {r['multi_ms']:.2f} | {r['single_ms']:.2f} | {r['multi_ms'] / r['single_ms']:.2f}x "
               f"| {r['multi_ms'] / r['T']:.2f} | {r['multi_cpu_ms']:.2f} / {r['single_cpu_ms']:.2f} |")
     b = measure_batch(engine, args.context, args.rounds)
-    print(f"\n| decode step | step_batch ms | single step ms | step_batch / single | CPU ms step_batch / single |")
+    print("\n| decode step | step_batch ms | single step ms | step_batch / single | CPU ms step_batch / single |")
     print("|---|---|---|---|---|")
     print(f"| {b['n']} sequences x 1 token (block_tokens 16) | {b['batch_ms']:.2f} | {b['single_ms']:.2f} "
           f"| {b['batch_ms'] / b['single_ms']:.2f}x | {b['batch_cpu_ms']:.2f} / {b['single_cpu_ms']:.2f} |")
