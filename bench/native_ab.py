@@ -75,5 +75,7 @@ def use_library(step, native: NativeLibrary) -> None:
     calls = getattr(step, "_calls", None)
     if calls is not None and hasattr(calls, "native"):
         calls.native = native
-    if hasattr(step, "_bound_cache"):  # the next call re-sizes the scratch for this library (it only grows): the
-        step._bound_cache = None  # two sides may lay it out differently, and the larger must fit both
+    bound = getattr(step, "_bound_cache", None)
+    cache = bound() if bound is not None else None
+    if cache is not None and hasattr(step, "_bind"):  # the scratch re-sized for this library now (it only grows),
+        step._bind(cache)  # not in the next, timed call: the two sides may lay it out differently

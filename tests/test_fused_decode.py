@@ -84,13 +84,17 @@ def test_activation_quantization_matches_its_statement_exactly(n_blocks):
     x = (RNG.standard_normal(n) * RNG.uniform(0.01, 3.0, n)).astype(np.float32)
     x[5] = 60.0  # an outlier block
     x[32 * (n_blocks - 1):] *= np.float32(0.0) if n_blocks > 2 else np.float32(1.0)  # an all-zero block: d = 0
+    if n_blocks > 3:  # a block of denormals: 127 / amax overflows, every code is 0 (as (int8_t)lrintf(inf) is)
+        x[64:96] = (RNG.standard_normal(32) * 1e-39).astype(np.float32)
     q, r = np.zeros(n, np.int8), np.zeros(n, np.int8)
     d, dr, s = (np.zeros(n_blocks, np.float32) for _ in range(3))
     flagged = lib.tdm_quantize_q8(x.ctypes.data, n, 2.0, q.ctypes.data, r.ctypes.data, d.ctypes.data,
                                   dr.ctypes.data, s.ctypes.data)
     xb = x.reshape(n_blocks, 32)
     amax = np.abs(xb).max(axis=1)  # [nb]
-    inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    with np.errstate(over="ignore", divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    inv = np.where(np.isfinite(inv), inv, np.float32(0.0))  # an overflowing scale: codes 0
     np.testing.assert_array_equal(q.reshape(n_blocks, 32), np.rint(xb * inv[:, None]).astype(np.int8))
     np.testing.assert_array_equal(d, amax / np.float32(127.0))
     sums = np.zeros(n_blocks, np.float32)

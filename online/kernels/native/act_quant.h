@@ -24,6 +24,15 @@ static inline void transpose8x8(__m256 r[8]) {
     }
 }
 
+/* eight products x * inv rounded to int32 as (int8_t)lrintf does: a block whose amax is so small that 127 / amax
+ * overflows (below ~3.7e-37: denormals, or an inf / NaN in the block) gives inf or NaN products, which
+ * vcvtps2dq turns into INT32_MIN and the saturating packs into -128, where lrintf's 64-bit result keeps a zero
+ * low byte: those lanes are set to 0. Real codes are within +-127, never INT32_MIN. */
+static inline __m256i codes8(__m256 v) {
+    __m256i c = _mm256_cvtps_epi32(v);
+    return _mm256_andnot_si256(_mm256_cmpeq_epi32(c, _mm256_set1_epi32(INT32_MIN)), c);
+}
+
 /* quantize_q8's first pass for blocks [b0, b0 + 8): each block's max |x|, its codes, d and the exact block
  * sum, bit-identical to the scalar loop (lane j sums block j's 32 floats in order from 0.0f; the codes are
  * the same products x * (127 / amax) rounded to nearest even, as lrintf in the default mode) */
@@ -49,10 +58,10 @@ static inline void quantize_blocks8(const float *restrict x, int64_t b0, qvec *o
     for (int j = 0; j < 8; j++) {
         __m256 f = _mm256_set1_ps(iv[j]);
         const float *xj = xb + j * QB;
-        __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xj), f));
-        __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xj + 8), f));
-        __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xj + 16), f));
-        __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xj + 24), f));
+        __m256i a = codes8(_mm256_mul_ps(_mm256_loadu_ps(xj), f));
+        __m256i b = codes8(_mm256_mul_ps(_mm256_loadu_ps(xj + 8), f));
+        __m256i c = codes8(_mm256_mul_ps(_mm256_loadu_ps(xj + 16), f));
+        __m256i e = codes8(_mm256_mul_ps(_mm256_loadu_ps(xj + 24), f));
         __m256i q = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, e));
         _mm256_storeu_si256((__m256i *)(out->q + (b0 + j) * QB), _mm256_permutevar8x32_epi32(q, order));
     }

@@ -103,7 +103,7 @@ static void key_scores(const float *q, int64_t n_q, const float *K, const float 
 #ifdef TDM_SIMD
     if (hd % 8 == 0) {
         __m256 vs = _mm256_set1_ps(scale);
-        if (fetch && rows) fetch_rows(K, rows, s, s + 8 < end ? s + 8 : end, hd);
+        if (fetch && rows) fetch_rows(K, rows, s, s + 8 < end ? s + 8 : end, hd); /* all lines of the first block at once */
         for (; s + 8 <= end; s += 8) {
             const float *k[8];
             for (int j = 0; j < 8; j++) k[j] = kv_row(K, rows, s + j, hd);
@@ -122,6 +122,8 @@ static void key_scores(const float *q, int64_t n_q, const float *K, const float 
             }
         }
     }
+#else
+    (void)V, (void)fetch;
 #endif
     for (; s < end; s++)
         for (int64_t h = 0; h < n_q; h++) scores[h * span + s] = dot_f32(q + h * hd, kv_row(K, rows, s, hd), hd) * scale;

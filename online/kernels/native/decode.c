@@ -123,10 +123,10 @@ static int64_t shared_bytes(const tdm_model *m) {
            + align64(8 * m->threads) + align64(4 * m->n_ff);
 }
 
-/* query heads one attend_group call may take: a whole KV group, or one head where groups exceed TDM_MAX_GROUP */
+/* query heads one attend_group call may take: a whole KV group, at most TDM_MAX_GROUP of them */
 static int64_t group_heads(const tdm_model *m) {
     int64_t rep = m->n_heads / m->n_kv;
-    return rep <= TDM_MAX_GROUP ? rep : 1;
+    return rep <= TDM_MAX_GROUP ? rep : TDM_MAX_GROUP;
 }
 
 static int64_t thread_bytes(const tdm_model *m) {
