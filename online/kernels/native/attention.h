@@ -94,23 +94,21 @@ static inline void fetch_rows(const float *X, const int32_t *rows, int64_t s, in
 #endif
 
 /* scores[j * span + s] = scale * q_j . K[s] for the n_q heads q_j = q + j * hd, s in [start, end): eight keys at
- * a time for every head while they are in L1. fetch: the V rows of each block go toward L2 meanwhile (the value
+ * a time for every head while they are in L1. Meanwhile the V rows of each block go toward L2 (the value
  * pass then finds them there), and paged K rows a block ahead (their 4 KiB blocks are scattered, so the
  * hardware's stream prefetchers restart at each one; a contiguous cache streams by itself). */
 static void key_scores(const float *q, int64_t n_q, const float *K, const float *V, const int32_t *rows,
-                       int64_t start, int64_t end, int64_t hd, float scale, float *scores, int64_t span, int fetch) {
+                       int64_t start, int64_t end, int64_t hd, float scale, float *scores, int64_t span) {
     int64_t s = start;
 #ifdef TDM_SIMD
     if (hd % 8 == 0) {
         __m256 vs = _mm256_set1_ps(scale);
-        if (fetch && rows) fetch_rows(K, rows, s, s + 8 < end ? s + 8 : end, hd); /* all lines of the first block at once */
+        if (rows) fetch_rows(K, rows, s, s + 8 < end ? s + 8 : end, hd); /* all lines of the first block at once */
         for (; s + 8 <= end; s += 8) {
             const float *k[8];
             for (int j = 0; j < 8; j++) k[j] = kv_row(K, rows, s + j, hd);
-            if (fetch) {
-                if (rows) fetch_rows(K, rows, s + 8, s + 16 < end ? s + 16 : end, hd);
-                fetch_rows(V, rows, s, s + 8, hd);
-            }
+            if (rows) fetch_rows(K, rows, s + 8, s + 16 < end ? s + 16 : end, hd);
+            fetch_rows(V, rows, s, s + 8, hd);
             for (int64_t h = 0; h < n_q; h++) {
                 __m256 acc[8];
                 for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
@@ -123,7 +121,7 @@ static void key_scores(const float *q, int64_t n_q, const float *K, const float 
         }
     }
 #else
-    (void)V, (void)fetch;
+    (void)V;
 #endif
     for (; s < end; s++)
         for (int64_t h = 0; h < n_q; h++) scores[h * span + s] = dot_f32(q + h * hd, kv_row(K, rows, s, hd), hd) * scale;
@@ -135,9 +133,9 @@ static void key_scores(const float *q, int64_t n_q, const float *K, const float 
  * the heads share each K and V row while it is in L1. */
 static void attend_group(const float *K, const float *V, const int32_t *rows, int64_t start, int64_t pos,
                          int64_t hd, float scale, const float *q, int64_t n_q, float *out, float *scores,
-                         int64_t span, int fetch) {
+                         int64_t span) {
     float inv[TDM_MAX_GROUP];
-    key_scores(q, n_q, K, V, rows, start, pos + 1, hd, scale, scores, span, fetch);
+    key_scores(q, n_q, K, V, rows, start, pos + 1, hd, scale, scores, span);
     for (int64_t h = 0; h < n_q; h++) {
         inv[h] = 1.0f / softmax_exp(scores + h * span, start, pos);
         for (int64_t k = 0; k < hd; k++) out[h * hd + k] = 0.0f;

@@ -136,7 +136,7 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
         n_q = end - e < per ? end - e : per;
         attend_group(L->k_cache + g * B->kv_rows * hd, L->v_cache + g * B->kv_rows * hd, sb->rowmap + i * span,
                      window_start(m, L, pos), pos, hd, (float)m->attn_scale, sb->qkv + i * width + h * hd, n_q,
-                     sb->attn + i * qn + h * hd, tb->scores, span, 1);
+                     sb->attn + i * qn + h * hd, tb->scores, span);
     }
 #pragma omp barrier
     for (int64_t i = 0; i < T; i++) {

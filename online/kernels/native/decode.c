@@ -272,7 +272,7 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
         int64_t g = h / rep, end = (g + 1) * rep < hi ? (g + 1) * rep : hi;
         n_q = end - h < per ? end - h : per;
         attend_group(L->k_cache + g * m->capacity * hd, L->v_cache + g * m->capacity * hd, NULL, start, pos, hd,
-                     (float)m->attn_scale, sb->qkv + h * hd, n_q, sb->attn + h * hd, tb->scores, m->capacity, 1);
+                     (float)m->attn_scale, sb->qkv + h * hd, n_q, sb->attn + h * hd, tb->scores, m->capacity);
     }
 #pragma omp barrier
     tb->x.f = sb->attn;
