@@ -117,7 +117,6 @@ int64_t tdm_quantize_q8(const float *x, int64_t n, double residual_ratio, int8_t
                         float *s) {
     int32_t flagged[n / QB + 1];
     qvec v = {x, q, r, d, dr, s, flagged, 0};
-    for (int64_t b = 0; b < n / QB; b++) dr[b] = 0.0f;
     quantize_q8(x, n, &v, (float)residual_ratio);
     return v.n_flagged;
 }
