@@ -118,8 +118,10 @@ def write_table(rows, args, calibration: Path) -> None:
              "- Tandem modes, all through the fused C step: *dense* reads every FFN row; *exact* computes every gate "
              "row and only the up/down rows of active neurons (exact ReLU zeros); *predictor* runs the layer's "
              "low-rank predictor (int8; closed-form reduced-rank gate or trained scorer, whichever `train-predictors` kept) and reads only the predicted gate/up rows and active down rows.",
-             "- bytes/token: weight bytes each mode reads per token (attention, output layer, FFN rows, predictor); "
-             "limit: bytes/token against the read bandwidth measured in the same process; achieved = tok/s / limit.",
+             "- bytes/token: weight bytes each mode reads per token (attention, output layer, FFN rows, predictor), "
+             "and the float32 KV cache every mode reads at the run's mean context (placement.step_reads.kv_read_bytes); "
+             "limit: weight + KV bytes per token against the read bandwidth measured in the same process (after "
+             "the slash: weights only, the table's limit before 2026-11-28); achieved = tok/s / limit.",
              "- modeled: `tandem probe --fused`'s terms (fixed cost per call and per layer from tiny random Llama "
              "models; the row kernels' rate per packed format and access: dense rows, gathered rows, added down rows) "
              "applied to each mode's reads by format and access (the step's own packed tensors at the rows the run "
@@ -129,7 +131,8 @@ def write_table(rows, args, calibration: Path) -> None:
              "systems of a row share it, so compare within a row).",
              "",
              "| shape | sparsity (measured) | llama.cpp tok/s | dense tok/s | exact tok/s | predictor tok/s | predictor / llama.cpp "
-             "| predictor recall / precision (rank) | MB/token dense / exact / predictor | predictor limit tok/s (achieved) "
+             "| predictor recall / precision (rank) | MB/token dense / exact / predictor (+ KV) "
+             "| predictor limit tok/s (achieved): weights + KV / weights only "
              "| modeled tok/s dense / exact / predictor (modeled / measured) | read GB/s in the run |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape, sparsity, gguf, tandem, peer, q in rows:
@@ -143,8 +146,8 @@ def write_table(rows, args, calibration: Path) -> None:
         lines.append(
             f"| {shape} | {sparsity:.0%} ({p['sparsity']:.1%}) | {ll:.1f} | {d['decode_tok_s_median']:.1f} | "
             f"{e['decode_tok_s_median']:.1f} | {p['decode_tok_s_median']:.1f} | {p['decode_tok_s_median'] / ll:.2f}x | {pq} | "
-            f"{d['bytes_per_token'] / 1e6:.0f} / {e['bytes_per_token'] / 1e6:.0f} / {p['bytes_per_token'] / 1e6:.0f} | "
-            f"{p['bytes_limit_tok_s']:.1f} ({p['decode_tok_s_median'] / p['bytes_limit_tok_s']:.0%}) | "
+            f"{d['bytes_per_token'] / 1e6:.0f} / {e['bytes_per_token'] / 1e6:.0f} / {p['bytes_per_token'] / 1e6:.0f} "
+            f"(+ {p.get('kv_bytes_per_token', 0.0) / 1e6:.0f}) | {limits(p)} | "
             + " / ".join(f"{m.get('modeled_tok_s', float('nan')):.1f} ({m.get('modeled_tok_s', float('nan')) / m['decode_tok_s_median']:.2f})"
                          for m in (d, e, p)) + f" | {p['read_bandwidth'] / 1e9:.1f} |")
     lines += modeled_7b(rows, calibration)
@@ -152,6 +155,15 @@ def write_table(rows, args, calibration: Path) -> None:
     assemble_results()
     print("\n".join(lines))
 
+
+
+def limits(mode: dict) -> str:
+    """'limit (achieved) / weights-only limit (achieved)' of a mode (records from before the KV term: one limit)."""
+    tok_s, out = mode["decode_tok_s_median"], []
+    for key in ("bytes_limit_tok_s", "weights_limit_tok_s"):
+        if key in mode:
+            out.append(f"{mode[key]:.1f} ({tok_s / mode[key]:.0%})")
+    return " / ".join(out)
 
 
 def modeled_7b(rows, calibration: Path, shapes=("llama-2-7b", "llama-2-13b")) -> list[str]:
@@ -176,9 +188,13 @@ def modeled_7b(rows, calibration: Path, shapes=("llama-2-7b", "llama-2-13b")) ->
         d, kv = shape.hidden, shape.n_kv_heads * shape.head_dim
         return (shape.n_layers * (2 * d * d + 2 * d * kv + 3 * d * shape.n_ff) + 49152 * d) * q4
 
+    def kv_scale(a, b) -> float:  # float32 KV bytes per token of context, shape a over shape b
+        return (a.n_layers * a.n_kv_heads * a.head_dim) / (b.n_layers * b.n_kv_heads * b.head_dim)
+
     out = ["", "### 7B-class shapes: **modeled** (not measured: no GPU machine was lent to this run)", "",
            "Each mode's bytes per token measured above on the named smaller shape at the same sparsity, scaled by the "
-           "ratio of the two shapes' Q4_0 sizes (same row fractions, same formats); time = the fused-step terms of "
+           "ratio of the two shapes' Q4_0 sizes (same row fractions, same formats), plus the big shape's KV cache at "
+           "the same context; time = the fused-step terms of "
            f"`tandem probe --fused` (this machine, {cal.threads} threads); llama.cpp = the big shape's Q4_0 bytes at "
            "the read rate llama.cpp reached on the smaller shape (rows measured under contention are skipped).", "",
            "| shape | sparsity | from | modeled llama.cpp tok/s | modeled Tandem dense | modeled Tandem exact "
@@ -190,7 +206,8 @@ def modeled_7b(rows, calibration: Path, shapes=("llama-2-7b", "llama-2-13b")) ->
             modes = {m["mode"]: m for m in tandem["modes"]}
             scale = q4_dense_bytes(big) / q4_dense_bytes(get_shape(src))
             ll = statistics.median(peer["decode_tok_s"]) * q4_dense_bytes(get_shape(src)) / q4_dense_bytes(big)
-            rates = [1 / cal.step_seconds("int4", big.n_layers, modes[m]["bytes_per_token"] * scale)
+            kv = modes["dense"].get("kv_bytes_per_token", 0.0) * kv_scale(big, get_shape(src))  # same context
+            rates = [1 / cal.step_seconds("int4", big.n_layers, modes[m]["bytes_per_token"] * scale + kv)
                      for m in ("dense", "relu-exact", "predictor")]
             out.append(f"| {name} (modeled) | {sparsity:.0%} | {src} | {ll:.2f} | {rates[0]:.2f} | {rates[1]:.2f} | "
                        f"{rates[2]:.2f} | {rates[2] / ll:.2f}x |")

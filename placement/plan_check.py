@@ -15,7 +15,7 @@ from pathlib import Path
 from tandem.core.errors import TandemError
 
 from .fused_calibration import calibrated_plan_tokens_per_s, load_calibration
-from .step_reads import format_reads, layer_fractions, modeled_passes, modeled_reads, read_fractions
+from .step_reads import format_reads, kv_reads, layer_fractions, modeled_passes, modeled_reads, read_fractions, with_kv
 
 
 def plan_fractions(plan_dir: str | Path, cfg, predictors_dir: str | Path | None = None) -> tuple[list, bool]:
@@ -37,7 +37,7 @@ def plan_fractions(plan_dir: str | Path, cfg, predictors_dir: str | Path | None 
 
 def print_modeled_and_measured(plan, args, measure=None) -> None:
     """``measure(model, plan_dir, predictors, threads, want_units=True) -> (tok/s, decode path, (step units,
-    config) or None)``: the runtime's timing (online.plan_measure.measure_plan_tokens_per_s), needed with
+    config, mean context tokens) or None)``: the runtime's timing (online.plan_measure.measure_plan_tokens_per_s), needed with
     ``args.measure``."""
     modeled = plan.modeled["tokens_per_s"]
     line = [f"tokens/s side by side: modeled (raw cost model) {modeled:.1f}"]
@@ -54,9 +54,9 @@ def print_modeled_and_measured(plan, args, measure=None) -> None:
             raise TandemError(f"--threads must be >= 1, got {args.threads}")
         measured, path, step = measure(args.measure, args.plan_dir, args.predictors, args.threads, want_units=True)
         if cal is not None and cal.rates and step is not None and plan.gpu_bytes == 0:
-            units, cfg = step
+            units, cfg, context = step
             fractions, relu = plan_fractions(args.plan_dir, cfg, args.predictors)
-            reads = modeled_reads(units, fractions, relu)
+            reads = with_kv(modeled_reads(units, fractions, relu), kv_reads(cfg, context))  # weights, then the KV cache
             reads_line = f"modeled reads per token: {format_reads(reads)}"
             try:
                 calibrated = 1.0 / cal.reads_seconds(cfg.num_layers, reads, fractions=read_fractions(units, fractions, relu),

@@ -177,3 +177,36 @@ def test_a_dense_down_layer_computes_every_neuron(down_qtype):
     dense, _ = split.cpu.forward_numpy(x, threshold=-1.0)
     assert used == 3 * n_ff
     np.testing.assert_array_equal(y, dense)
+
+
+@pytest.mark.parametrize("predicted_sparsity, dense", [(0.3, True), (0.5, True), (0.9, False), (None, False)])
+def test_a_relu_layer_reads_its_down_whole_when_its_predictor_marks_most_rows(predicted_sparsity, dense):
+    """A predictor layer whose active rows (fp16 down rows: 2 bytes a weight) would read more than the whole
+    Q4_1 down (0.625) keeps the GGUF blocks for one dense product; at 90% sparsity, or with no predictor
+    record, the sparse rows stay. Either way the predicted rows' FFN equals the float reference."""
+    from types import SimpleNamespace
+    from online.execution.hybrid import ExecutionSettings, _split_layer
+    from tandem.core.ffn.weights import FFNWeights
+    from tandem.core.loading.checkpoint import RawQuantTensor
+
+    d, n_ff = 256, 512
+    s5 = np.array([BLOCK_SCALE["Q5_0"], -BLOCK_SCALE["Q5_0"] / 2], np.float32)
+    raw = {f"model.layers.0.mlp.{name}_proj.weight": RawQuantTensor("Q5_0", shape, _raw("Q5_0", *shape, seed, s5))
+           for name, shape, seed in (("up", (n_ff, d), 3), ("gate", (n_ff, d), 4))}
+    raw["model.layers.0.mlp.down_proj.weight"] = RawQuantTensor("Q4_1", (d, n_ff), _q4_1_blocks(d, n_ff, 5))
+    w = FFNWeights(up=torch.zeros(n_ff, d), down=torch.zeros(d, n_ff), gate=torch.zeros(n_ff, d))
+    stats = {} if predicted_sparsity is None else {"predicted_sparsity": predicted_sparsity}
+    predictor = SimpleNamespace(pset=SimpleNamespace(entry=lambda layer: SimpleNamespace(stats=stats)), layer=0)
+    split = _split_layer(SimpleNamespace(hidden_act="relu", act_threshold=0.0), 0, w, torch.zeros(0, dtype=torch.long),
+                         0.0, predictor, None, ExecutionSettings(weight_format="int8", down_format="fp16", threads=2), raw)
+    assert (split.cpu.down is not None) == dense and (split.cpu.down_t is None) == dense
+    x = _x(1, d)
+    rows = np.sort(np.random.default_rng(6).choice(n_ff, 200, replace=False)).astype(np.int64)
+    y, _ = split.cpu.forward_numpy(x, threshold=split.threshold, rows=rows)
+    deq = {name: gguf.quants.dequantize(raw[f"model.layers.0.mlp.{name}_proj.weight"].data,
+                                        getattr(gguf.GGMLQuantizationType, q)).reshape(shape)
+           for name, q, shape in (("up", "Q5_0", (n_ff, d)), ("gate", "Q5_0", (n_ff, d)), ("down", "Q4_1", (d, n_ff)))}
+    h = np.zeros(n_ff, np.float64)
+    h[rows] = np.maximum(deq["gate"][rows] @ x[0].astype(np.float64), 0.0) * (deq["up"][rows] @ x[0].astype(np.float64))
+    ref = deq["down"] @ h  # [d]
+    np.testing.assert_allclose(y[0], ref, rtol=0, atol=0.02 * np.abs(ref).max())

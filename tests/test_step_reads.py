@@ -260,3 +260,26 @@ def test_read_passes_compute_the_step_rows_pass_by_pass(monkeypatch):
     assert 0.0 <= cost < 1e-3 and np.isfinite(cost)
     with pytest.raises(TandemError, match="threads"):
         kind_probe.measure_pass_cost(0)
+
+
+@pytest.mark.parametrize("windows", [(), (4, 0)])  # every layer global; a windowed layer beside a global one
+def test_kv_reads_are_the_cache_rows_attention_streams(wide_llama, windows):
+    """kv_read_bytes against the KV cache's own tensors: the keys and values of positions [0, n) of every
+    layer, a windowed layer's last ``window`` of them."""
+    import dataclasses
+
+    from placement.step_reads import KV_KIND, kv_read_bytes, kv_reads, with_kv
+    from tandem.core.kv_cache import KVCache
+    from tandem.core.loading.hf_loader import load_hf_folder
+
+    cfg = load_hf_folder(wide_llama).config
+    cfg = dataclasses.replace(cfg, num_layers=2, layer_windows=windows)
+    cache = KVCache(cfg, 32)
+    for n in (0, 1, 3, 9):
+        spans = [min(n, w) if w else n for w in (windows or (0, 0))]
+        expected = sum(cache.keys[i, :, :s].nbytes + cache.values[i, :, :s].nbytes for i, s in enumerate(spans))
+        assert kv_read_bytes(cfg, n) == expected
+    reads = with_kv({("q4_0", "dense"): 10.0, KV_KIND: 1.0}, kv_reads(cfg, 9))
+    assert reads == {("q4_0", "dense"): 10.0, KV_KIND: 1.0 + kv_read_bytes(cfg, 9)}
+    with pytest.raises(TandemError):
+        kv_read_bytes(cfg, -1)

@@ -3,7 +3,8 @@
 One engine (the cpu-only plan with predictors) is loaded once; the three modes toggle the step's
 per-layer threshold and predictor pointer. For each mode: decode tok/s (greedy, after a module-path
 prefill of the benchmark prompt), FFN rows read and the weight bytes read per token, and the
-bytes-limit tok/s (bytes per token against the read bandwidth measured in the same process).
+bytes-limit tok/s (weight and KV-cache bytes per token against the read bandwidth measured in the
+same process; the weights-only limit beside it).
 """
 from __future__ import annotations
 
@@ -18,14 +19,17 @@ from bench.prompt import BENCH_PROMPT  # noqa: E402
 from bench.systems.common import emit, timing_arguments  # noqa: E402
 
 
-def ffn_bytes(engine) -> tuple[int, int, int, int]:
-    """(gate, up, down rows bytes per neuron summed over layers -> per-neuron-row bytes, n_ff, predictor bytes, rest)."""
+def ffn_bytes(engine) -> tuple[float, float, float, float]:
+    """(gate, up bytes per neuron row, sparse down bytes per neuron row x the share of layers with sparse down
+    rows, the rest: every byte read whatever the rows: attention, output layer, dense GGUF downs)."""
     splits = engine.executor.splits
     n_ff = splits[0].cpu.n_neurons
     gate = sum(s.cpu.gate.nbytes for s in splits) / len(splits) / n_ff
     up = sum(s.cpu.up.nbytes for s in splits) / len(splits) / n_ff
-    down = sum(s.cpu.down_t.nbytes for s in splits) / len(splits) / n_ff
-    ffn_total = sum(s.cpu.gate.nbytes + s.cpu.up.nbytes + s.cpu.down_t.nbytes for s in splits)
+    sparse = [s for s in splits if s.cpu.down is None]  # the others read their GGUF down whole (dense_down_wanted)
+    down = sum(s.cpu.down_t.nbytes for s in sparse) / len(splits) / n_ff  # per active row, all layers averaged
+    ffn_total = sum(s.cpu.gate.nbytes + s.cpu.up.nbytes + (s.cpu.down_t.nbytes if s.cpu.down is None else 0)
+                    for s in splits)
     return gate, up, down, engine.weight_bytes_per_token - ffn_total
 
 
@@ -59,19 +63,20 @@ def run_mode(engine, step, mode: str, ids: list[int], n_tokens: int, runs: int, 
             "computed_up_rows": computed / steps, "neurons": total / steps}
 
 
-def counted_reads(engine, step, mode: str, rec: dict) -> tuple[dict, dict, int]:
+def counted_reads(engine, step, mode: str, rec: dict, context_tokens: float) -> tuple[dict, dict, int]:
     """(bytes per token, row share) by (packed format, access) of this mode (placement.step_reads), every
-    layer at the row shares the run counted, and the matrix passes per token."""
+    layer at the row shares the run counted, the KV cache at the run's mean context, and the matrix passes
+    per token."""
     from online.step_inventory import step_units
-    from placement.step_reads import LayerFractions, modeled_passes, modeled_reads, read_fractions
+    from placement.step_reads import LayerFractions, kv_reads, modeled_passes, modeled_reads, read_fractions, with_kv
 
     total = rec["neurons"]
     down = rec["down_rows"] / total
     fractions = {"dense": None, "relu-exact": LayerFractions(1.0, down, down),
                  "predictor": LayerFractions(rec["predicted_rows"] / total, rec["computed_up_rows"] / total, down, True)}[mode]
     units, layers = step_units(step, engine.config), None if fractions is None else [fractions] * engine.config.num_layers
-    return (modeled_reads(units, layers, relu=True), read_fractions(units, layers, relu=True),
-            modeled_passes(units, layers, relu=True))
+    return (with_kv(modeled_reads(units, layers, relu=True), kv_reads(engine.config, context_tokens)),
+            read_fractions(units, layers, relu=True), modeled_passes(units, layers, relu=True))
 
 
 def main() -> None:
@@ -83,6 +88,7 @@ def main() -> None:
     args = ap.parse_args()
     from online import Engine
     from placement.probe import measure_read_bandwidth
+    from placement.step_reads import kv_read_bytes
     import torch
 
     engine = Engine.load(args.gguf, threads=args.threads, plan=args.plan, predictors=args.predictors)
@@ -98,6 +104,8 @@ def main() -> None:
     pred_bytes = sum(r.desc.w1.rows * r.desc.w1.row_bytes + r.desc.w2.rows * r.desc.w2.row_bytes
                      for r in step._keep if hasattr(r, "predicted"))
     n_layers, n_ff = engine.config.num_layers, engine.executor.splits[0].cpu.n_neurons
+    context = len(ids) + (args.decode_tokens + 1) / 2  # keys each decode step attends to, on average
+    kv = kv_read_bytes(engine.config, context)  # float32 keys and values: read by every mode alike
     out = []
     for mode in ("dense", "relu-exact", "predictor"):
         rec = run_mode(engine, step, mode, ids, args.decode_tokens, args.runs, preds)
@@ -109,16 +117,17 @@ def main() -> None:
         else:
             gate_rows, up_rows, down_rows, extra = rec["predicted_rows"], rec["computed_up_rows"], rec["down_rows"], pred_bytes
         read = rest + extra + gate_rows * gate_b + up_rows * up_b + down_rows * down_b
-        rec.update(bytes_per_token=read, bytes_limit_tok_s=bandwidth / read, read_bandwidth=bandwidth,
-                   predictor_bytes=extra, sparsity=1 - rec["down_rows"] / (n_layers * n_ff))
+        rec.update(bytes_per_token=read, kv_bytes_per_token=kv, bytes_limit_tok_s=bandwidth / (read + kv),
+                   weights_limit_tok_s=bandwidth / read, read_bandwidth=bandwidth, predictor_bytes=extra,
+                   sparsity=1 - rec["down_rows"] / (n_layers * n_ff))
         rec["decode_tok_s_median"] = statistics.median(rec["decode_tok_s"])
         if args.calibration:
             from placement.fused_calibration import load_calibration
             cal = load_calibration(args.calibration)
             fmt = engine.executor.settings.weight_format
-            rec["modeled_tok_s"] = 1.0 / cal.step_seconds(fmt, n_layers, read)
+            rec["modeled_tok_s"] = 1.0 / cal.step_seconds(fmt, n_layers, read + kv)
             if cal.rates:  # by packed format and access: the step's own tensors at the rows it counted
-                reads, shares, passes = counted_reads(engine, step, mode, rec)
+                reads, shares, passes = counted_reads(engine, step, mode, rec, context)
                 rec["modeled_tok_s"] = 1.0 / cal.reads_seconds(n_layers, reads, fractions=shares, passes=passes)
         out.append(rec)
     emit({"system": "tandem", "modes": out, "weight_format": engine.executor.settings.weight_format})

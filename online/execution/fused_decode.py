@@ -40,7 +40,8 @@ from ..kernels.cpu_kernels import clamp_threads
 from ..kernels.quantize import ACT_IDS
 from ..kernels.native import NativeUnavailable, load_native
 from ..kernels.native.step_calls import StepCalls
-from ..kernels.native.structs import TdmLayer, TdmModel, WeightRef, addr, describe, interleave
+from ..kernels.native.arena import WeightArena
+from ..kernels.native.structs import TdmLayer, TdmModel, WeightRef, addr, describe, interleave, pair_rows
 from tandem.core.kv_cache import KVCache
 from .fused_arch import MoeRef, build_moe, check_moe, expert_width, layer_arrays, model_fields
 from .fused_predict import PredictorRef, build_predictor
@@ -172,6 +173,8 @@ class FusedDecodeStep:
     @staticmethod
     def _describe_layers(model, executor, native, predictor_format: str = "int8") -> tuple[list, list]:
         layers, keep = [], []
+        arena = WeightArena()  # the step's own copies (interleaved rows, paired gate / up) on huge pages
+        keep.append(arena)
         threads = clamp_threads(executor.settings.threads)
         for i, block in enumerate(model.layers):
             attn, split = block.self_attn, executor.splits[i]
@@ -190,7 +193,7 @@ class FusedDecodeStep:
                                                                    else describe(ffn.down_t, dot_input=False))
                 arrays["down_bias"] = _np(split.down_bias) if split.down_bias is not None else _bias(ffn.down_bias)
             for name in dense_rows(model.cfg, split, refs):  # read by whole row ranges: eight rows interleaved
-                refs[name] = interleave(refs[name], native.lib)
+                refs[name] = interleave(refs[name], native.lib, arena)
             if cpu_ffn and not model.cfg.mlp_gated:
                 refs["gate"] = refs["up"]  # a plain FFN's (never read) gate is its up: one copy in the step cache
             layer = TdmLayer(threshold=float(split.threshold) if split is not None else -1.0,
@@ -202,6 +205,10 @@ class FusedDecodeStep:
                 keep.append(moe)
             elif split.predictor is not None:  # predict.h: only the predicted rows are read
                 pred = build_predictor(split.predictor, threads, native.lib, predictor_format)
+                pair = pair_rows(refs["gate"], refs["up"], arena) if model.cfg.mlp_gated else None
+                if pair is not None:  # a predicted neuron's gate and up rows in one contiguous read
+                    pred.desc.gate_up = pair.desc
+                    keep.append(pair)
                 layer.pred = ctypes.pointer(pred.desc)
                 keep.append(pred)
             layers.append(layer)
@@ -211,7 +218,8 @@ class FusedDecodeStep:
     def _describe_model(self) -> TdmModel:
         """The model descriptor; layers carry their own windows (``window`` 0 here when they differ)."""
         cfg, model, ex = self.cfg, self.model, self.executor
-        head: WeightRef = interleave(describe(ex.head.weight), self.native.lib)
+        arena = next(k for k in self._keep if isinstance(k, WeightArena))
+        head: WeightRef = interleave(describe(ex.head.weight), self.native.lib, arena)
         embed, final_norm = _np(model.embed_tokens.weight), _np(model.norm.weight)
         cos, sin = _np(model.rope_cos), _np(model.rope_sin)
         opt, opt_keep, positions = model_fields(model)  # LayerNorm, learned positions (fused_arch.py)

@@ -33,7 +33,7 @@ from .gpu_tier import GpuTier
 from tandem.core.tier_format import TIER_FORMATS
 from .tier_matrix import TierMatrix
 from .tier_units import tier_ffn_kernel
-from .quantized_linear import EXACT_GGUF_TYPES, IN_PLACE_GGUF_TYPES, dense_down_wanted
+from .quantized_linear import EXACT_GGUF_TYPES, IN_PLACE_GGUF_TYPES, dense_down_wanted, predicted_active_share
 from tandem.core.ffn.weights import FFNWeights, MoELayerWeights
 
 PREDICTOR_MAX_TOKENS = 4  # longer batches (prefill) activate nearly every neuron: exact path there
@@ -370,7 +370,8 @@ def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor,
                 and up_raw.qtype in exact and w.up_bias is None and w.gate_bias is None
                 and (gate_raw is None or gate_raw.qtype in exact)):
             cpu = QuantizedFFN.from_gguf(up_raw, down_raw, gate_raw, down_fmt=settings.down_format,
-                                         dense_down=dense_down_wanted(cfg.hidden_act, down_raw, settings.down_format), **kw)
+                                         dense_down=dense_down_wanted(cfg.hidden_act, down_raw, settings.down_format,
+                                                                      predicted_active_share(predictor)), **kw)
         else:
             cpu = QuantizedFFN.from_float(
                 up=w.up[cold], down=w.down[:, cold], gate=None if w.gate is None else w.gate[cold],

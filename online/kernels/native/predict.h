@@ -17,6 +17,9 @@ typedef struct {
     uint8_t *scratch;      /* tdm_pred_scratch_bytes(rank, threads): each thread's quantized z */
     int64_t *predicted;    /* [threads] rows predicted active, summed over calls */
     int64_t *computed;     /* [threads] up rows computed (after the gate cut), summed over calls */
+    /* [2 n_ff, cols]: gate row r at row 2r, up row r at 2r + 1, so a predicted neuron's two rows are one
+     * contiguous read (sparse_rows' paired pass); data NULL: gate and up are read apart (the layer's) */
+    tdm_weight gate_up;
 } tdm_predictor;
 
 static int64_t pred_align(int64_t n) { return (n + 63) & ~(int64_t)63; }
@@ -116,25 +119,47 @@ static void dot4_i4g32_idx(const tdm_weight *w, const int32_t *rows, const int32
 }
 #endif
 
-/* out[i] = W[rows[i]] . x: four gathered rows at a time where the format has the kernel (Q4_0 / Q4_1,
- * Q8_0, Q4_K, int4), one at a time for the rest (Q5_0, Q5_K, Q6_K, ...) */
-static void dot_rows_idx(const tdm_weight *w, const int32_t *rows, int64_t n, const qvec *x, float *out) {
-    int64_t i = 0;
 #ifdef TDM_SIMD
-    gather_prime(w, rows, n);
+/* whether the format has a four-row gathered kernel (dot4_idx) */
+static int has_dot4_idx(const tdm_weight *w) {
+    return w->kind == KIND_I4H || w->kind == KIND_I8H || w->kind == KIND_Q4K || (w->kind == KIND_I4 && w->group == 32);
+}
+
+/* out[0..3] = W[rows[k]] . x for four gathered rows (has_dot4_idx); fetches the rows at next[] (NULL: none) */
+static void dot4_idx(const tdm_weight *w, const int32_t *rows, const int32_t *next, const qvec *x, float *out) {
     if (w->kind == KIND_I4H) /* blocks_dot.h: f16 scales widened in registers */
-        for (; i + 4 <= n; i += 4) dot4_i4h_idx(w, rows + i, gather_next(rows, i, n), x, out + i);
+        dot4_i4h_idx(w, rows, next, x, out);
     else if (w->kind == KIND_I8H)
-        for (; i + 4 <= n; i += 4) dot4_i8h_idx(w, rows + i, gather_next(rows, i, n), x, out + i);
+        dot4_i8h_idx(w, rows, next, x, out);
     else if (w->kind == KIND_Q4K) {
         int64_t ng = w->cols / 32;
         float d[4 * ng], m[4 * ng];
-        for (; i + 4 <= n; i += 4) {
-            for (int k = 0; k < 4; k++) expand_scales(w, rows[i + k], 1, d + k * ng, m + k * ng);
-            dot4_i4g32_idx(w, rows + i, gather_next(rows, i, n), d, m, x, out + i);
+        for (int k = 0; k < 4; k++) expand_scales(w, rows[k], 1, d + k * ng, m + k * ng);
+        dot4_i4g32_idx(w, rows, next, d, m, x, out);
+    } else
+        dot4_i4g32_idx(w, rows, next, NULL, NULL, x, out);
+}
+#endif
+
+/* out[i] = W[rows[i]] . x: four gathered rows at a time where the format has the kernel (Q4_0 / Q4_1,
+ * Q8_0, Q4_K, int4), one at a time for the rest (Q5_0, Q5_K, Q6_K, ...). The last one to three rows go
+ * through the four-row kernel too (the last row repeated): the scalar row rounds differently, so a row's
+ * value would depend on where the list ends (paired_rows and the gate / up passes must agree). */
+static void dot_rows_idx(const tdm_weight *w, const int32_t *rows, int64_t n, const qvec *x, float *out) {
+    int64_t i = 0;
+#ifdef TDM_SIMD
+    if (has_dot4_idx(w)) {
+        gather_prime(w, rows, n);
+        for (; i + 4 <= n; i += 4) dot4_idx(w, rows + i, gather_next(rows, i, n), x, out + i);
+        if (i < n) {
+            int32_t last[4];
+            float o[4];
+            for (int k = 0; k < 4; k++) last[k] = rows[i + k < n ? i + k : n - 1];
+            dot4_idx(w, last, NULL, x, o);
+            for (int k = 0; i + k < n; k++) out[i + k] = o[k];
+            return;
         }
-    } else if (w->kind == KIND_I4 && w->group == 32)
-        for (; i + 4 <= n; i += 4) dot4_i4g32_idx(w, rows + i, gather_next(rows, i, n), NULL, NULL, x, out + i);
+    }
 #endif
     for (; i < n; i++) out[i] = dot_row(w, rows[i], x);
 }
@@ -175,6 +200,34 @@ static int64_t candidate_rows(const tdm_predictor *P, const tdm_weight *gate, fl
     return k;
 }
 
+#define PAIR_CHUNK 1024 /* neurons per gathered pass of paired_rows (its index and output buffers: 16 KB of stack) */
+
+/* Gate and up values of the k predicted rows in gathered passes over P->gate_up (rows 2r and 2r + 1: one
+ * contiguous read per neuron instead of one in each of two passes; bench: ~10-17% faster reads), then the
+ * gate cut as sparse_rows applies it: rows / g / u compacted in place, the count returned. A row's value
+ * does not depend on its neighbours in a pass, so the kept rows' g and u are those of the two passes. */
+static int64_t paired_rows(const tdm_predictor *P, int gate_cut, float cut, int64_t k, const qvec *x, int32_t *rows,
+                           float *g, float *u) {
+    int32_t pair[2 * PAIR_CHUNK];
+    float out[2 * PAIR_CHUNK];
+    int64_t kept = 0;
+    for (int64_t j0 = 0; j0 < k; j0 += PAIR_CHUNK) {
+        int64_t n = k - j0 < PAIR_CHUNK ? k - j0 : PAIR_CHUNK;
+        for (int64_t j = 0; j < n; j++) {
+            pair[2 * j] = 2 * rows[j0 + j];
+            pair[2 * j + 1] = 2 * rows[j0 + j] + 1;
+        }
+        dot_rows_idx(&P->gate_up, pair, 2 * n, x, out);
+        for (int64_t j = 0; j < n; j++) { /* kept <= j0 + j: compaction in place */
+            rows[kept] = rows[j0 + j];
+            g[kept] = out[2 * j];
+            u[kept] = out[2 * j + 1];
+            kept += !gate_cut || out[2 * j] > cut;
+        }
+    }
+    return kept;
+}
+
 /* The candidate rows' gate values (predicted rows: gathered here), then up only where the gate does not
  * already zero h (gate_cut: h = 0 unless g > cut): rows / g / u compacted in place, the count returned.
  * Each matrix is read as one gathered pass over all the thread's rows (dot_rows_idx prefetches ahead
@@ -185,6 +238,11 @@ static int64_t sparse_rows(const tdm_predictor *P, const tdm_weight *gate, const
     int64_t k = candidate_rows(P, gate, cut, n_ff, zq, x, rows, g, t, nt), kept = 0;
     if (P) {
         P->predicted[t] += k;
+        if (gated && P->gate_up.data) { /* gate and up in one paired pass: every predicted row's up is read */
+            kept = paired_rows(P, gate_cut, cut, k, x, rows, g, u);
+            P->computed[t] += k;
+            return kept;
+        }
         if (gated) dot_rows_idx(gate, rows, k, x, g);
     }
     for (int64_t j = 0; j < k; j++) {

@@ -25,7 +25,8 @@ class TdmWeight(ctypes.Structure):
 
 class TdmPredictor(ctypes.Structure):  # predict.h
     _fields_ = [("rank", _I), ("w1", TdmWeight), ("w2", TdmWeight), ("b1", _P), ("b2", _P),
-                ("threshold", ctypes.c_double), ("z", _P), ("scratch", _P), ("predicted", _P), ("computed", _P)]
+                ("threshold", ctypes.c_double), ("z", _P), ("scratch", _P), ("predicted", _P), ("computed", _P),
+                ("gate_up", TdmWeight)]  # data NULL: gate and up read apart (predict.h paired_rows)
 
 
 class TdmExpert(ctypes.Structure):  # moe.h: one expert or the shared expert
@@ -166,13 +167,14 @@ X8_ROWS = 8  # blocks_x8.h: rows per interleaved group
 X8_KINDS = {KIND_I4H: KIND_I4X8, KIND_I8H: KIND_I8X8}  # in-place kind -> interleaved kind
 
 
-def interleave(ref: WeightRef, lib) -> WeightRef:
+def interleave(ref: WeightRef, lib, arena=None) -> WeightRef:
     """The row-dot weight ``ref`` with eight rows interleaved per vector (blocks_x8.h: Q4_0 / Q4_1 as
     KIND_I4X8, Q8_0 as KIND_I8X8; a block's integer dot product needs no horizontal sum, and the
     multi-token step unpacks a group once for all its tokens), or ``ref`` itself where that does not
     apply: another format, or a library without the kernel (an older build). The copy is new memory
     (ceil(rows / 8) * 8 rows of the GGUF blocks' bytes per row), read only by whole row ranges
-    (dot_rows): gathered rows (predictor layers) keep the original.
+    (dot_rows): gathered rows (predictor layers) keep the original. ``arena``: a WeightArena to
+    place the copy in (huge pages), or None (a numpy allocation).
 
     Example::
 
@@ -185,11 +187,61 @@ def interleave(ref: WeightRef, lib) -> WeightRef:
     lib.tdm_repack_x8.restype = None
     kind, groups, blocks = X8_KINDS[d.kind], -(-d.rows // X8_ROWS), d.cols // 32
     block_bytes = 272 if kind == KIND_I8X8 else 160 if d.minimum else 144  # eight rows' block of 32 columns
-    data = np.empty((groups * X8_ROWS, blocks * block_bytes // X8_ROWS), dtype=np.uint8)
+    shape = (groups * X8_ROWS, blocks * block_bytes // X8_ROWS)
+    data = arena.empty(shape, np.uint8) if arena is not None else np.empty(shape, dtype=np.uint8)
     lib.tdm_repack_x8(ctypes.byref(d), data.ctypes.data)
     desc = TdmWeight(kind=kind, group=32, rows=d.rows, cols=d.cols, data=addr(data),
                      row_bytes=data.strides[0], scale=None, minimum=None, scale_stride=0)
     return WeightRef(desc, (data,))
+
+
+# the formats whose gathered row kernels read row r at `data + r * row_bytes`, `scale + r * stride`
+PAIRED_KINDS = (KIND_I4H, KIND_I8H, KIND_I4, KIND_I8, KIND_I8B)
+
+
+def pair_rows(gate: WeightRef, up: WeightRef, arena) -> WeightRef | None:
+    """Gate and up rows of one FFN interleaved in ``arena``: gate row r at row 2r, up row r at 2r + 1 (codes,
+    scales and minimums alike), so the predicted rows of a neuron are one contiguous read (predict.h
+    paired_rows), or None where the two differ in kind or shape, or the kind keeps scales elsewhere
+    (K-quants and the other in-place blocks, float32: the layer's two matrices stay). The pair is a copy; the
+    layer's own gate / up stay for the step's other passes.
+
+    Example::
+
+        pair = pair_rows(describe(ffn.gate), describe(ffn.up), WeightArena())
+        predictor.desc.gate_up = pair.desc          # None: leave gate_up empty
+    """
+    g, u = gate.desc, up.desc
+    same = (g.kind, g.group, g.rows, g.cols, g.row_bytes, g.scale_stride) == (u.kind, u.group, u.rows, u.cols, u.row_bytes,
+                                                                            u.scale_stride)
+    if not same or g.kind not in PAIRED_KINDS or (g.kind == KIND_I4 and g.group != 32):
+        return None
+    if bool(g.scale) != bool(u.scale) or bool(g.minimum) != bool(u.minimum):
+        return None
+    fields = {}
+    for name in ("data", "scale", "minimum"):
+        a, b = _array_at(gate, getattr(g, name)), _array_at(up, getattr(u, name))
+        if a is None and b is None:
+            continue
+        if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype or a.shape[0] != g.rows:
+            return None
+        pair = arena.empty((2 * a.shape[0],) + a.shape[1:], a.dtype)  # [2 rows, ...]
+        pair[0::2], pair[1::2] = a, b
+        fields[name] = pair
+    desc = TdmWeight(kind=g.kind, group=g.group, rows=2 * g.rows, cols=g.cols, data=addr(fields["data"]),
+                     row_bytes=g.row_bytes, scale=addr(fields.get("scale")), minimum=addr(fields.get("minimum")),
+                     scale_stride=g.scale_stride)
+    return WeightRef(desc, tuple(fields.values()))
+
+
+def _array_at(ref: WeightRef, address) -> np.ndarray | None:
+    """The array of ``ref`` that starts at ``address`` (a descriptor field), C-contiguous rows; None for NULL."""
+    if not address:
+        return None
+    for a in ref.arrays:
+        if isinstance(a, np.ndarray) and a.ctypes.data == address and a.flags.c_contiguous:
+            return a
+    return None
 
 
 def _ref(kind: int, group: int, data: np.ndarray, scale, minimum, stride: int, cols: int | None = None) -> WeightRef:
