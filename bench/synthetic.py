@@ -121,12 +121,14 @@ def write_table(rows, args, calibration: Path) -> None:
              "- bytes/token: weight bytes each mode reads per token (attention, output layer, FFN rows, predictor), "
              "and the float32 KV cache every mode reads at the run's mean context (placement.step_reads.kv_read_bytes); "
              "limit: weight + KV bytes per token against the read bandwidth measured in the same process (after "
-             "the slash: weights only, the table's limit before 2026-11-28); achieved = tok/s / limit.",
+             "the slash: weights only, the table's limit before 2026-11-28); achieved = tok/s / limit. Since 2026-11-28 the "
+             "bandwidth is the median of samples taken before each of the mode's runs (before: one snapshot per process).",
              "- modeled: `tandem probe --fused`'s terms (fixed cost per call and per layer from tiny random Llama "
              "models; the row kernels' rate per packed format and access: dense rows, gathered rows, added down rows) "
              "applied to each mode's reads by format and access (the step's own packed tensors at the rows the run "
              "counted; placement.step_reads); in brackets modeled / measured (goal: 0.75-1.25).",
-             "- read GB/s: torch-sum read bandwidth measured inside the Tandem process of that row: the 2 cores are "
+             "- read GB/s: torch-sum read bandwidth measured inside the Tandem process of that row (predictor mode's "
+             "median): the 2 cores are "
              "shared with other jobs, and rows where it falls far below ~30 GB/s ran under contention (all "
              "systems of a row share it, so compare within a row).",
              "",

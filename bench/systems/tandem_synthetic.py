@@ -3,8 +3,8 @@
 One engine (the cpu-only plan with predictors) is loaded once; the three modes toggle the step's
 per-layer threshold and predictor pointer. For each mode: decode tok/s (greedy, after a module-path
 prefill of the benchmark prompt), FFN rows read and the weight bytes read per token, and the
-bytes-limit tok/s (weight and KV-cache bytes per token against the read bandwidth measured in the
-same process; the weights-only limit beside it).
+bytes-limit tok/s (weight and KV-cache bytes per token against the median read bandwidth sampled
+before each of the mode's runs in the same process; the weights-only limit beside it).
 """
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ def ffn_bytes(engine) -> tuple[float, float, float, float]:
     return gate, up, down, engine.weight_bytes_per_token - ffn_total
 
 
-def run_mode(engine, step, mode: str, ids: list[int], n_tokens: int, runs: int, preds: list) -> dict:
+def run_mode(engine, step, mode: str, ids: list[int], n_tokens: int, runs: int, preds: list, bandwidth) -> dict:
+    """``bandwidth()``: the read bandwidth now; it is sampled before every counted run (the host's bandwidth
+    drifts by a third within minutes, so one snapshot per process made the bytes limit a lottery)."""
     from tandem.core.generate import prefill
     from online.kernels.native.structs import TdmPredictor
 
@@ -41,9 +43,11 @@ def run_mode(engine, step, mode: str, ids: list[int], n_tokens: int, runs: int, 
     for i, layer in enumerate(step._layers):
         layer.threshold = -1.0 if mode == "dense" else 0.0
         layer.pred = preds[i] if mode == "predictor" and preds[i] else null
-    rates, counters = [], engine.executor.counters
+    rates, samples, counters = [], [], engine.executor.counters
     active = total = predicted = computed = 0
     for run in range(runs + 1):
+        if run:
+            samples.append(bandwidth())
         cache = engine._kv_cache(len(ids) + n_tokens + 1)
         tok = int(prefill(engine.model, engine.executor, cache, ids).argmax())
         act0, tot0, rows0 = counters.ffn_neurons_active, counters.ffn_neurons_total, step.predictor_rows()
@@ -60,7 +64,7 @@ def run_mode(engine, step, mode: str, ids: list[int], n_tokens: int, runs: int, 
             computed += rows[1] - rows0[1]
     steps = runs * n_tokens
     return {"mode": mode, "decode_tok_s": rates, "down_rows": active / steps, "predicted_rows": predicted / steps,
-            "computed_up_rows": computed / steps, "neurons": total / steps}
+            "computed_up_rows": computed / steps, "neurons": total / steps, "read_bandwidth_samples": samples}
 
 
 def counted_reads(engine, step, mode: str, rec: dict, context_tokens: float) -> tuple[dict, dict, int]:
@@ -95,7 +99,6 @@ def main() -> None:
     if engine.decode_path != "fused":
         raise SystemExit(f"no fused decode: {engine.decode_path_reason}")
     torch.set_num_threads(args.threads)
-    bandwidth = measure_read_bandwidth("cpu")
     step = engine.compiled_decode
     # independent pointer objects (a field read shares the struct's memory and would follow the toggles)
     preds = [ctypes.pointer(layer.pred.contents) if layer.pred else None for layer in step._layers]
@@ -108,7 +111,8 @@ def main() -> None:
     kv = kv_read_bytes(engine.config, context)  # float32 keys and values: read by every mode alike
     out = []
     for mode in ("dense", "relu-exact", "predictor"):
-        rec = run_mode(engine, step, mode, ids, args.decode_tokens, args.runs, preds)
+        rec = run_mode(engine, step, mode, ids, args.decode_tokens, args.runs, preds, lambda: measure_read_bandwidth("cpu"))
+        bandwidth = statistics.median(rec["read_bandwidth_samples"])  # beside this mode's runs
         if mode == "dense":
             gate_rows = up_rows = down_rows = n_layers * n_ff
             extra = 0
