@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.core.errors import TandemError
+from tandem.core.config import kv_row_bytes
 
 DEFAULT_BLOCK_TOKENS = 16
 
@@ -47,7 +48,7 @@ class PoolCounters:
 
 def kv_bytes_per_token(cfg) -> int:
     """float32 keys + values of one token over all layers."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    return int(cfg.num_layers * kv_row_bytes(cfg))
 
 
 class KVPool:

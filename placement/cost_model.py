@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tandem.core.config import ModelConfig
+from tandem.core.config import ModelConfig, kv_row_bytes
 from tandem.core.roofline import roofline_seconds
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ def attention_kv_seconds(config: ModelConfig, attended_tokens: float, kv_bytes_p
     """Reading K and V of ``attended_tokens`` positions and the two attention products, one layer."""
     if bandwidth <= 0 or flops <= 0:
         bandwidth, flops = 1.0, 1.0  # only reached for a GPU that does not exist; never placed there
-    kv_read_bytes = 2 * config.num_kv_heads * config.head_dim * attended_tokens * kv_bytes_per_element
+    kv_read_bytes = kv_row_bytes(config, kv_bytes_per_element) * attended_tokens
     kv_flops = 4 * config.num_heads * config.head_dim * attended_tokens
     return roofline_seconds(kv_read_bytes, kv_flops, bandwidth, flops)
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tandem.core.errors import TandemError
+from tandem.core.config import kv_row_bytes
 
 ACCESSES = ("dense", "gather", "axpy")
 ROLES = ("qkv", "k", "v", "o", "gate", "up", "down", "down_t", "pred", "head", "embed_row")
@@ -156,8 +157,7 @@ def kv_read_bytes(cfg, context_tokens: float) -> float:
     if context_tokens < 0:
         raise TandemError(f"context must be >= 0 tokens, got {context_tokens}")
     windows = cfg.layer_windows or (cfg.sliding_window or 0,) * cfg.num_layers
-    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4
-    return float(sum(per_token * (min(context_tokens, w) if w else context_tokens) for w in windows))
+    return float(sum(kv_row_bytes(cfg) * (min(context_tokens, w) if w else context_tokens) for w in windows))
 
 
 def kv_reads(cfg, context_tokens: float) -> dict[tuple[str, str], float]:

@@ -187,3 +187,8 @@ def freeze_mapping(m: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         return v
     return tuple(sorted((str(k), freeze(v)) for k, v in m.items()))
 
+
+def kv_row_bytes(cfg: ModelConfig, bytes_per_element: float = 4.0) -> float:
+    """Bytes of one position's keys and values in one layer, every KV head: what the KV cache stores per layer
+    and token, and what attention reads per layer and attended token (float32 by default)."""
+    return 2 * cfg.num_kv_heads * cfg.head_dim * bytes_per_element
