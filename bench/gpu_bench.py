@@ -17,7 +17,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from placement.ilp import CAPACITY_MARGIN_REL
 
 BENCH_DIR = Path(__file__).resolve().parent
 FRACTIONS = (0.10, 0.25, 0.50, 1.00)
@@ -69,11 +68,13 @@ def probed_hardware(work: Path) -> str:
     return str(path)
 
 
-def make_plan_dir(model: str, profile: Path, hardware: str, budget: int, out: Path, reuse: bool = False) -> Path:
+def make_plan_dir(model: str, profile: Path, hardware: str, budget: int, out: Path, reuse: bool = False,
+                  predictors: str | None = None) -> Path:
     if reuse and (out / "plan.json").exists():
         return out
     cmd = [sys.executable, "-m", "tandem.cli", "plan", "--model", model, "--profile", str(profile), "--hardware", hardware,
            "--gpu-budget", str(budget), "--out", str(out), "--replan", "--no-quality", "--time-limit", "20"]
+    cmd += ["--predictors", predictors] if predictors else []
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return out
 
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
     p.add_argument("--profile", default="profiles/SmolLM2-135M-Instruct.Q4_1/profile")
+    p.add_argument("--predictors", default=None, help="train-predictors output: plans gate their cold rows with it")
     p.add_argument("--hardware", default="auto",
                    help="preset or `tandem probe` JSON the plans are made for; auto: this machine probed (once, "
                         "kept in --work) when the tier is CUDA, else rtx4090")
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from online import Engine
     from placement.budget import format_bytes
+    from placement.ilp import CAPACITY_MARGIN_REL
     from placement.plan import read_plan
     device = args.gpu_device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.hardware == "auto":
@@ -137,14 +140,15 @@ def main(argv: list[str] | None = None) -> int:
         budget = reserve + int(fraction * total)
         budget += math.ceil(budget * CAPACITY_MARGIN_REL) + 1024
         plan_dir = make_plan_dir(args.model, Path(args.profile), args.hardware, budget,
-                                 Path(args.work) / f"plan-{fraction:g}", args.reuse_plans)
+                                 Path(args.work) / f"plan-{fraction:g}", args.reuse_plans, args.predictors)
         plan = read_plan(plan_dir)
         row(f"layer offload at {fraction:.0%}", budget,
             lambda: Engine.load(args.model, layer_offload=True, gpu_budget_bytes=budget, gpu_device=device,
                                 context_length=CONTEXT_TOKENS, **threads),
             plan.modeled.get("layer_offload_tokens_per_s"))
         row(f"plan at {fraction:.0%}", budget,
-            lambda: Engine.load(args.model, plan=plan_dir, gpu_device=device, profile=args.profile, **threads),
+            lambda: Engine.load(args.model, plan=plan_dir, gpu_device=device, profile=args.profile,
+                                predictors=args.predictors, **threads),
             plan.modeled.get("tokens_per_s"))
     head = ["| run | budget | measured tok/s | modeled tok/s | link bytes/token | tier syncs/token "
             "| launches / graph replays per token | decode path |", "|---|---|---|---|---|---|---|---|"]

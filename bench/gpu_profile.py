@@ -16,12 +16,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
     p.add_argument("--plan", required=True)
     p.add_argument("--profile", default="profiles/SmolLM2-135M-Instruct.Q4_1/profile")
+    p.add_argument("--predictors", default=None, help="the plan's predictors (when not beside it)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
     import torch
     from online import Engine
-    engine = Engine.load(args.model, plan=args.plan, profile=args.profile,
+    engine = Engine.load(args.model, plan=args.plan, profile=args.profile, predictors=args.predictors,
                          **({"threads": args.threads} if args.threads else {}))
     prompt = "Write a short story about a robot. Once upon a time"
     engine.generate(prompt, max_new_tokens=8, ignore_eos=True)  # the first tokens compile and capture

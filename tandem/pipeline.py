@@ -213,11 +213,13 @@ def measure_quality(result: PlanResult, model: str | Path, profile_dir: str | Pa
     return result
 
 
-def warm_step_cache(model: str | Path, plan_dir: str | Path) -> Path | None:
+def warm_step_cache(model: str | Path, plan_dir: str | Path, profile: str | Path | None = None,
+                    predictors: str | Path | None = None) -> Path | None:
     """Write the plan's prepared-step cache (online/engine_cache.py) now, keyed as ``generate --plan``
     will look it up, so the first generation after ``plan``/``prepare`` starts from the cache. Its
     key covers plan.json, so this runs after the last write of the plan (its quality). Returns the
     cache file, or None where the plan does not run on the cached CPU step (a GPU tier, no C library).
+    ``profile``/``predictors``: where the plan's are when they are not beside it (``plan --profile``).
 
     Example::
 
@@ -228,7 +230,8 @@ def warm_step_cache(model: str | Path, plan_dir: str | Path) -> Path | None:
     from online.engine_cache import cache_applies, cache_path, load_cached
     from tandem.core.loading.resolve import resolve_model_path
     from placement.plan import read_plan
-    args = EngineArgs.create(str(model), plan=str(plan_dir))
+    args = EngineArgs.create(str(model), plan=str(plan_dir), profile=None if profile is None else str(profile),
+                             predictors=None if predictors is None else str(predictors))
     if not cache_applies(args) or sum(read_plan(Path(plan_dir)).gpu_bytes_by_kind.values()) > 0:
         return None  # the GPU tier holds part of it: no cached CPU step to write
     if load_cached(args) is None:
@@ -303,7 +306,7 @@ def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str |
     if quality and not result.reused:
         measure_quality(result, model, profile_dir, predictors_dir)
     log(f"[prepare] {'reusing' if result.reused else 'wrote'} plan {plan_dir}")
-    cached = warm_step_cache(model, plan_dir)
+    cached = warm_step_cache(model, plan_dir, profile_dir, predictors_dir)
     if cached is not None:
         log(f"[prepare] prepared-step cache {cached}")
     return PrepareResult(prof, preds, hardware_path, result)

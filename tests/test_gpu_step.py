@@ -238,11 +238,12 @@ def test_gate_biases_keep_the_cold_rows_in_python(tmp_path):
     torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("act", ["relu", "silu"])
-def test_predictor_gated_cold_rows_in_c_beside_hot_rows_on_the_tier(tiny_model_dir, act):
+@pytest.mark.parametrize("act,predictor_on_tier", [("relu", False), ("silu", False), ("relu", True)])
+def test_predictor_gated_cold_rows_in_c_beside_hot_rows_on_the_tier(tiny_model_dir, act, predictor_on_tier):
     """PowerInfer's layer: 40 hot rows on the tier, the cold rows gated by the layer's predictor on the host.
     The C call scores only the cold rows (the predictor's output rows sliced to them) and reads only the
-    predicted ones; each token equals the module path, which maps the whole layer's prediction to them."""
+    predicted ones; each token equals the module path, which maps the whole layer's prediction to them.
+    A predictor the plan put on the tier (the module path fetches its mask) gates them through its host copy."""
     import dataclasses
     from online.execution.gpu_tier import GpuTier
     from online.execution.hybrid import ExecutionSettings, HybridExecutor
@@ -271,6 +272,10 @@ def test_predictor_gated_cold_rows_in_c_beside_hot_rows_on_the_tier(tiny_model_d
                                     predictors=gates, head_weight=model.lm_head.weight)
     place_plan_units(model, executor, tier, attention_on_gpu=[True] * n, output_head_on_gpu=True, embeddings_on_gpu=False,
                      tier_format="q8", kv_dtype=torch.float32, kv_capacity_tokens=16)
+    if predictor_on_tier:
+        from online.execution.tier_units import place_predictors
+        place_predictors(executor, tier, gates, [True] * n)
+        assert all(getattr(s.predictor, "on_tier", False) for s in executor.splits)
     quantize_attention(model, "int8", 1, {})
     c_layers = CpuLayers.build(model, executor)
     assert c_layers is not None and all(c_layers.ffn(i) and not c_layers.whole(i) for i in range(n))

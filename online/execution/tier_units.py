@@ -214,6 +214,9 @@ class TierPredictor:
         for name, param in module.named_parameters():
             param.data = tier.allocate(f"layers.{layer}.predictor.{name}", param.detach())
         self.tier, self.layer, self._module, self.threshold = tier, layer, module, float(gate.threshold)
+        # the host's scorer, kept for the fused C step's share of a GPU step: a layer's cold rows are gated on the
+        # host (no mask fetched from the tier, no extra exchange); not charged to the tier
+        self.host_gate = gate
 
     @property
     def module(self):

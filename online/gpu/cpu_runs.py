@@ -74,10 +74,13 @@ class CpuLayers:
                 ffn.add(i)
             if i in attention or i in ffn:
                 described.append(i)
+                gate = _host_gate(split.predictor)
                 if i not in ffn:
                     split = replace(split, cpu=None, predictor=None)
-                elif split.gpu is not None and split.predictor is not None:  # score the cold rows only
-                    split = replace(split, predictor=_ColdRowsGate(split.predictor, split.cpu_neurons))
+                elif split.gpu is not None and gate is not None:  # score the cold rows only
+                    split = replace(split, predictor=_ColdRowsGate(gate, split.cpu_neurons))
+                elif gate is not split.predictor:
+                    split = replace(split, predictor=gate)
                 splits.append(split)
         host_embed = hasattr(model.embed_tokens, "weight") and not _on_tier(model.embed_tokens)
         if not described and executor.head is None and not host_embed:
@@ -134,13 +137,19 @@ class CpuLayers:
 
 def _c_reads_cold_rows(split) -> bool:
     """The C step computes the split's cold rows: no gate bias (decode.c reads only up's), a predictor only
-    as an MLP scorer on the host (with hot rows on the tier, restricted to the cold rows: _ColdRowsGate)."""
+    as an MLP scorer on the host (with hot rows on the tier, restricted to the cold rows: _ColdRowsGate; a
+    predictor the plan put on the tier scores the cold rows through its host copy)."""
     cpu = split.cpu
     if cpu is None or getattr(cpu, "gate_bias", None) is not None and cpu.gate_bias.size:
         return False
     if split.predictor is None:
         return True
-    return not _on_tier(split.predictor) and getattr(split.predictor, "module", None) is not None
+    return getattr(_host_gate(split.predictor), "module", None) is not None
+
+
+def _host_gate(predictor):
+    """The predictor as the host scores it: a tier predictor's host copy (``TierPredictor.host_gate``)."""
+    return getattr(predictor, "host_gate", None) if _on_tier(predictor) else predictor
 
 
 class _ColdRowsGate:

@@ -1,0 +1,110 @@
+"""Stage bench/gpu_sparse.sh's folder for the GPU machine (no network, 64 MiB a run): a synthetic ReLU-sparse
+model's profile, predictors and GPU plans made here, and what synthesizing the model there needs.
+
+``python -m bench.gpu_sparse_stage --shape llama-1b --sparsity 0.9 --out .dev/b2`` prepares the model under
+``--models-dir`` (bench.synthetic.prepare: synth, profile, train-predictors; ~12 min for llama-1b on 2 cores)
+unless it is there, then writes into ``--out``:
+
+- ``plans/plan-<fraction>``: `tandem plan --hardware <preset> --predictors ...` at bench.gpu_bench's budgets
+  (fraction 0: no GPU budget, the predictors on the CPU alone), without their CPU step caches;
+- ``profile/``, ``predictors/`` (or ``--predictors-out`` when they would push a run past 64 MiB),
+  ``model.sha256`` (what the machine's synth is compared with);
+- ``tokenizer.gguf``: the tokenizer model's metadata with no tensors (synth reads only its fields; the
+  model written from it is byte-identical here), and the gguf wheel.
+
+Then ``bash bench/gpu_sparse.sh`` there (see its header; STAGE/PREDICTORS when split).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+RUN_LIMIT_BYTES = 60 << 20  # what one run may carry, less the tracked tree
+FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
+
+
+def tokenizer_only_gguf(src: Path, dst: Path) -> None:
+    """``src``'s header and metadata with a tensor count of 0 (a valid GGUF without tensors), atomically."""
+    from gguf import GGUFReader
+    reader = GGUFReader(str(src))
+    end = max(f.offset + sum(p.nbytes for p in f.parts) for f in reader.fields.values())  # metadata's end
+    with open(src, "rb") as f:
+        head = f.read(end)
+    magic, version, _, n_kv = struct.unpack("<IIQQ", head[:24])
+    data = struct.pack("<IIQQ", magic, version, 0, n_kv) + head[24:]
+    data += b"\0" * (-len(data) % 32)
+    tmp = dst.with_name("." + dst.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(dst)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="llama-350m")
+    p.add_argument("--sparsity", type=float, default=0.9)
+    p.add_argument("--models-dir", default="bench/synthetic-models")
+    p.add_argument("--hardware", default="h100")
+    p.add_argument("--fractions", default=",".join(f"{f:g}" for f in FRACTIONS))
+    p.add_argument("--out", default=".dev/sparse")
+    p.add_argument("--predictors-out", default=None, help="where the predictors go when they need a run of their own")
+    args = p.parse_args(argv)
+    from bench.gpu_bench import make_plan_dir, model_bytes
+    from bench.synthetic import prepare
+    from placement.ilp import CAPACITY_MARGIN_REL
+    from tandem.core.loading.resolve import resolve_model_path
+    gguf, work = prepare(args.shape, args.sparsity, Path(args.models_dir))
+    request = json.loads(gguf.with_name(gguf.name + ".synth.json").read_text())["request"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    total, reserve = model_bytes(str(gguf), work / "profile", args.hardware, "auto")
+    for f in (float(x) for x in args.fractions.split(",")):
+        budget = 0 if f == 0 else reserve + int(f * total)
+        budget += math.ceil(budget * CAPACITY_MARGIN_REL) + 1024 if f else 0
+        plan_dir = make_plan_dir(str(gguf), work / "profile", args.hardware, budget, out / "plans" / f"plan-{f:g}",
+                                 predictors=str(work / "predictors"))
+        shutil.rmtree(plan_dir / "step-cache", ignore_errors=True)  # the machine builds its own (GiBs here)
+    for name in ("profile", "predictors"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    shutil.copytree(work / "profile", out / "profile")
+    tokenizer_only_gguf(resolve_model_path("smollm2"), out / "tokenizer.gguf")
+    (out / "model.sha256").write_text(sha256(gguf) + "\n")
+    import gguf as gguf_pkg
+    version = getattr(gguf_pkg, "__version__", None) or subprocess.run(
+        [sys.executable, "-m", "pip", "show", "gguf"], capture_output=True, text=True).stdout.split("Version: ")[1].split()[0]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(out), f"gguf=={version}"], check=True)
+    pred_dst = out / "predictors"
+    if folder_bytes(out) + folder_bytes(work / "predictors") > RUN_LIMIT_BYTES:
+        pred_dst = Path(args.predictors_out or str(out) + "-predictors") / "predictors"
+        shutil.rmtree(pred_dst, ignore_errors=True)
+    shutil.copytree(work / "predictors", pred_dst)
+    print(f"staged {out} ({folder_bytes(out) >> 20} MiB); synth there: --shape {request['shape']} --sparsity "
+          f"{request['sparsity']} --hot-share {request['hot_share']}")
+    if pred_dst.parent != out:
+        print(f"the predictors ({folder_bytes(pred_dst) >> 20} MiB) travel alone: first run carries {pred_dst.parent} "
+              f"and copies it to /tmp; the second (within 30 s) carries {out} with PREDICTORS=/tmp/.../predictors")
+    print(f"then: STAGE={out} SHAPE={request['shape']} SPARSITY={request['sparsity']} HOT_SHARE={request['hot_share']} "
+          f"bash bench/gpu_sparse.sh")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
