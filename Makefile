@@ -39,8 +39,10 @@ bench: setup
 
 # On a CUDA machine: dense on the GPU, layer offload and plans at 10/25/50/100% -> bench/gpu.md
 # (without CUDA the same rows run on the CPU tier and are labelled so).
+# SPARSE=llama-350m (any `tandem synth` shape) adds plans with predictors on a 90%-sparse synthetic model
+# -> .dev/sparse-<shape>/gpu_sparse.md
 bench-gpu: setup
-	bash bench/gpu.sh
+	SPARSE=$(SPARSE) bash bench/gpu.sh
 
 # The cost model check (issue 13): modeled (by packed format) vs measured tok/s of the CPU plans -> bench/costfit.md
 bench-costfit: setup

@@ -45,13 +45,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
     p.add_argument("--profile", default="profiles/SmolLM2-135M-Instruct.Q4_1/profile")
     p.add_argument("--predictors", default=None, help="the predictors the plans were made with (when not beside them)")
-    p.add_argument("--plans", required=True, help="bench.gpu_bench's --work folder (plan-<fraction> inside)")
+    p.add_argument("--plans", default=None, help="bench.gpu_bench's --work folder (plan-<fraction> inside)")
     p.add_argument("--fractions", default="0.1,0.25,0.5")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--out", default=None, help="also write the table (markdown) here")
+    p.add_argument("--stage", default=None, help="a bench.gpu_sparse_stage folder: its model, profile, predictors, plans")
     args = p.parse_args(argv)
+    if args.stage:
+        import json
+        stage = json.loads((Path(args.stage) / "stage.json").read_text())
+        args.model, args.predictors = stage["model"], stage["predictors"]
+        args.profile, args.plans = str(Path(args.stage) / "profile"), str(Path(args.stage) / "plans")
+    if args.plans is None:
+        p.error("--plans (or --stage) is required")
     fractions = [f.strip() for f in args.fractions.split(",") if f.strip()]
     engines, modeled = load_engines(args, fractions)
     names = list(engines)
@@ -81,11 +89,11 @@ def main(argv: list[str] | None = None) -> int:
                      f"round: median {statistics.median(ratios):.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f}")
     print("\n".join(lines))
     if args.out:
-        write_table(args, names, engines, rates, stats, modeled, lines)
+        write_table(args, names, engines, rates, stats, modeled, lines, argv if argv is not None else sys.argv[1:])
     return 0
 
 
-def write_table(args, names, engines, rates, stats, modeled, lines) -> None:
+def write_table(args, names, engines, rates, stats, modeled, lines, argv: list[str]) -> None:
     import torch
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA: CPU tier, not GPU numbers"
     rows = ["| engine | median tok/s | modeled tok/s | decode path | link bytes/token | tier syncs/token "
@@ -97,10 +105,10 @@ def write_table(args, names, engines, rates, stats, modeled, lines) -> None:
                     f"{s.get('gpu_launches_per_token', 0)} / {s.get('graph_replays_per_token', 0)} | "
                     f"{s.get('ffn_sparsity', '-')} |")
     text = "\n".join([f"Device: {device}; host {platform.node()}. Model {args.model}; plans {args.plans}.",
-                      f"Command: `python -m bench.gpu_ab {' '.join(sys.argv[1:])}`", "", "```", *lines, "```", "",
+                      f"Command: `python -m bench.gpu_ab {' '.join(argv)}`", "", "```", *lines, "```", "",
                       *rows]) + "\n"
     out = Path(args.out)
-    tmp = out.with_suffix(".tmp")
+    tmp = out.with_name("." + out.name + ".tmp")
     tmp.write_text(text)
     tmp.replace(out)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -75,7 +76,8 @@ def make_plan_dir(model: str, profile: Path, hardware: str, budget: int, out: Pa
     cmd = [sys.executable, "-m", "tandem.cli", "plan", "--model", model, "--profile", str(profile), "--hardware", hardware,
            "--gpu-budget", str(budget), "--out", str(out), "--replan", "--no-quality", "--time-limit", "20"]
     cmd += ["--predictors", predictors] if predictors else []
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    # no prepared CPU step cache: the bench loads each plan once (GiBs at real sizes for a plan at 0 bytes)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "TANDEM_STEP_CACHE": "0"})
     return out
 
 

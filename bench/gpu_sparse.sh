@@ -7,7 +7,7 @@
 #   (made here: `tandem plan --hardware h100 --predictors ...`), model.sha256, the gguf wheel.
 # STAGE names another such folder, PREDICTORS the predictors where they came apart (a run carries 64 MiB:
 # llama-1b's 63 MB of predictors travel in a run of their own, copied to /tmp there). OMP_ACTIVE=1 repeats the
-# A/B with OpenMP's threads spinning. Writes $OUT/gpu_sparse.md (+ gpu_sparse_active.md) and $OUT/log.
+# A/B with OpenMP's threads spinning; KERNEL_RATES=1 times the matvec kernels alone (bench.gpu_kernel_rates). Writes $OUT/gpu_sparse.md (+ gpu_sparse_active.md) and $OUT/log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -18,25 +18,29 @@ THREADS=${THREADS:-8}
 SHAPE=${SHAPE:-llama-350m}; SPARSITY=${SPARSITY:-0.9}; HOT_SHARE=${HOT_SHARE:-0.8}
 {
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; grep -m1 "model name" /proc/cpuinfo
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site $S/gguf-*.whl 2>&1 | tail -1
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$S"/gguf-*.whl 2>&1 | tail -1
   export PYTHONPATH=/tmp/site:$PWD
   model=/tmp/synthm/$SHAPE-synthetic-s$(python3 -c "print(round($SPARSITY*100))").Q4_0.gguf
   if [ ! -f "$model" ]; then
     /usr/bin/time -f "synth %e s" python3 -m tandem.cli synth --shape "$SHAPE" --out /tmp/synthm --sparsity "$SPARSITY" \
-      --hot-share "$HOT_SHARE" --tokenizer-from $S/tokenizer.gguf --quiet | tail -1
+      --hot-share "$HOT_SHARE" --tokenizer-from "$S/tokenizer.gguf" --quiet | tail -1
   fi
-  [ "$(sha256sum "$model" | cut -d' ' -f1)" = "$(cat $S/model.sha256)" ] && echo "model sha256 matches the one made here" \
+  [ "$(sha256sum "$model" | cut -d' ' -f1)" = "$(cat "$S/model.sha256")" ] && echo "model sha256 matches the one made here" \
     || echo "MODEL SHA256 DIFFERS from the one made here"
-  timeout ${AB_TIMEOUT:-330} python3 -m bench.gpu_ab --model "$model" --profile $S/profile --predictors "$PRED" \
-    --plans $S/plans --fractions ${FRACTIONS:-0,0.1,0.25,0.5,1} --rounds ${ROUNDS:-7} --tokens ${TOKENS:-64} \
+  timeout ${AB_TIMEOUT:-330} python3 -m bench.gpu_ab --model "$model" --profile "$S/profile" --predictors "$PRED" \
+    --plans "$S/plans" --fractions ${FRACTIONS:-0,0.1,0.25,0.5,1} --rounds ${ROUNDS:-7} --tokens ${TOKENS:-64} \
     --threads "$THREADS" --out "$OUT/gpu_sparse.md" 2>&1 | grep -v Warning
-  [ -n "${PROFILE_PLAN:-}" ] && timeout 60 python3 -m bench.gpu_profile --model "$model" --profile $S/profile \
-    --predictors "$PRED" --plan $S/plans/plan-$PROFILE_PLAN --threads "$THREADS" 2>&1 | tail -4
+  if [ -n "${PROFILE_PLAN:-}" ]; then timeout 60 python3 -m bench.gpu_profile --model "$model" --profile "$S/profile" \
+    --predictors "$PRED" --plan "$S/plans/plan-$PROFILE_PLAN" --threads "$THREADS" 2>&1 | tail -4; fi
   if [ -n "${OMP_ACTIVE:-}" ]; then
     echo "A/B with OMP_WAIT_POLICY=active"
-    OMP_WAIT_POLICY=active timeout ${ACTIVE_TIMEOUT:-200} python3 -m bench.gpu_ab --model "$model" --profile $S/profile \
-      --predictors "$PRED" --plans $S/plans --fractions ${ACTIVE_FRACTIONS:-0,0.1,0.25,0.5} --rounds 5 \
+    OMP_WAIT_POLICY=active timeout ${ACTIVE_TIMEOUT:-200} python3 -m bench.gpu_ab --model "$model" --profile "$S/profile" \
+      --predictors "$PRED" --plans "$S/plans" --fractions ${ACTIVE_FRACTIONS:-0,0.1,0.25,0.5} --rounds 5 \
       --tokens ${TOKENS:-64} --threads "$THREADS" --out "$OUT/gpu_sparse_active.md" 2>&1 | grep -v Warning
   fi
-  [ -n "${TESTS:-}" ] && timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_gpu_step.py 2>&1 | grep -E "Error|^/|passed|failed" | sort | uniq -c | sort -rn | head -12
+  # KERNEL_RATES=1: the matvec kernels alone at the shape's matrices, default and other launch shapes
+  if [ -n "${KERNEL_RATES:-}" ]; then timeout ${KERNEL_TIMEOUT:-240} python3 -m bench.gpu_kernel_rates --shape "$SHAPE" \
+    --out "$OUT/gpu_kernel_rates.md" 2>&1 | grep -v "failed (" | tail -8; fi
+  if [ -n "${TESTS:-}" ]; then timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --tb=line \
+    tests/test_gpu_step.py tests/test_gpu_kernels.py 2>&1 | grep -E "Error|^/|passed|failed" | sort | uniq -c | sort -rn | head -12; fi
 } 2>&1 | tee "$OUT/log"

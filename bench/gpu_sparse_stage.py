@@ -10,7 +10,9 @@ unless it is there, then writes into ``--out``:
 - ``profile/``, ``predictors/`` (or ``--predictors-out`` when they would push a run past 64 MiB),
   ``model.sha256`` (what the machine's synth is compared with);
 - ``tokenizer.gguf``: the tokenizer model's metadata with no tensors (synth reads only its fields; the
-  model written from it is byte-identical here), and the gguf wheel.
+  model written from it is byte-identical here), and the gguf wheel;
+- ``stage.json``: the model's and predictors' paths here (``python -m bench.gpu_ab --stage DIR`` runs the A/B
+  on this machine: `make bench-gpu SPARSE=llama-350m`).
 
 Then ``bash bench/gpu_sparse.sh`` there (see its header; STAGE/PREDICTORS when split).
 """
@@ -62,10 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="llama-350m")
     p.add_argument("--sparsity", type=float, default=0.9)
     p.add_argument("--models-dir", default="bench/synthetic-models")
-    p.add_argument("--hardware", default="h100")
+    p.add_argument("--hardware", default="h100",
+                   help="preset or probe JSON the plans are made for; auto: this machine probed when it has CUDA")
     p.add_argument("--fractions", default=",".join(f"{f:g}" for f in FRACTIONS))
     p.add_argument("--out", default=".dev/sparse")
     p.add_argument("--predictors-out", default=None, help="where the predictors go when they need a run of their own")
+    p.add_argument("--no-wheel", action="store_true", help="leave out the gguf wheel (a run on this machine)")
     args = p.parse_args(argv)
     from bench.gpu_bench import make_plan_dir, model_bytes
     from bench.synthetic import prepare
@@ -75,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     request = json.loads(gguf.with_name(gguf.name + ".synth.json").read_text())["request"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.hardware == "auto":
+        import torch
+        from bench.gpu_bench import probed_hardware
+        args.hardware = probed_hardware(out) if torch.cuda.is_available() else "h100"
     total, reserve = model_bytes(str(gguf), work / "profile", args.hardware, "auto")
     for f in (float(x) for x in args.fractions.split(",")):
         budget = 0 if f == 0 else reserve + int(f * total)
@@ -84,20 +92,32 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(plan_dir / "step-cache", ignore_errors=True)  # the machine builds its own (GiBs here)
     for name in ("profile", "predictors"):
         shutil.rmtree(out / name, ignore_errors=True)
+    for stale in (out / "plans").glob("plan-*"):  # plans of other fractions would travel too
+        if stale.name not in {f"plan-{float(x):g}" for x in args.fractions.split(",")}:
+            shutil.rmtree(stale)
     shutil.copytree(work / "profile", out / "profile")
     tokenizer_only_gguf(resolve_model_path("smollm2"), out / "tokenizer.gguf")
-    (out / "model.sha256").write_text(sha256(gguf) + "\n")
-    import gguf as gguf_pkg
-    version = getattr(gguf_pkg, "__version__", None) or subprocess.run(
-        [sys.executable, "-m", "pip", "show", "gguf"], capture_output=True, text=True).stdout.split("Version: ")[1].split()[0]
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(out), f"gguf=={version}"], check=True)
+    tmp = out / ".model.sha256.tmp"
+    tmp.write_text(sha256(gguf) + "\n")
+    tmp.replace(out / "model.sha256")
+    if not args.no_wheel and not list(out.glob("gguf-*.whl")):
+        from importlib.metadata import version
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(out),
+                        f"gguf=={version('gguf')}"], check=True)
     pred_dst = out / "predictors"
     if folder_bytes(out) + folder_bytes(work / "predictors") > RUN_LIMIT_BYTES:
         pred_dst = Path(args.predictors_out or str(out) + "-predictors") / "predictors"
         shutil.rmtree(pred_dst, ignore_errors=True)
     shutil.copytree(work / "predictors", pred_dst)
+    stage = {"model": str(gguf), "predictors": str(pred_dst), "hardware": args.hardware, "request": request}
+    tmp = out / ".stage.json.tmp"
+    tmp.write_text(json.dumps(stage, indent=1))
+    tmp.replace(out / "stage.json")  # bench.gpu_ab --stage reads it (the model's path on this machine)
     print(f"staged {out} ({folder_bytes(out) >> 20} MiB); synth there: --shape {request['shape']} --sparsity "
           f"{request['sparsity']} --hot-share {request['hot_share']}")
+    if folder_bytes(pred_dst) > RUN_LIMIT_BYTES:
+        print(f"warning: the predictors alone are {folder_bytes(pred_dst) >> 20} MiB: more than a run carries (64 MiB "
+              f"with the tracked tree); split predictors.safetensors by hand", file=sys.stderr)
     if pred_dst.parent != out:
         print(f"the predictors ({folder_bytes(pred_dst) >> 20} MiB) travel alone: first run carries {pred_dst.parent} "
               f"and copies it to /tmp; the second (within 30 s) carries {out} with PREDICTORS=/tmp/.../predictors")

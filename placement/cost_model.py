@@ -140,11 +140,14 @@ def evaluate_layer(layer, layer_sync_s: float, attention_on_gpu: bool, predictor
     uses_cpu |= not attention_gpu
     predictor_s = 0.0
     if layer.predictor is not None:
+        # the predictor gates the cold rows: with every neuron on the GPU the runtime never runs it (on the GPU
+        # it is still charged: placed there, it is read for nothing)
         predictor_gpu = bool(predictor_on_gpu)
-        predictor_s = layer.predictor.gpu_s if predictor_gpu else layer.predictor.cpu_s
+        cold_rows = not np.asarray(gpu_chunks, dtype=bool).all()
+        predictor_s = layer.predictor.gpu_s if predictor_gpu else (layer.predictor.cpu_s if cold_rows else 0.0)
         kinds["predictors"] = layer.predictor.gpu_bytes if predictor_gpu else 0
         uses_gpu |= predictor_gpu
-        uses_cpu |= not predictor_gpu
+        uses_cpu |= not predictor_gpu and cold_rows
     ffn_gpu_s = ffn_cpu_s = 0.0
     gpu_neurons, share = 0, 0.0
     if layer.is_moe:

@@ -159,11 +159,11 @@ class _Model:
         self.lp += all_cpu + all_gpu + mixed == 1, f"one_mode_{i}"
         attention, predictor = layer.attention, layer.predictor
         ffn_cpu_total, ffn_gpu_total = float(layer.chunk_cpu_s.sum()), float(layer.chunk_gpu_s.sum())
-        cpu_time = attention.cpu_s + ffn_cpu_total + (predictor.cpu_s if predictor else 0.0)
-        gpu_time = attention.gpu_s + ffn_gpu_total + (predictor.gpu_s if predictor else 0.0) \
-            + (layer.ffn_launch_s if layer.num_chunks else 0.0)
-        gpu_bytes = attention.gpu_bytes + int(layer.chunk_gpu_bytes.sum()) + (predictor.gpu_bytes if predictor else 0)
-        mixed_base = attention.cpu_s + (predictor.cpu_s if predictor else 0.0) + self.problem.mixed_layer_s
+        # all on the GPU: no cold rows, so no predictor (it gates cold rows only; cost_model.evaluate_layer)
+        cpu_time = attention.cpu_s + ffn_cpu_total + (predictor.cpu_s if predictor and layer.num_chunks else 0.0)
+        gpu_time = attention.gpu_s + ffn_gpu_total + (layer.ffn_launch_s if layer.num_chunks else 0.0)
+        gpu_bytes = attention.gpu_bytes + int(layer.chunk_gpu_bytes.sum())
+        mixed_base = attention.cpu_s + self.problem.mixed_layer_s
         self.objective_terms += [cpu_time * MICROSECONDS * all_cpu, gpu_time * MICROSECONDS * all_gpu,
                                  mixed_base * MICROSECONDS * mixed]
         self.memory_terms.append(gpu_bytes / MiB * all_gpu)
@@ -173,14 +173,25 @@ class _Model:
         self.lp += attention_mixed <= mixed, f"attention_in_mixed_{i}"
         self.objective_terms.append((attention.gpu_s - attention.cpu_s) * MICROSECONDS * attention_mixed)
         self.memory_terms.append(attention.gpu_bytes / MiB * attention_mixed)
-        if predictor is not None:
-            predictor_mixed = self._var(f"predictor_on_gpu_mixed_{i}", cat="Binary")
-            self.predictor_on_gpu_mixed[i] = predictor_mixed
-            self.lp += predictor_mixed <= mixed, f"predictor_in_mixed_{i}"
-            self.objective_terms.append((predictor.gpu_s - predictor.cpu_s) * MICROSECONDS * predictor_mixed)
-            self.memory_terms.append(predictor.gpu_bytes / MiB * predictor_mixed)
         chunks = [self._var(f"chunk_on_gpu_mixed_{i}_{c}", cat="Binary") for c in range(layer.num_chunks)]
         self.chunk_on_gpu_mixed[i] = chunks
+        all_hot = None  # = min(chunks) at the optimum: the mixed layer has no cold rows
+        if layer.merge_launch_s > 0 or predictor is not None:
+            all_hot = self._var(f"all_hot_mixed_{i}", lowBound=0, upBound=1)
+            for c, x in enumerate(chunks):
+                self.lp += all_hot <= x, f"all_hot_{i}_{c}"
+        if predictor is not None:
+            predictor_cpu = self._var(f"predictor_on_cpu_mixed_{i}", lowBound=0)  # cold rows gated on the host
+            needed = mixed - all_hot
+            if predictor.gpu_s < predictor.cpu_s:  # only a predictor that runs faster there is worth GPU bytes
+                predictor_mixed = self._var(f"predictor_on_gpu_mixed_{i}", cat="Binary")
+                self.predictor_on_gpu_mixed[i] = predictor_mixed
+                self.lp += predictor_mixed <= mixed, f"predictor_in_mixed_{i}"
+                self.objective_terms.append(predictor.gpu_s * MICROSECONDS * predictor_mixed)
+                self.memory_terms.append(predictor.gpu_bytes / MiB * predictor_mixed)
+                needed = needed - predictor_mixed
+            self.lp += predictor_cpu >= needed, f"predictor_cpu_{i}"
+            self.objective_terms.append(predictor.cpu_s * MICROSECONDS * predictor_cpu)
         sizes = layer.chunk_sizes
         if hot_prefix:
             ffn_uses_gpu = chunks[0]
@@ -198,9 +209,6 @@ class _Model:
         self.lp += ffn_time >= pulp.lpSum(g * MICROSECONDS * x for g, x in zip(layer.chunk_gpu_s, chunks)) \
             + layer.ffn_launch_s * MICROSECONDS * ffn_uses_gpu, f"ffn_time_covers_gpu_{i}"
         if layer.merge_launch_s > 0:  # mixed with cold rows: their output merged on the GPU (cost_model.evaluate_layer)
-            all_hot = self._var(f"all_hot_mixed_{i}", lowBound=0, upBound=1)  # = min(chunks) at the optimum
-            for c, x in enumerate(chunks):
-                self.lp += all_hot <= x, f"all_hot_{i}_{c}"
             merge = self._var(f"merge_mixed_{i}", lowBound=0)
             self.lp += merge >= mixed - all_hot, f"merge_{i}"
             self.objective_terms.append(layer.merge_launch_s * MICROSECONDS * merge)
@@ -229,9 +237,9 @@ class _Model:
         for i, (all_cpu, all_gpu, mixed) in self.layer_mode.items():
             layer = self.problem.layers[i]
             flags = [bool(placement.attention_on_gpu[i])] + [bool(x) for x in placement.gpu_chunks[i]]
-            if layer.predictor is not None:
-                flags.append(bool(placement.predictor_on_gpu[i]))
-            mode = "cpu" if not any(flags) else "gpu" if all(flags) else "mixed"
+            predictor_gpu = layer.predictor is not None and bool(placement.predictor_on_gpu[i])
+            # all on the GPU leaves the predictor out (nothing to gate): dropping it frees bytes, costs no time
+            mode = "gpu" if all(flags) else "cpu" if not any(flags) and not predictor_gpu else "mixed"
             all_cpu.setInitialValue(int(mode == "cpu"))
             all_gpu.setInitialValue(int(mode == "gpu"))
             mixed.setInitialValue(int(mode == "mixed"))
@@ -261,7 +269,7 @@ class _Model:
         for i, (_, all_gpu, mixed) in self.layer_mode.items():
             gpu_mode = on(all_gpu)
             attention[i] = gpu_mode or on(self.attention_on_gpu_mixed[i])
-            predictor[i] = self.problem.layers[i].predictor is not None and (gpu_mode or on(self.predictor_on_gpu_mixed.get(i)))
+            predictor[i] = self.problem.layers[i].predictor is not None and on(self.predictor_on_gpu_mixed.get(i))
             chunks[i] = np.array([gpu_mode or on(x) for x in self.chunk_on_gpu_mixed[i]], dtype=bool)
         for i, combos in self.moe_combination.items():
             _, attention[i], shared[i], options[i] = max(combos, key=lambda c: c[0].varValue or 0.0)

@@ -232,7 +232,12 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
             + cost_model.launch_seconds(cost_model.ATTENTION_LAUNCHES, hw),
             cpu_s=cost_model.cpu_weight_seconds(weight_bytes, bpw, hw) + cost_model.attention_kv_seconds(config, attended_tokens, settings.kv_bytes_per_element, hw.cpu_bandwidth_bytes_per_s, hw.cpu_matmul_flops))
         info = predictors.layers[i]
-        predictor = _unit(info.param_bytes, info.param_bytes, hw, bpw) if info.used and not is_moe else None
+        predictor = None
+        if info.used and not is_moe:
+            # the runtime scores a layer's cold rows on the host, where they run (the GPU step's C call:
+            # online/gpu/cpu_runs.py), whatever the plan says: on the GPU a predictor saves no time
+            host = _unit(info.param_bytes, info.param_bytes, hw, bpw)
+            predictor = DenseUnit(gpu_bytes=host.gpu_bytes, gpu_s=host.cpu_s, cpu_s=host.cpu_s)
         if is_moe:
             ffn_weights = rows_total * d * (config.num_experts * config.moe_intermediate_size + config.shared_expert_intermediate_size)
             read_weights = rows_total * d * (config.num_experts_per_tok * config.moe_intermediate_size + config.shared_expert_intermediate_size)

@@ -42,10 +42,29 @@ def _both():
     return Ops("triton"), Ops("torch")
 
 
+def test_default_matvec_launch_shapes_and_their_checks():
+    """The launch shapes the GPU step was measured with (rows per program by matrix height, 128-column tiles, four
+    warps, the column loop unrolled); a shape that is not a power of two is refused before any compile."""
+    from online.gpu.ops import MatvecLaunch, default_matvec_launch
+    from tandem.core.errors import TandemError
+    assert default_matvec_launch(576, 576) == MatvecLaunch(4, 128, 4, False)
+    assert default_matvec_launch(8192, 2048) == MatvecLaunch(8, 128, 4, False)
+    assert default_matvec_launch(49152, 2048) == MatvecLaunch(16, 128, 4, False)
+    assert default_matvec_launch(64, 96) == MatvecLaunch(4, 128, 4, False)  # a tile wider than the row: capped at launch
+    with pytest.raises(TandemError, match="power of two"):
+        MatvecLaunch(3, 128)
+
+
+def _rolled(rows, cols):
+    from online.gpu.ops import MatvecLaunch
+    return MatvecLaunch(rows_per_program=2, cols_per_tile=64, warps=2, rolled=True)
+
+
+@pytest.mark.parametrize("launch", [None, _rolled], ids=["default", "rolled"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("cols", [96, 320])  # one column block, and three (the last partial)
-def test_matvec_every_format_with_norm_bias_residual(fmt, cols):
-    tri, ref = _both()
+def test_matvec_every_format_with_norm_bias_residual(fmt, cols, launch):
+    tri, ref = Ops("triton", matvec_launch=launch), Ops("torch")
     w = _mat(37, cols, fmt, 1)
     x = torch.randn(cols, device=DEVICE)
     norm, bias, res = torch.rand(cols, device=DEVICE) + 0.5, torch.randn(37, device=DEVICE), torch.randn(37, device=DEVICE)
@@ -60,9 +79,10 @@ def test_matvec_every_format_with_norm_bias_residual(fmt, cols):
     torch.testing.assert_close(outs[1], dense, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("launch", [None, _rolled], ids=["default", "rolled"])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh", "relu", "gelu"])
-def test_gated_pair_in_mixed_formats(act):
-    tri, ref = _both()
+def test_gated_pair_in_mixed_formats(act, launch):
+    tri, ref = Ops("triton", matvec_launch=launch), Ops("torch")
     up, gate = _mat(70, 64, "q4_1", 2), _mat(70, 64, "q8", 3)
     x = torch.randn(64, device=DEVICE)
     outs = []

@@ -336,6 +336,30 @@ def test_ilp_equals_brute_force_with_predictors_and_untied_embeddings():
     assert result.objective_s == pytest.approx(brute_force_best(problem, prefix_only=True), rel=1e-7)
 
 
+def test_a_layer_all_on_the_gpu_runs_no_predictor():
+    """The predictor gates cold rows: with every neuron of a layer on the GPU the runtime never runs it, so it
+    costs no time on the CPU and makes no sync; placed on the GPU it is bytes and time for nothing, and a plan
+    with room for everything places no predictor (the ILP, as brute force)."""
+    config = tiny_config(num_layers=2)
+    info = PredictorInfo(layers=(LayerPredictorInfo(True, 3000, 0.95, 0.4), LayerPredictorInfo(True, 3000, 0.95, 0.4)),
+                         fingerprint="p")
+    from placement.cost_model import evaluate_layer
+    problem = tiny_problem(config, 10**7, predictors=info, seed=4)
+    layer = problem.layers[0]
+    hot = np.ones(layer.num_chunks, dtype=bool)
+    on_cpu, _, _ = evaluate_layer(layer, problem.layer_sync_s, True, False, hot, 0, False)
+    on_gpu, kinds, _ = evaluate_layer(layer, problem.layer_sync_s, True, True, hot, 0, False)
+    assert on_cpu.predictor_s == 0.0 and on_cpu.sync_s == 0.0 and on_gpu.predictor_s == layer.predictor.gpu_s > 0
+    assert kinds["predictors"] == layer.predictor.gpu_bytes and on_gpu.total_s > on_cpu.total_s
+    split = hot.copy()
+    split[-1] = False  # one cold chunk: the host gates it with the predictor
+    cold, _, _ = evaluate_layer(layer, problem.layer_sync_s, True, False, split, 0, False)
+    assert cold.predictor_s == layer.predictor.cpu_s and cold.sync_s > 0
+    result = solve_placement(problem, greedy_placement(problem), EXACT)
+    assert all(all(c) for c in result.placement.gpu_chunks) and not any(result.placement.predictor_on_gpu)
+    assert result.objective_s == pytest.approx(brute_force_best(problem, prefix_only=True), rel=1e-7)
+
+
 def test_ilp_equals_brute_force_for_moe_layers():
     config = tiny_config(arch="mixtral", hidden_act="silu", num_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=48, intermediate_size=256)

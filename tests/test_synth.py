@@ -150,20 +150,3 @@ def test_readme_pipeline_on_a_synthetic_model_decodes_fused(tiny90, tmp_path, ca
                  "--predictors", str(d / "predictors"), "--threads", "2"]) == 0
     side, reads = capsys.readouterr().out.strip().splitlines()[-2:]
     assert "modeled (by packed format)" in side and "n/a" not in side and reads.startswith("modeled reads per token: ")
-
-
-def test_tokenizer_only_gguf_synthesizes_the_same_model(tiny90, tmp_path):
-    """bench.gpu_sparse_stage carries the tokenizer model's metadata without its tensors to the GPU machine:
-    it reads as a GGUF with the same fields and no tensors, and synth writes the byte-identical model from it."""
-    import hashlib
-    from gguf import GGUFReader
-    from bench.gpu_sparse_stage import tokenizer_only_gguf
-    stub = tmp_path / "tokenizer.gguf"
-    tokenizer_only_gguf(TOKENIZER, stub)
-    full, small = GGUFReader(TOKENIZER), GGUFReader(str(stub))
-    assert len(small.tensors) == 0 and len(full.tensors) > 0
-    assert [k for k in small.fields if k != "GGUF.tensor_count"] == [k for k in full.fields if k != "GGUF.tensor_count"]
-    assert read_gguf(stub)[1]["tokenizer.ggml.tokens"] == read_gguf(TOKENIZER)[1]["tokenizer.ggml.tokens"]
-    again = synthesize(SynthSpec(get_shape("tiny"), sparsity=0.9), tmp_path / "out", str(stub))
-    digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
-    assert digest(again.path) == digest(tiny90.path)

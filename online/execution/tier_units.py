@@ -220,7 +220,8 @@ class TierPredictor:
 
     @property
     def module(self):
-        """The scorer, for the fused C step, when the tier is the CPU (None on CUDA: no fused step)."""
+        """The scorer on the tier's device when that is the CPU (the fused CPU step reads it); None on CUDA, where
+        the GPU step's C call scores the cold rows with ``host_gate``."""
         return None if self.tier.is_cuda else self._module
 
     @torch.inference_mode()

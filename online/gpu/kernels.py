@@ -53,12 +53,29 @@ def _act(y, ACT: tl.constexpr):
 
 
 @triton.jit
+def _matvec_tile(acc1, acc2, c0, x_ptr, norm_ptr, inv, d1, s1, m1, d2, s2, m2, rows, row_ok, C, sd1, ss1, sd2, ss2,
+                 NORM: tl.constexpr, PAIR: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, BC: tl.constexpr):
+    """acc += W[rows, c0:c0+BC] * x'[c0:c0+BC] (and the pair's)."""
+    cols = c0 + tl.arange(0, BC)[None, :]  # [1, BC]
+    col_ok = cols < C
+    xv = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
+    if NORM:
+        xv = xv * inv * tl.load(norm_ptr + cols, mask=col_ok, other=0.0)
+    ok = row_ok & col_ok
+    acc1 += _load_w(d1, s1, m1, rows, cols, ok, sd1, ss1, FMT1) * xv
+    if PAIR:
+        acc2 += _load_w(d2, s2, m2, rows, cols, ok, sd2, ss2, FMT2) * xv
+    return acc1, acc2
+
+
+@triton.jit
 def matvec_kernel(x_ptr, norm_ptr, eps, d1, s1, m1, b1, d2, s2, m2, b2, res_ptr, y_ptr, R, C: tl.constexpr,
                   sd1, ss1, sd2, ss2, NORM: tl.constexpr, PAIR: tl.constexpr, ACT: tl.constexpr,
                   RESIDUAL: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
-                  FMT1: tl.constexpr, FMT2: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                  FMT1: tl.constexpr, FMT2: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                  ROLLED: tl.constexpr = False):
     """y[r] = act(W2 x')[r] * (W1 x')[r] (PAIR) or act(W1 x')[r], + res[r] (RESIDUAL); x' = rmsnorm(x) * norm
-    (NORM) else x. W [R, C] in FMT; one program per BR rows."""
+    (NORM) else x. W [R, C] in FMT; one program per BR rows; the column loop unrolled, or a loop (ROLLED)."""
     pid = tl.program_id(0)
     rows = pid * BR + tl.arange(0, BR)[:, None]  # [BR, 1]
     row_ok = rows < R
@@ -72,16 +89,14 @@ def matvec_kernel(x_ptr, norm_ptr, eps, d1, s1, m1, b1, d2, s2, m2, b2, res_ptr,
         inv = 1.0 / tl.sqrt(tl.sum(sq, 0) / C + eps)
     acc1 = tl.zeros([BR, BC], dtype=tl.float32)
     acc2 = tl.zeros([BR, BC], dtype=tl.float32)
-    for c0 in tl.static_range(0, C, BC):
-        cols = c0 + tl.arange(0, BC)[None, :]  # [1, BC]
-        col_ok = cols < C
-        xv = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
-        if NORM:
-            xv = xv * inv * tl.load(norm_ptr + cols, mask=col_ok, other=0.0)
-        ok = row_ok & col_ok
-        acc1 += _load_w(d1, s1, m1, rows, cols, ok, sd1, ss1, FMT1) * xv
-        if PAIR:
-            acc2 += _load_w(d2, s2, m2, rows, cols, ok, sd2, ss2, FMT2) * xv
+    if ROLLED:
+        for c0 in tl.range(0, C, BC):
+            acc1, acc2 = _matvec_tile(acc1, acc2, c0, x_ptr, norm_ptr, inv, d1, s1, m1, d2, s2, m2, rows, row_ok, C,
+                                      sd1, ss1, sd2, ss2, NORM, PAIR, FMT1, FMT2, BC)
+    else:
+        for c0 in tl.static_range(0, C, BC):
+            acc1, acc2 = _matvec_tile(acc1, acc2, c0, x_ptr, norm_ptr, inv, d1, s1, m1, d2, s2, m2, rows, row_ok, C,
+                                      sd1, ss1, sd2, ss2, NORM, PAIR, FMT1, FMT2, BC)
     r = pid * BR + tl.arange(0, BR)
     r_ok = r < R
     y = tl.sum(acc1, 1)  # [BR]

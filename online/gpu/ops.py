@@ -73,13 +73,34 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-class Ops:
-    """The operations; ``backend`` is "triton" or "torch"."""
+@dataclass(frozen=True)
+class MatvecLaunch:
+    """How ``matvec_kernel`` is launched: rows per program, columns per tile, warps, a rolled column loop."""
+    rows_per_program: int
+    cols_per_tile: int
+    warps: int = 4
+    rolled: bool = False
 
-    def __init__(self, backend: str) -> None:
+    def __post_init__(self) -> None:
+        for name in ("rows_per_program", "cols_per_tile", "warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise TandemError(f"MatvecLaunch.{name} must be a power of two, got {value!r}")
+
+
+def default_matvec_launch(rows: int, cols: int) -> MatvecLaunch:
+    return MatvecLaunch(4 if rows <= 1024 else (8 if rows <= 8192 else 16), 128 if cols >= 128 else _pow2(cols))
+
+
+class Ops:
+    """The operations; ``backend`` is "triton" or "torch". ``matvec_launch(rows, cols) -> MatvecLaunch``
+    replaces the default launch shapes (bench/gpu_kernel_rates.py tries others)."""
+
+    def __init__(self, backend: str, matvec_launch=None) -> None:
         if backend not in ("triton", "torch"):
             raise TandemError(f"unknown GPU-step backend {backend!r}")
         self.backend = backend
+        self.matvec_launch = matvec_launch or default_matvec_launch
         self.launches = 0  # kernels (or op groups) issued, per step when read as a difference
         if backend == "triton":
             from . import kernels
@@ -115,8 +136,8 @@ class Ops:
             y.copy_(out + residual if residual is not None else out)
             return
         rows, cols = w1.rows, w1.cols
-        br = 4 if rows <= 1024 else (8 if rows <= 8192 else 16)
-        bc = 128 if cols >= 128 else _pow2(cols)
+        launch = self.matvec_launch(rows, cols)
+        br, bc = launch.rows_per_program, min(launch.cols_per_tile, _pow2(cols))
         g = w2 if w2 is not None else w1
         dummy = y
         self.k.matvec_kernel[(triton_cdiv(rows, br),)](
@@ -127,7 +148,7 @@ class Ops:
             w1.stride_data, w1.stride_scale, g.stride_data, g.stride_scale,
             NORM=norm is not None, PAIR=w2 is not None, ACT=self.k.ACT_IDS[act], RESIDUAL=residual is not None,
             HAS_B1=b1 is not None, HAS_B2=b2 is not None, FMT1=_FORMAT_IDS[w1.fmt], FMT2=_FORMAT_IDS[g.fmt],
-            BR=br, BC=bc)
+            BR=br, BC=bc, ROLLED=launch.rolled, num_warps=launch.warps)
 
     def matvec_t(self, h: torch.Tensor, w: Mat, y: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """y [C] += h [R] @ W [R, C] (+ bias): a down projection kept neuron-major, accumulated into ``y``."""
