@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
-import time
 from pathlib import Path
 
 LAUNCHES_PER_GRAPH = 20
@@ -20,21 +18,8 @@ LAUNCHES_PER_GRAPH = 20
 
 def _time_graph(fn, repeats: int = 15) -> float:
     """Seconds per launch of ``fn`` (one kernel), from a CUDA graph of LAUNCHES_PER_GRAPH of them."""
-    import torch
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(LAUNCHES_PER_GRAPH):
-            fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        graph.replay()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) / LAUNCHES_PER_GRAPH
+    from online.gpu.probe_launch import graph_seconds_per_launch
+    return graph_seconds_per_launch(fn, LAUNCHES_PER_GRAPH, repeats)
 
 
 def _bytes(m) -> int:

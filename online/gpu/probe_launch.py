@@ -44,14 +44,19 @@ def _measure(repeats: int) -> float:
     norm = torch.ones(SHAPE[1], device="cuda")
     y = torch.zeros(SHAPE[0], device="cuda")
 
-    def kernels() -> None:
-        for _ in range(KERNELS_PER_GRAPH):
-            ops.matvec(x, w, y, norm=norm, eps=1e-5, residual=y)
-    kernels()  # compile
+    return graph_seconds_per_launch(lambda: ops.matvec(x, w, y, norm=norm, eps=1e-5, residual=y), KERNELS_PER_GRAPH,
+                                    repeats)
+
+
+def graph_seconds_per_launch(launch, launches: int, repeats: int = 20) -> float:
+    """Median seconds per call of ``launch`` (one kernel), replayed as a CUDA graph of ``launches`` calls (the
+    first call, outside the graph, compiles)."""
+    launch()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kernels()
+        for _ in range(launches):
+            launch()
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -59,4 +64,4 @@ def _measure(repeats: int) -> float:
         graph.replay()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) / KERNELS_PER_GRAPH
+    return statistics.median(times) / launches
