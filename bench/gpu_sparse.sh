@@ -7,7 +7,7 @@
 #   (made here: `tandem plan --hardware h100 --predictors ...`), model.sha256, the gguf wheel.
 # STAGE names another such folder, PREDICTORS the predictors where they came apart (a run carries 64 MiB:
 # llama-1b's 63 MB of predictors travel in a run of their own, copied to /tmp there). OMP_ACTIVE=1 repeats the
-# A/B with OpenMP's threads spinning; KERNEL_RATES=1 times the matvec kernels alone (bench.gpu_kernel_rates). Writes $OUT/gpu_sparse.md (+ gpu_sparse_active.md) and $OUT/log.
+# A/B with OpenMP's threads spinning; THERE=1 makes the profile, predictors and plans on that machine; KERNEL_RATES=1 times the matvec kernels alone (bench.gpu_kernel_rates). Writes $OUT/gpu_sparse.md (+ gpu_sparse_active.md) and $OUT/log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -18,8 +18,19 @@ THREADS=${THREADS:-8}
 SHAPE=${SHAPE:-llama-350m}; SPARSITY=${SPARSITY:-0.9}; HOT_SHARE=${HOT_SHARE:-0.8}
 {
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; grep -m1 "model name" /proc/cpuinfo
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$S"/gguf-*.whl 2>&1 | tail -1
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site "$S"/*.whl 2>&1 | tail -1
   export PYTHONPATH=/tmp/site:$PWD
+  if [ -n "${THERE:-}" ]; then
+    # THERE=1: profile, predictors and plans made on this machine too (pulp's wheel staged beside gguf's): for a
+    # shape whose predictors do not travel (llama-2-7b: hundreds of MB), staged with only tokenizer.gguf + wheels
+    stage=/tmp/stage-$SHAPE
+    TANDEM_STEP_CACHE=0 /usr/bin/time -f "stage (synth, profile, predictors, plans) %e s" python3 -m bench.gpu_sparse_stage \
+      --shape "$SHAPE" --sparsity "$SPARSITY" --models-dir /tmp/synthm --tokenizer "$S/tokenizer.gguf" --no-wheel \
+      --fractions "${FRACTIONS:-0,0.25}" --hardware "${HARDWARE:-h100}" --out "$stage" 2>&1 | tail -3
+    timeout ${AB_TIMEOUT:-330} python3 -m bench.gpu_ab --stage "$stage" --fractions "${FRACTIONS:-0,0.25}" \
+      --rounds ${ROUNDS:-5} --tokens ${TOKENS:-64} --threads "$THREADS" --out "$OUT/gpu_sparse.md" 2>&1 | grep -v Warning
+    exit 0
+  fi
   model=/tmp/synthm/$SHAPE-synthetic-s$(python3 -c "print(round($SPARSITY*100))").Q4_0.gguf
   if [ ! -f "$model" ]; then
     /usr/bin/time -f "synth %e s" python3 -m tandem.cli synth --shape "$SHAPE" --out /tmp/synthm --sparsity "$SPARSITY" \

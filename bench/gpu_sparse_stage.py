@@ -70,12 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=".dev/sparse")
     p.add_argument("--predictors-out", default=None, help="where the predictors go when they need a run of their own")
     p.add_argument("--no-wheel", action="store_true", help="leave out the gguf wheel (a run on this machine)")
+    p.add_argument("--tokenizer", default="smollm2",
+                   help="GGUF whose tokenizer synth embeds (the GPU machine, with no network: a staged tokenizer.gguf)")
     args = p.parse_args(argv)
     from bench.gpu_bench import make_plan_dir, model_bytes
     from bench.synthetic import prepare
     from placement.ilp import CAPACITY_MARGIN_REL
     from tandem.core.loading.resolve import resolve_model_path
-    gguf, work = prepare(args.shape, args.sparsity, Path(args.models_dir))
+    tokenizer = resolve_model_path(args.tokenizer)
+    gguf, work = prepare(args.shape, args.sparsity, Path(args.models_dir), str(tokenizer), quality=False)
     request = json.loads(gguf.with_name(gguf.name + ".synth.json").read_text())["request"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         if stale.name not in {f"plan-{float(x):g}" for x in args.fractions.split(",")}:
             shutil.rmtree(stale)
     shutil.copytree(work / "profile", out / "profile")
-    tokenizer_only_gguf(resolve_model_path("smollm2"), out / "tokenizer.gguf")
+    if tokenizer.resolve() != (out / "tokenizer.gguf").resolve():
+        tokenizer_only_gguf(tokenizer, out / "tokenizer.gguf")
     tmp = out / ".model.sha256.tmp"
     tmp.write_text(sha256(gguf) + "\n")
     tmp.replace(out / "model.sha256")

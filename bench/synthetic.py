@@ -30,7 +30,11 @@ def cli(*args: str) -> None:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
 
 
-def prepare(shape: str, sparsity: float, models_dir: Path) -> tuple[Path, Path]:
+def prepare(shape: str, sparsity: float, models_dir: Path, tokenizer: str | None = None,
+            quality: bool = True) -> tuple[Path, Path]:
+    """The synthetic model (synth's tokenizer from ``tokenizer``, default SmolLM2's), its profile, predictors and
+    CPU plan (its quality measured unless ``quality`` is False) under ``models_dir``, each made once; returns
+    (GGUF, folder of the rest)."""
     from synth import SynthSpec, get_shape
     from synth.activity import max_hot_share
     from synth.build import default_file_name
@@ -41,12 +45,13 @@ def prepare(shape: str, sparsity: float, models_dir: Path) -> tuple[Path, Path]:
     work = models_dir / gguf.stem
     if not gguf.exists():
         cli("synth", "--shape", shape, "--out", str(models_dir), "--sparsity", str(sparsity), "--hot-share", str(share),
-            "--quiet")
+            "--quiet", *(["--tokenizer-from", str(tokenizer)] if tokenizer else []))
     steps = [("profile", ["profile", "--model", str(gguf), "--tokens", "2048", "--no-progress", "--out", str(work / "profile")]),
              ("predictors", ["train-predictors", "--model", str(gguf), "--profile", str(work / "profile"), "--out",
                              str(work / "predictors"), "--no-progress", "--tokens", "4096", "--eval-tokens", "1024"]),
              ("plan", ["plan", "--model", str(gguf), "--profile", str(work / "profile"), "--predictors",
-                       str(work / "predictors"), "--hardware", "cpu-only", "--out", str(work / "plan")])]
+                       str(work / "predictors"), "--hardware", "cpu-only", "--out", str(work / "plan"),
+                       *([] if quality else ["--no-quality"])])]
     for folder, args in steps:
         if not (work / folder).exists():
             cli(*args)
