@@ -1,7 +1,8 @@
 """The GPU step's matvec kernels alone at a model's shapes: bytes read per second under the default launch
-shapes and under others (rows per program, columns per tile, warps, a rolled column loop), each timed as a
-CUDA graph of repeated launches. The whole-step rates on the H200 (bench/gpu_sparse.md: ~145 GB/s at llama-1b,
-~245 at llama-350m, against 4.8 TB/s) say the kernels, not the bus, bound a step that runs on the GPU.
+shapes and under others (rows per program, columns per tile, warps, a rolled column loop, Q4 bytes read whole),
+each timed as a CUDA graph of repeated launches. The whole-step rates (bench/RESULTS.md, "Thirteenth session":
+~140 GB/s at llama-1b and ~245 at llama-350m on an H200 that reads 4.8 TB/s, ~830 at SmolLM2 on an H100) fall
+with the matrix width: the kernels, not the bus, bound a step that runs on the GPU.
 
 ``python -m bench.gpu_kernel_rates --shape llama-1b [--out FILE]`` (CUDA and Triton only; exits 2 without).
 Matrices as the plans store them: q/k/v/o, gate+up paired and the output layer in Q4_0, down neuron-major in Q8_0.
@@ -52,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
              "output layer [vocab, d]": (mat(args.vocab, d, "q4", "head"), None)}
     down = mat(ff, d, "q8", "down")
     x, norm = torch.randn(d, device="cuda"), torch.ones(d, device="cuda")
-    configs = [MatvecLaunch(br, bc, w, rolled) for br, bc, w, rolled in
-               itertools.product((2, 4, 8, 16), (128, 256), (4, 8), (False, True))]
+    configs = [MatvecLaunch(br, bc, w, rolled, packed) for br, bc, w, (rolled, packed) in
+               itertools.product((4, 8, 16), (128, 256), (4, 8), ((False, False), (True, False), (False, True), (True, True)))]
     lines = [f"# GPU matvec kernels alone: {args.shape} shapes on {torch.cuda.get_device_name(0)}", "",
              "| matrix | bytes | default launch | default GB/s | best launch | best GB/s | best / default |",
              "|---|---|---|---|---|---|---|"]
@@ -64,11 +65,19 @@ def main(argv: list[str] | None = None) -> int:
         def run(ops):
             return lambda: ops.matvec(x, w1, y, norm=norm, eps=1e-5, w2=w2, act="silu" if w2 is not None else "none")
         default = default_matvec_launch(w1.rows, w1.cols)
+        run(Ops("torch"))()
+        want = y.clone()  # the torch twin's result: every launch shape timed must give it
         base = _time_graph(run(Ops("triton")))
         rates = {}
         for c in configs:
             try:
-                rates[c] = nbytes / _time_graph(run(Ops("triton", matvec_launch=lambda r, k, c=c: c)))
+                ops = Ops("triton", matvec_launch=lambda r, k, c=c: c)
+                run(ops)()
+                if not torch.allclose(y, want, rtol=1e-3, atol=1e-3):
+                    print(f"{name}: {c} gives a wrong result (max diff {(y - want).abs().max():.3g}): skipped",
+                          file=sys.stderr)
+                    continue
+                rates[c] = nbytes / _time_graph(run(ops))
             except Exception as exc:  # noqa: BLE001 - a launch shape the compiler refuses (registers) is skipped
                 print(f"{name}: {c} failed ({type(exc).__name__})", file=sys.stderr)
         if not rates:

@@ -50,7 +50,7 @@ SHAPE=${SHAPE:-llama-350m}; SPARSITY=${SPARSITY:-0.9}; HOT_SHARE=${HOT_SHARE:-0.
       --tokens ${TOKENS:-64} --threads "$THREADS" --out "$OUT/gpu_sparse_active.md" 2>&1 | grep -v Warning
   fi
   # KERNEL_RATES=1: the matvec kernels alone at the shape's matrices, default and other launch shapes
-  if [ -n "${KERNEL_RATES:-}" ]; then timeout ${KERNEL_TIMEOUT:-240} python3 -m bench.gpu_kernel_rates --shape "$SHAPE" \
+  if [ -n "${KERNEL_RATES:-}" ]; then timeout ${KERNEL_TIMEOUT:-300} python3 -m bench.gpu_kernel_rates --shape "$SHAPE" \
     --out "$OUT/gpu_kernel_rates.md" 2>&1 | grep -v "failed (" | tail -8; fi
   if [ -n "${TESTS:-}" ]; then timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --tb=line \
     tests/test_gpu_step.py tests/test_gpu_kernels.py 2>&1 | grep -E "Error|^/|passed|failed" | sort | uniq -c | sort -rn | head -12; fi

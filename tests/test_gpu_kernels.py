@@ -60,7 +60,12 @@ def _rolled(rows, cols):
     return MatvecLaunch(rows_per_program=2, cols_per_tile=64, warps=2, rolled=True)
 
 
-@pytest.mark.parametrize("launch", [None, _rolled], ids=["default", "rolled"])
+def _packed(rows, cols):
+    from online.gpu.ops import MatvecLaunch
+    return MatvecLaunch(rows_per_program=4, cols_per_tile=64, warps=2, rolled=True, packed=True)
+
+
+@pytest.mark.parametrize("launch", [None, _rolled, _packed], ids=["default", "rolled", "packed"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("cols", [96, 320])  # one column block, and three (the last partial)
 def test_matvec_every_format_with_norm_bias_residual(fmt, cols, launch):
@@ -79,7 +84,7 @@ def test_matvec_every_format_with_norm_bias_residual(fmt, cols, launch):
     torch.testing.assert_close(outs[1], dense, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("launch", [None, _rolled], ids=["default", "rolled"])
+@pytest.mark.parametrize("launch", [None, _rolled, _packed], ids=["default", "rolled", "packed"])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh", "relu", "gelu"])
 def test_gated_pair_in_mixed_formats(act, launch):
     tri, ref = Ops("triton", matvec_launch=launch), Ops("torch")
@@ -91,6 +96,25 @@ def test_gated_pair_in_mixed_formats(act, launch):
         ops.matvec(x, up, y, w2=gate, act=act)
         outs.append(y)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cols", [80, 320])  # a padded last block, and five blocks over two 128-column tiles
+@pytest.mark.parametrize("formats", [("q4", "q4"), ("q4_1", "q4"), ("q4_1", "q4_1")])
+def test_packed_q4_reads_equal_the_twin(formats, cols):
+    """Q4 rows read as whole bytes (PACKED: each byte's two nibbles against their two columns) give the torch twin's
+    result, alone and as a gated pair, with the norm."""
+    from online.gpu.ops import MatvecLaunch
+    tri = Ops("triton", matvec_launch=lambda r, c: MatvecLaunch(4, 128, 2, rolled=True, packed=True))
+    ref = Ops("torch")
+    up, gate = _mat(33, cols, formats[0], 7), _mat(33, cols, formats[1], 8)
+    x, norm = torch.randn(cols, device=DEVICE), torch.rand(cols, device=DEVICE) + 0.5
+    for w2 in (None, gate):
+        outs = []
+        for ops in (tri, ref):
+            y = torch.zeros(33, device=DEVICE)
+            ops.matvec(x, up, y, norm=norm, eps=1e-5, w2=w2, act="silu" if w2 is not None else "none")
+            outs.append(y)
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

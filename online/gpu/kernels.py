@@ -53,9 +53,42 @@ def _act(y, ACT: tl.constexpr):
 
 
 @triton.jit
+def _q4_packed_part(data, scale, minimum, rows, row_ok, c0, xl, xh, sd, ss, C, FMT: tl.constexpr, BC: tl.constexpr):
+    """Q4_0 / Q4_1 rows' products with x over the tile's BC columns, read as its BC/2 stored bytes (one contiguous
+    load; byte k of a 32-column block holds column k (low nibble) and k + 16 (high)): [BR, BC/2]."""
+    k = tl.arange(0, BC // 2)[None, :]  # [1, BC/2] the tile's bytes
+    block = (c0 + (k // 16) * 32) // 32
+    ok = row_ok & (block * 32 < C)
+    b = tl.load(data + rows * sd + c0 // 2 + k, mask=ok, other=0).to(tl.int32)  # [BR, BC/2]
+    lo = (b & 15).to(tl.float32)
+    hi = ((b >> 4) & 15).to(tl.float32)
+    s = tl.load(scale + rows * ss + block, mask=ok, other=0.0).to(tl.float32)
+    if FMT == 3:
+        part = ((lo - 8.0) * xl + (hi - 8.0) * xh) * s
+    else:
+        m = tl.load(minimum + rows * ss + block, mask=ok, other=0.0).to(tl.float32)
+        part = (lo * xl + hi * xh) * s + m * (xl + xh)
+    return part
+
+
+@triton.jit
 def _matvec_tile(acc1, acc2, c0, x_ptr, norm_ptr, inv, d1, s1, m1, d2, s2, m2, rows, row_ok, C, sd1, ss1, sd2, ss2,
-                 NORM: tl.constexpr, PAIR: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, BC: tl.constexpr):
-    """acc += W[rows, c0:c0+BC] * x'[c0:c0+BC] (and the pair's)."""
+                 NORM: tl.constexpr, PAIR: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, BC: tl.constexpr,
+                 PACKED: tl.constexpr = False):
+    """acc += W[rows, c0:c0+BC] * x'[c0:c0+BC] (and the pair's); PACKED (both Q4): the bytes read whole."""
+    if PACKED:
+        k = tl.arange(0, BC // 2)[None, :]  # [1, BC/2]
+        il = c0 + (k // 16) * 32 + k % 16  # the low nibbles' columns; the high ones' are 16 on
+        ih = il + 16
+        xl = tl.load(x_ptr + il, mask=il < C, other=0.0)
+        xh = tl.load(x_ptr + ih, mask=ih < C, other=0.0)
+        if NORM:
+            xl = xl * inv * tl.load(norm_ptr + il, mask=il < C, other=0.0)
+            xh = xh * inv * tl.load(norm_ptr + ih, mask=ih < C, other=0.0)
+        acc1 += _q4_packed_part(d1, s1, m1, rows, row_ok, c0, xl, xh, sd1, ss1, C, FMT1, BC)
+        if PAIR:
+            acc2 += _q4_packed_part(d2, s2, m2, rows, row_ok, c0, xl, xh, sd2, ss2, C, FMT2, BC)
+        return acc1, acc2
     cols = c0 + tl.arange(0, BC)[None, :]  # [1, BC]
     col_ok = cols < C
     xv = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
@@ -73,9 +106,10 @@ def matvec_kernel(x_ptr, norm_ptr, eps, d1, s1, m1, b1, d2, s2, m2, b2, res_ptr,
                   sd1, ss1, sd2, ss2, NORM: tl.constexpr, PAIR: tl.constexpr, ACT: tl.constexpr,
                   RESIDUAL: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
                   FMT1: tl.constexpr, FMT2: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                  ROLLED: tl.constexpr = False):
+                  ROLLED: tl.constexpr = False, PACKED: tl.constexpr = False):
     """y[r] = act(W2 x')[r] * (W1 x')[r] (PAIR) or act(W1 x')[r], + res[r] (RESIDUAL); x' = rmsnorm(x) * norm
-    (NORM) else x. W [R, C] in FMT; one program per BR rows; the column loop unrolled, or a loop (ROLLED)."""
+    (NORM) else x. W [R, C] in FMT; one program per BR rows; the column loop unrolled, or a loop (ROLLED); Q4
+    rows (both of a pair) read byte-wise whole with PACKED."""
     pid = tl.program_id(0)
     rows = pid * BR + tl.arange(0, BR)[:, None]  # [BR, 1]
     row_ok = rows < R
@@ -87,16 +121,17 @@ def matvec_kernel(x_ptr, norm_ptr, eps, d1, s1, m1, b1, d2, s2, m2, b2, res_ptr,
             v = tl.load(x_ptr + c, mask=c < C, other=0.0)
             sq += v * v
         inv = 1.0 / tl.sqrt(tl.sum(sq, 0) / C + eps)
-    acc1 = tl.zeros([BR, BC], dtype=tl.float32)
-    acc2 = tl.zeros([BR, BC], dtype=tl.float32)
+    WIDTH: tl.constexpr = BC // 2 if PACKED else BC
+    acc1 = tl.zeros([BR, WIDTH], dtype=tl.float32)
+    acc2 = tl.zeros([BR, WIDTH], dtype=tl.float32)
     if ROLLED:
         for c0 in tl.range(0, C, BC):
             acc1, acc2 = _matvec_tile(acc1, acc2, c0, x_ptr, norm_ptr, inv, d1, s1, m1, d2, s2, m2, rows, row_ok, C,
-                                      sd1, ss1, sd2, ss2, NORM, PAIR, FMT1, FMT2, BC)
+                                      sd1, ss1, sd2, ss2, NORM, PAIR, FMT1, FMT2, BC, PACKED)
     else:
         for c0 in tl.static_range(0, C, BC):
             acc1, acc2 = _matvec_tile(acc1, acc2, c0, x_ptr, norm_ptr, inv, d1, s1, m1, d2, s2, m2, rows, row_ok, C,
-                                      sd1, ss1, sd2, ss2, NORM, PAIR, FMT1, FMT2, BC)
+                                      sd1, ss1, sd2, ss2, NORM, PAIR, FMT1, FMT2, BC, PACKED)
     r = pid * BR + tl.arange(0, BR)
     r_ok = r < R
     y = tl.sum(acc1, 1)  # [BR]

@@ -80,6 +80,7 @@ class MatvecLaunch:
     cols_per_tile: int
     warps: int = 4
     rolled: bool = False
+    packed: bool = False  # Q4_0 / Q4_1 matrices (both of a pair) read as whole bytes; others ignore it
 
     def __post_init__(self) -> None:
         for name in ("rows_per_program", "cols_per_tile", "warps"):
@@ -139,6 +140,7 @@ class Ops:
         launch = self.matvec_launch(rows, cols)
         br, bc = launch.rows_per_program, min(launch.cols_per_tile, _pow2(cols))
         g = w2 if w2 is not None else w1
+        packed = launch.packed and bc >= 32 and w1.fmt in ("q4", "q4_1") and g.fmt in ("q4", "q4_1")
         dummy = y
         self.k.matvec_kernel[(triton_cdiv(rows, br),)](
             x, norm if norm is not None else dummy, float(eps),
@@ -148,7 +150,7 @@ class Ops:
             w1.stride_data, w1.stride_scale, g.stride_data, g.stride_scale,
             NORM=norm is not None, PAIR=w2 is not None, ACT=self.k.ACT_IDS[act], RESIDUAL=residual is not None,
             HAS_B1=b1 is not None, HAS_B2=b2 is not None, FMT1=_FORMAT_IDS[w1.fmt], FMT2=_FORMAT_IDS[g.fmt],
-            BR=br, BC=bc, ROLLED=launch.rolled, num_warps=launch.warps)
+            BR=br, BC=bc, ROLLED=launch.rolled, PACKED=packed, num_warps=launch.warps)
 
     def matvec_t(self, h: torch.Tensor, w: Mat, y: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """y [C] += h [R] @ W [R, C] (+ bias): a down projection kept neuron-major, accumulated into ``y``."""
