@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=".dev/sparse")
     p.add_argument("--predictors-out", default=None, help="where the predictors go when they need a run of their own")
     p.add_argument("--no-wheel", action="store_true", help="leave out the gguf wheel (a run on this machine)")
+    p.add_argument("--profile-tokens", type=int, default=2048, help="tokens the profile runs (a new model only)")
+    p.add_argument("--predictor-tokens", type=int, default=4096, help="tokens the predictors train on (a new model only)")
     p.add_argument("--tokenizer", default="smollm2",
                    help="GGUF whose tokenizer synth embeds (the GPU machine, with no network: a staged tokenizer.gguf)")
     args = p.parse_args(argv)
@@ -78,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     from placement.ilp import CAPACITY_MARGIN_REL
     from tandem.core.loading.resolve import resolve_model_path
     tokenizer = resolve_model_path(args.tokenizer)
-    gguf, work = prepare(args.shape, args.sparsity, Path(args.models_dir), str(tokenizer), quality=False)
+    gguf, work = prepare(args.shape, args.sparsity, Path(args.models_dir), str(tokenizer), quality=False,
+                         profile_tokens=args.profile_tokens, predictor_tokens=args.predictor_tokens)
     request = json.loads(gguf.with_name(gguf.name + ".synth.json").read_text())["request"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ def cli(*args: str) -> None:
 
 
 def prepare(shape: str, sparsity: float, models_dir: Path, tokenizer: str | None = None,
-            quality: bool = True) -> tuple[Path, Path]:
+            quality: bool = True, profile_tokens: int = 2048, predictor_tokens: int = 4096) -> tuple[Path, Path]:
     """The synthetic model (synth's tokenizer from ``tokenizer``, default SmolLM2's), its profile, predictors and
     CPU plan (its quality measured unless ``quality`` is False) under ``models_dir``, each made once; returns
     (GGUF, folder of the rest)."""
@@ -46,9 +46,11 @@ def prepare(shape: str, sparsity: float, models_dir: Path, tokenizer: str | None
     if not gguf.exists():
         cli("synth", "--shape", shape, "--out", str(models_dir), "--sparsity", str(sparsity), "--hot-share", str(share),
             "--quiet", *(["--tokenizer-from", str(tokenizer)] if tokenizer else []))
-    steps = [("profile", ["profile", "--model", str(gguf), "--tokens", "2048", "--no-progress", "--out", str(work / "profile")]),
+    steps = [("profile", ["profile", "--model", str(gguf), "--tokens", str(profile_tokens), "--no-progress", "--out",
+                          str(work / "profile")]),
              ("predictors", ["train-predictors", "--model", str(gguf), "--profile", str(work / "profile"), "--out",
-                             str(work / "predictors"), "--no-progress", "--tokens", "4096", "--eval-tokens", "1024"]),
+                             str(work / "predictors"), "--no-progress", "--tokens", str(predictor_tokens),
+                             "--eval-tokens", str(predictor_tokens // 4)]),
              ("plan", ["plan", "--model", str(gguf), "--profile", str(work / "profile"), "--predictors",
                        str(work / "predictors"), "--hardware", "cpu-only", "--out", str(work / "plan"),
                        *([] if quality else ["--no-quality"])])]

@@ -33,7 +33,7 @@ def test_sparse_stage_and_interleaved_ab_on_the_cpu_tier(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_STEP_CACHE", "0")  # prepare's CPU plan needs no prepared-step cache here
     out = tmp_path / "stage"
     assert stage(["--shape", "tiny", "--models-dir", str(tmp_path / "models"), "--fractions", "0,0.5", "--out", str(out),
-                  "--no-wheel"]) == 0
+                  "--no-wheel", "--profile-tokens", "512", "--predictor-tokens", "1024"]) == 0
     staged = json.loads((out / "stage.json").read_text())
     assert staged["request"]["shape"] == "tiny" and (out / "tokenizer.gguf").is_file() and (out / "model.sha256").is_file()
     assert sorted(p.name for p in (out / "plans").iterdir()) == ["plan-0", "plan-0.5"]
