@@ -79,7 +79,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not args.no_quality and not result.reused:
         pipeline.measure_quality(result, args.model, args.profile, args.predictors, tokens=args.quality_tokens,
                                  gpu_device=args.gpu_device)
-    pipeline.warm_step_cache(args.model, result.path, args.profile, args.predictors)  # the first `generate --plan` starts from it
+    # the first `generate --plan` starts from it
+    pipeline.warm_step_cache(args.model, result.path, args.profile, args.predictors)
     if result.reused:
         print(f"reusing the plan in {result.path} (same model, profile, predictors, hardware, budget and settings)")
     else:

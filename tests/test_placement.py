@@ -360,6 +360,25 @@ def test_a_layer_all_on_the_gpu_runs_no_predictor():
     assert result.objective_s == pytest.approx(brute_force_best(problem, prefix_only=True), rel=1e-7)
 
 
+def test_ilp_places_a_predictor_only_where_it_runs_faster_on_the_gpu():
+    """The runtime scores cold rows on the host, so built problems price a predictor the same on both devices and
+    the ILP offers no GPU place for it; a predictor that did run faster there (a hand-built problem) is placed where
+    it pays, as brute force finds."""
+    import dataclasses
+    from placement.problem import DenseUnit
+    config = tiny_config(num_layers=2)
+    info = PredictorInfo(layers=(LayerPredictorInfo(True, 3000, 0.95, 0.4), LayerPredictorInfo(True, 3000, 0.95, 0.4)),
+                         fingerprint="p")
+    problem = tiny_problem(config, 30_000, predictors=info, seed=4)
+    assert all(layer.predictor.gpu_s == layer.predictor.cpu_s for layer in problem.layers)
+    fast = [dataclasses.replace(layer, predictor=DenseUnit(layer.predictor.gpu_bytes, layer.predictor.cpu_s / 20,
+                                                           layer.predictor.cpu_s * 4)) for layer in problem.layers]
+    faster = dataclasses.replace(problem, layers=fast)
+    result = solve_placement(faster, all_cpu_placement(faster), EXACT)  # the ILP's own answer, not greedy's
+    assert result.objective_s == pytest.approx(brute_force_best(faster, prefix_only=True), rel=1e-7)
+    assert any(result.placement.predictor_on_gpu)
+
+
 def test_ilp_equals_brute_force_for_moe_layers():
     config = tiny_config(arch="mixtral", hidden_act="silu", num_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=48, intermediate_size=256)
