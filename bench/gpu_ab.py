@@ -107,10 +107,8 @@ def write_table(args, names, engines, rates, stats, modeled, lines, argv: list[s
     text = "\n".join([f"Device: {device}; host {platform.node()}. Model {args.model}; plans {args.plans}.",
                       f"Command: `python -m bench.gpu_ab {' '.join(argv)}`", "", "```", *lines, "```", "",
                       *rows]) + "\n"
-    out = Path(args.out)
-    tmp = out.with_name("." + out.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(out)
+    from tandem.core.artifacts import atomic_write_bytes
+    atomic_write_bytes(args.out, text.encode())
 
 
 if __name__ == "__main__":

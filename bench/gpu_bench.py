@@ -18,7 +18,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 BENCH_DIR = Path(__file__).resolve().parent
 FRACTIONS = (0.10, 0.25, 0.50, 1.00)
 CONTEXT_TOKENS = 2048  # the KV cache both the plans and layer offload size
@@ -57,6 +56,16 @@ def decode_tok_s(engine, tokens: int, rounds: int) -> tuple[float, dict]:
         rates.append(out.stats["decode_tokens_per_s"])
         stats = out.stats
     return statistics.median(rates), stats
+
+
+def plan_budget(fraction: float, total: int, reserve: int) -> int:
+    """The GPU budget for ``fraction`` of the model's ``total`` planned bytes: + the planner's buffer ``reserve``,
+    the ILP's 1 ppm margin and 1 KiB (so 100% holds every unit); fraction 0 is no GPU at all."""
+    from placement.ilp import CAPACITY_MARGIN_REL
+    if fraction == 0:
+        return 0
+    budget = reserve + int(fraction * total)
+    return budget + math.ceil(budget * CAPACITY_MARGIN_REL) + 1024
 
 
 def probed_hardware(work: Path) -> str:
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from online import Engine
     from placement.budget import format_bytes
-    from placement.ilp import CAPACITY_MARGIN_REL
+    from tandem.core.artifacts import atomic_write_bytes
     from placement.plan import read_plan
     device = args.gpu_device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.hardware == "auto":
@@ -137,10 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda: Engine.load(args.model, layer_offload=True, gpu_budget_bytes=reserve + 2 * total, gpu_device=device,
                                 context_length=CONTEXT_TOKENS, **threads), None)
     for fraction in (float(f) for f in args.fractions.split(",")):
-        # X% of the model's bytes + the planner's buffer reserve (+ the ILP's 1 ppm margin and 1 KiB: 100% holds
-        # every unit)
-        budget = reserve + int(fraction * total)
-        budget += math.ceil(budget * CAPACITY_MARGIN_REL) + 1024
+        budget = plan_budget(fraction, total, reserve)
         plan_dir = make_plan_dir(args.model, Path(args.profile), args.hardware, budget,
                                  Path(args.work) / f"plan-{fraction:g}", args.reuse_plans, args.predictors)
         plan = read_plan(plan_dir)
@@ -163,9 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `python -m bench.gpu_bench {' '.join(argv if argv is not None else sys.argv[1:])}`", ""] + head
         + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
     out = Path(args.out)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(out)
+    atomic_write_bytes(out, text.encode())
     print(f"wrote {out}")
     return 0
 

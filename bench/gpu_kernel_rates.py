@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from pathlib import Path
 
 LAUNCHES_PER_GRAPH = 20
 
@@ -92,10 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(f"| down [ff, d] neuron-major (matvec_t) | {_bytes(down)} | default | {_bytes(down) / t / 1e9:.0f} | - | - | - |")
     print(lines[-1])
     if args.out:
-        out = Path(args.out)
-        tmp = out.with_name("." + out.name + ".tmp")
-        tmp.write_text("\n".join(lines) + "\n")
-        tmp.replace(out)
+        from tandem.core.artifacts import atomic_write_bytes
+        atomic_write_bytes(args.out, ("\n".join(lines) + "\n").encode())
     return 0
 
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import shutil
 import struct
 import subprocess
 import sys
 from pathlib import Path
+
+from tandem.core.artifacts import atomic_write_bytes, atomic_write_json
 
 RUN_LIMIT_BYTES = 60 << 20  # what one run may carry, less the tracked tree
 FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
@@ -42,9 +43,7 @@ def tokenizer_only_gguf(src: Path, dst: Path) -> None:
     magic, version, _, n_kv = struct.unpack("<IIQQ", head[:24])
     data = struct.pack("<IIQQ", magic, version, 0, n_kv) + head[24:]
     data += b"\0" * (-len(data) % 32)
-    tmp = dst.with_name("." + dst.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(dst)
+    atomic_write_bytes(dst, data)
 
 
 def sha256(path: Path) -> str:
@@ -75,9 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default="smollm2",
                    help="GGUF whose tokenizer synth embeds (the GPU machine, with no network: a staged tokenizer.gguf)")
     args = p.parse_args(argv)
-    from bench.gpu_bench import make_plan_dir, model_bytes
+    from bench.gpu_bench import make_plan_dir, model_bytes, plan_budget
     from bench.synthetic import prepare
-    from placement.ilp import CAPACITY_MARGIN_REL
     from tandem.core.loading.resolve import resolve_model_path
     tokenizer = resolve_model_path(args.tokenizer)
     gguf, work = prepare(args.shape, args.sparsity, Path(args.models_dir), str(tokenizer), quality=False,
@@ -90,23 +88,20 @@ def main(argv: list[str] | None = None) -> int:
         from bench.gpu_bench import probed_hardware
         args.hardware = probed_hardware(out) if torch.cuda.is_available() else "h100"
     total, reserve = model_bytes(str(gguf), work / "profile", args.hardware, "auto")
-    for f in (float(x) for x in args.fractions.split(",")):
-        budget = 0 if f == 0 else reserve + int(f * total)
-        budget += math.ceil(budget * CAPACITY_MARGIN_REL) + 1024 if f else 0
-        plan_dir = make_plan_dir(str(gguf), work / "profile", args.hardware, budget, out / "plans" / f"plan-{f:g}",
-                                 predictors=str(work / "predictors"))
+    plan_names = {f"plan-{float(x):g}": float(x) for x in args.fractions.split(",")}
+    for name, f in plan_names.items():
+        plan_dir = make_plan_dir(str(gguf), work / "profile", args.hardware, plan_budget(f, total, reserve),
+                                 out / "plans" / name, predictors=str(work / "predictors"))
         shutil.rmtree(plan_dir / "step-cache", ignore_errors=True)  # the machine builds its own (GiBs here)
     for name in ("profile", "predictors"):
         shutil.rmtree(out / name, ignore_errors=True)
     for stale in (out / "plans").glob("plan-*"):  # plans of other fractions would travel too
-        if stale.name not in {f"plan-{float(x):g}" for x in args.fractions.split(",")}:
+        if stale.name not in plan_names:
             shutil.rmtree(stale)
     shutil.copytree(work / "profile", out / "profile")
     if tokenizer.resolve() != (out / "tokenizer.gguf").resolve():
         tokenizer_only_gguf(tokenizer, out / "tokenizer.gguf")
-    tmp = out / ".model.sha256.tmp"
-    tmp.write_text(sha256(gguf) + "\n")
-    tmp.replace(out / "model.sha256")
+    atomic_write_bytes(out / "model.sha256", (sha256(gguf) + "\n").encode())
     if not args.no_wheel and not list(out.glob("gguf-*.whl")):
         from importlib.metadata import version
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(out),
@@ -117,9 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(pred_dst, ignore_errors=True)
     shutil.copytree(work / "predictors", pred_dst)
     stage = {"model": str(gguf), "predictors": str(pred_dst), "hardware": args.hardware, "request": request}
-    tmp = out / ".stage.json.tmp"
-    tmp.write_text(json.dumps(stage, indent=1))
-    tmp.replace(out / "stage.json")  # bench.gpu_ab --stage reads it (the model's path on this machine)
+    atomic_write_json(out / "stage.json", stage)  # bench.gpu_ab --stage reads it (the model's path on this machine)
     print(f"staged {out} ({folder_bytes(out) >> 20} MiB); synth there: --shape {request['shape']} --sparsity "
           f"{request['sparsity']} --hot-share {request['hot_share']}")
     if folder_bytes(pred_dst) > RUN_LIMIT_BYTES:
