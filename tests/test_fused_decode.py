@@ -129,6 +129,34 @@ def test_step_matches_reference_arithmetic(tiny_model_dir, kind, fmt):
     torch.testing.assert_close(cache.values, ref_cache.values, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("cut", [None, 0.0])
+def test_rows_split_over_any_thread_count(tmp_path, threads, cut):
+    """Every FFN row is computed once whatever the thread count: 600 neurons are 19 slices of 32 (the last
+    short) and 3 gate-cut slices of 256, split into contiguous runs per thread (dense rows, the ReLU gate
+    cut) that may be empty; the step still equals the torch statement of its arithmetic."""
+    import transformers as tf
+    from conftest import TINY_COMMON
+
+    torch.manual_seed(3)
+    cfg = tf.LlamaConfig(num_key_value_heads=2, intermediate_size=600, hidden_act="relu", **TINY_COMMON)
+    tf.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path)
+    model, ffn_layers = build_model(load_hf_folder(tmp_path))
+    settings = ExecutionSettings(weight_format="int4", down_format="fp16", sparse=cut is not None, threads=threads)
+    executor = HybridExecutor.build(model.cfg, ffn_layers, GpuTier.create(0, "cpu"), settings,
+                                    thresholds=None if cut is None else [cut] * 2, head_weight=model.lm_head.weight)
+    quantize_attention(model, "int4", threads)
+    step = FusedDecodeStep.build(model, executor, residual_ratio=0.0)
+    cache, ref_cache = KVCache(model.cfg, 16), KVCache(model.cfg, 16)
+    for pos, tok in enumerate(PROMPT):
+        before = executor.counters.ffn_neurons_active
+        got = step(tok, pos, cache)
+        ref, used = reference_step(model, executor, ref_cache, tok, pos, residual_ratio=0.0)
+        torch.testing.assert_close(got, ref.float(), rtol=1e-4, atol=1e-4)
+        if cut is not None:  # the gate cut keeps the positive gates only: counted once each
+            assert abs((executor.counters.ffn_neurons_active - before) - used) <= 1 and 0 < used < 2 * 600
+
+
 def test_sparse_step_counts_the_neurons_it_uses(tiny_model_dir):
     folder, _ = tiny_model_dir("llama")
     model, executor = packed(folder, "int4", thresholds=[0.02] * 2)

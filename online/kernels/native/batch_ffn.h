@@ -68,7 +68,9 @@ static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B
     const tdm_predictor *P = L->pred && L->pred->rank > 0 ? L->pred : NULL;
     int zero_act = m->act == ACT_RELU || m->act == ACT_FATRELU || m->act == ACT_DRELU;
     int gate_cut = m->gated && zero_act && thr >= 0.0f;
-    for (int64_t b0 = t * SPARSE_SLICE; !P && gate_cut && b0 < nf; b0 += nt * SPARSE_SLICE) {
+    int64_t g0, g1, gstep;
+    slice_range(nf, SPARSE_SLICE, 1, t, nt, &g0, &g1, &gstep); /* candidate_rows' gate-cut slices */
+    for (int64_t b0 = g0; !P && gate_cut && b0 < g1; b0 += gstep) {
         /* the gate cut without a predictor: every gate row for all T tokens at once, then each
          * token's up rows where its gate passes (sparse_rows with P = NULL, token by token) */
         int64_t n = b0 + SPARSE_SLICE < nf ? SPARSE_SLICE : nf - b0;
@@ -104,7 +106,9 @@ static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B
         batch_keep(tb, m, i, g, rows, 0, n, thr);
 #pragma omp barrier /* P->z is the next token's */
     }
-    for (int64_t b0 = t * FFN_SLICE; !(P || gate_cut) && b0 < nf; b0 += nt * FFN_SLICE) {
+    int64_t s0, s1, step;
+    slice_range(nf, FFN_SLICE, thr < 0.0f, t, nt, &s0, &s1, &step); /* ffn_rows' slices */
+    for (int64_t b0 = s0; !(P || gate_cut) && b0 < s1; b0 += step) {
         int64_t n = b0 + FFN_SLICE < nf ? FFN_SLICE : nf - b0;
         float g[T * FFN_SLICE], u[T * FFN_SLICE], h[FFN_SLICE];
         dot_rows_multi(&L->up, b0, n, tb->x, T, u, FFN_SLICE);

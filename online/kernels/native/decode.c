@@ -46,6 +46,24 @@ static void row_chunk(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
     if (*hi > n) *hi = n;
 }
 
+/* The slices of `slice` rows that thread t of nt takes of n rows: b0 from *lo while b0 < *hi, in steps of *step.
+ * contiguous: one run of slices per thread, so each thread streams its rows (every row is read: the work is
+ * even); otherwise every nt-th slice, which spreads uneven work (rows a cut keeps) over the threads. */
+static void slice_range(int64_t n, int64_t slice, int contiguous, int t, int nt, int64_t *lo, int64_t *hi,
+                        int64_t *step) {
+    if (contiguous) {
+        int64_t slices = (n + slice - 1) / slice;
+        *lo = slices * t / nt * slice;
+        *hi = slices * (t + 1) / nt * slice;
+        if (*hi > n) *hi = n;
+        *step = slice;
+    } else {
+        *lo = t * slice;
+        *hi = n;
+        *step = nt * slice;
+    }
+}
+
 #include "attention.h"
 #include "rows.h"
 #include "dequant.h"

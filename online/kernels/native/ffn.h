@@ -4,7 +4,8 @@
 #ifndef TDM_FFN_H
 #define TDM_FFN_H
 
-#define FFN_SLICE 32 /* neurons per slice; slices are dealt to threads in turn (sparsity is uneven) */
+#define FFN_SLICE 32 /* neurons per slice; dealt to threads in turn under a magnitude threshold (sparsity is
+                        * uneven), one run per thread where every neuron is kept (slice_range) */
 
 /* The down projection as one GEMV over its d rows, GGUF blocks read in place (kquants.h): the kept h
  * of every neuron (0 elsewhere: the neurons the sparse rows would add) quantized like any input.
@@ -66,7 +67,9 @@ static int64_t ffn_rows(const tdm_model *m, const ffn_view *F, const qvec *x, fl
             n_act += fabsf(h) > thr;
         }
     }
-    for (int64_t b0 = t * FFN_SLICE; !(P || gate_cut) && b0 < n_ff; b0 += nt * FFN_SLICE) {
+    int64_t s0, s1, step; /* every neuron kept (thr < 0): each thread its own run of slices */
+    slice_range(n_ff, FFN_SLICE, thr < 0.0f, t, nt, &s0, &s1, &step);
+    for (int64_t b0 = s0; !(P || gate_cut) && b0 < s1; b0 += step) {
         int64_t b1 = b0 + FFN_SLICE < n_ff ? b0 + FFN_SLICE : n_ff;
         float g[FFN_SLICE], u[FFN_SLICE], h[FFN_SLICE];
         int64_t n = b1 - b0;

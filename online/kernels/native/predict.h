@@ -175,14 +175,16 @@ void tdm_dot_rows_idx(const tdm_weight *w, const int32_t *rows, int64_t n, const
     dot_rows_idx(w, rows, n, &v, out);
 }
 
-/* This thread's candidate rows of one FFN, in ascending order over its slices (b0 = t * SPARSE_SLICE, every
- * nt-th slice): the rows predicted active (the scorer's dense rows, slice by slice), or with a predictor-less
- * gate cut the rows whose gate passes it (g filled as well). Returns how many; rows [n_ff] scratch. */
+/* This thread's candidate rows of one FFN, in ascending order over its slices (slice_range: every nt-th
+ * slice of the scorer's rows; one run of slices for the gate cut, which reads every gate row): the rows
+ * predicted active (the scorer's dense rows, slice by slice), or with a predictor-less gate cut the rows
+ * whose gate passes it (g filled as well). Returns how many; rows [n_ff] scratch. */
 static int64_t candidate_rows(const tdm_predictor *P, const tdm_weight *gate, float cut, int64_t n_ff,
                               const qvec *zq, const qvec *x, int32_t *rows, float *g, int t, int nt) {
     float s[SPARSE_SLICE];
-    int64_t k = 0;
-    for (int64_t b0 = t * SPARSE_SLICE; b0 < n_ff; b0 += nt * SPARSE_SLICE) {
+    int64_t k = 0, lo, hi, step; /* the gate cut reads every gate row: each thread its own run of slices */
+    slice_range(n_ff, SPARSE_SLICE, !P, t, nt, &lo, &hi, &step);
+    for (int64_t b0 = lo; b0 < hi; b0 += step) {
         int64_t n = b0 + SPARSE_SLICE < n_ff ? SPARSE_SLICE : n_ff - b0;
         dot_rows(P ? &P->w2 : gate, b0, n, P ? zq : x, s);
         if (P)
