@@ -7,8 +7,10 @@ the step reads it (placement.step_reads): ``dense`` (every row dotted, tdm_dot_r
 ``threads`` OpenMP threads split the rows as the step's do (tdm_read_pass). Before every timed pass a
 buffer of ``EVICT_BYTES`` is read, so the pass starts with none of the matrix in the last-level cache
 (48 MB against this machine's 32 MB L3: passes back to back found up to two thirds of it there and
-read "faster than memory", up to 1.6x the read bandwidth). Rates are bytes read / the best pass's
-seconds (other processes only ever slow a pass); the share is that over the probe's torch read bandwidth.
+read "faster than memory", up to 1.6x the read bandwidth). Rates are bytes read / the median pass's
+seconds; the share is that over the probe's torch read bandwidth, itself a median of repeated reads. (Until
+2026-11-28 the best pass was taken: over a median bandwidth on a host whose bandwidth drifts, that rated
+dense rows ~10-15% fast, and the synthetic table's dense mode 1.3-1.5x.)
 
 Example::
 
@@ -40,10 +42,13 @@ REPEATS = 7
 # GGUF block layouts: (weights per block, bytes per block, offsets of the f16 fields) -- ggml-common.h
 GGUF_BLOCKS = {"Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q8_0": (32, 34, (0,)), "Q5_0": (32, 22, (0,)),
                "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,))}
-# (name, access) pairs measured by default: every in-place format read dense and gathered, the down-row formats added
-# (re-packed int4 / int8b rows are the q4_1 / q8_0 kinds: the same dot kernels, so only their axpy is timed)
-DEFAULT_PLAN = tuple((q, a) for q in GGUF_BLOCKS for a in ("dense", "gather")) + (("int8", "dense"), ("fp32", "dense")) + tuple(
-    (f, "axpy") for f in ("fp16", "int8", "int8b", "int4"))
+# (name, access) pairs measured by default: every in-place format read dense and gathered, the formats the step
+# interleaves eight rows at a time also read whole in place (``rows``: matrices kept for gathered reads), the
+# down-row formats added (re-packed int4 / int8b rows are the q4_1 / q8_0 kinds: the same dot kernels, so only
+# their axpy is timed)
+INTERLEAVED = ("Q4_0", "Q4_1", "Q8_0")
+DEFAULT_PLAN = tuple((q, a) for q in GGUF_BLOCKS for a in ("dense", "gather")) + tuple((q, "rows") for q in INTERLEAVED) + (
+    ("int8", "dense"), ("fp32", "dense")) + tuple((f, "axpy") for f in ("fp16", "int8", "int8b", "int4"))
 # the probe format that packs each step kind (placement.step_reads names), per access: a down row kind is
 # re-packed from float as the runtime packs sparse down rows (int4 -> q4_1 rows, int8b -> q8_0 rows)
 PROBE_FORMAT = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q5_0": "Q5_0", "q4_k": "Q4_K", "q5_k": "Q5_K",
@@ -212,10 +217,11 @@ def measure_pass_cost(threads: int, pass_bytes: int = PASS_BYTES) -> float:
 
 
 def time_reads(lib, ref, access: str, threads: int, rng: np.random.Generator, share: float = 1.0) -> tuple[int, float]:
-    """(bytes read per pass, seconds of the best of REPEATS passes after a warm-up one)."""
+    """(bytes read per pass, median seconds of REPEATS passes after a warm-up one: the same statistic as the
+    read bandwidth the share divides by, probe.measure_read_bandwidth)."""
     one = ReadPass(lib, ref, access, threads, rng, share=share)
     times = [one() for _ in range(REPEATS + 1)]
-    return one.nbytes, min(times[1:])  # the best pass: contention only slows one
+    return one.nbytes, statistics.median(times[1:])
 
 
 def measure_kind_rates(threads: int, bandwidth: float, plan=DEFAULT_PLAN, seed: int = 0) -> tuple[KindRate, ...]:
@@ -231,8 +237,8 @@ def measure_kind_rates(threads: int, bandwidth: float, plan=DEFAULT_PLAN, seed: 
             _, ref = cached_weight(fmt, access == "axpy")
             if access == "dense":  # whole row ranges: the fused step's layout (GGUF int4 / Q8_0 eight rows interleaved)
                 ref = interleave(ref, lib)
-            for share in (1.0,) if access == "dense" else SPARSE_SHARES:
-                read, seconds = time_reads(lib, ref, access, threads, rng, share)
+            for share in (1.0,) if access in ("dense", "rows") else SPARSE_SHARES:
+                read, seconds = time_reads(lib, ref, "dense" if access == "rows" else access, threads, rng, share)
                 out.append(KindRate(kind=kind_name(ref.desc), access=access, share=read / seconds / bandwidth,
                                     bytes=read, seconds=seconds, fraction=share))
     return tuple(out)

@@ -47,7 +47,8 @@ def weight_bytes(w) -> int:
 
 
 def _unit(role: str, layer: int, w) -> StepUnit:
-    return StepUnit(role=role, layer=layer, kind=kind_name(w), packed_bytes=weight_bytes(w))
+    return StepUnit(role=role, layer=layer, kind=kind_name(w), packed_bytes=weight_bytes(w),
+                    in_place=w.kind in (KIND_I4H, KIND_I8H))  # kinds the step interleaves elsewhere (blocks_x8.h)
 
 
 def step_units(step, cfg) -> list[StepUnit]:

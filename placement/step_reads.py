@@ -8,7 +8,11 @@ token reads (from the profile's neuron frequencies and the predictors' recall, a
 them); ``modeled_reads`` sums bytes per token by (format, access):
 
 - ``dense``: the whole matrix streamed row after row (attention, output layer, gate/up of non-ReLU exact
-  layers, dense downs, predictors);
+  layers, dense downs, predictors) in the step's eight-row interleaved copies (or a format it does not
+  interleave);
+- ``rows``: the same, GGUF blocks read row by row in place where the step keeps a matrix as it is for
+  gathered reads (the gate/up of predictor and ReLU layers, read whole by the gate cut or a dense mode):
+  ~15% slower than the interleaved copy here (bench/RESULTS.md, fourteenth session);
 - ``gather``: selected rows dotted (ReLU layers' up rows, predicted gate/up rows);
 - ``axpy``: selected down rows added into the output (sparse down_t).
 
@@ -36,7 +40,7 @@ import numpy as np
 from tandem.core.errors import TandemError
 from tandem.core.config import kv_row_bytes
 
-ACCESSES = ("dense", "gather", "axpy")
+ACCESSES = ("dense", "rows", "gather", "axpy")
 ROLES = ("qkv", "k", "v", "o", "gate", "up", "down", "down_t", "pred", "head", "embed_row")
 
 
@@ -47,6 +51,7 @@ class StepUnit:
     layer: int  # -1 for the output layer and the embedding row
     kind: str  # packed format name (online.step_inventory.KIND_NAMES)
     packed_bytes: int
+    in_place: bool = False  # GGUF blocks the step could interleave eight rows at a time but keeps row by row
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -125,6 +130,8 @@ def _unit_reads(units, fractions, relu):
         else:
             f = fractions[u.layer] if 0 <= u.layer < len(fractions) else None
             access, share = unit_access(u, f, relu)
+        if access == "dense" and u.in_place:
+            access = "rows"
         if share > 0:
             yield ((u.kind, access), share * u.packed_bytes), share
 

@@ -137,21 +137,55 @@ def test_probe_rates_schema(monkeypatch):
     monkeypatch.setattr(kind_probe, "REPEATS", 2)
     kind_probe.cached_weight.cache_clear()
     try:
-        plan = kind_probe.plan_for([("q4_1", "dense"), ("q6_k", "gather"), ("q8_0", "axpy"), ("f16", "axpy")])
-        assert plan == (("Q4_1", "dense"), ("Q6_K", "gather"), ("int8b", "axpy"), ("fp16", "axpy"))
+        plan = kind_probe.plan_for([("q4_1", "dense"), ("q4_1", "rows"), ("q6_k", "gather"), ("q8_0", "axpy"),
+                                    ("f16", "axpy")])
+        assert plan == (("Q4_1", "dense"), ("Q4_1", "rows"), ("Q6_K", "gather"), ("int8b", "axpy"), ("fp16", "axpy"))
         rates = kind_probe.measure_kind_rates(2, 10e9, plan)
     finally:
         kind_probe.cached_weight.cache_clear()
     sparse = kind_probe.SPARSE_SHARES
-    assert [(r.kind, r.access, r.fraction) for r in rates] == [("q4_1", "dense", 1.0)] + [
+    assert [(r.kind, r.access, r.fraction) for r in rates] == [("q4_1", "dense", 1.0), ("q4_1", "rows", 1.0)] + [
         (k, a, f) for k, a in (("q6_k", "gather"), ("q8_0", "axpy"), ("f16", "axpy")) for f in sparse]
     rows = 256 * 1024 // (kind_probe.COLS // 32 * 20)
-    assert rates[0].bytes == _ggml_bytes("Q4_1", rows, kind_probe.COLS)  # every row read once
+    assert rates[0].bytes == rates[1].bytes == _ggml_bytes("Q4_1", rows, kind_probe.COLS)  # every row read once
     f16_rows = int(256 * 1024 // (2 * kind_probe.COLS))
     assert [r.bytes for r in rates[-3:]] == [max(1, int(f16_rows * f)) * 2 * kind_probe.COLS for f in sparse]
     assert all(r.share > 0 and r.seconds > 0 and np.isfinite(r.share) for r in rates)
     with pytest.raises(TandemError, match="cannot time"):
         kind_probe.plan_for([("q2_k", "dense")])
+
+
+def test_matrices_kept_in_place_are_priced_as_rows_not_as_the_interleaved_copy(monkeypatch):
+    """The step interleaves Q4_0 / Q4_1 / Q8_0 matrices eight rows at a time for dense reads, but keeps the
+    gate / up of predictor and ReLU layers row by row for gathered reads; read whole (the gate cut, a dense
+    mode) those are the ``rows`` access, with a rate of their own (a calibration without it: the dense one)."""
+    from online import kind_probe
+    from online.kernels.native import load_native
+    from online.kernels.native.structs import interleave
+    from online.step_inventory import _unit
+    from placement.step_reads import modeled_reads
+
+    monkeypatch.setattr(kind_probe, "PROBE_BYTES", 256 * 1024)
+    kind_probe.cached_weight.cache_clear()
+    try:
+        ref = kind_probe.cached_weight("Q4_0", False)[1]
+        in_place, copy = _unit("gate", 0, ref.desc), _unit("qkv", 0, interleave(ref, load_native().lib).desc)
+    finally:
+        kind_probe.cached_weight.cache_clear()
+    assert (in_place.kind, in_place.in_place, copy.kind, copy.in_place) == ("q4_0", True, "q4_0", False)
+    assert in_place.packed_bytes == copy.packed_bytes  # the same bytes in either layout
+    units = [StepUnit("qkv", 0, "q4_0", 1000), StepUnit("gate", 0, "q4_0", 400, in_place=True),
+             StepUnit("up", 0, "q4_0", 400, in_place=True), StepUnit("down_t", 0, "f16", 800)]
+    assert modeled_reads(units, None, relu=True) == {("q4_0", "dense"): 1000, ("q4_0", "rows"): 800, ("f16", "axpy"): 800}
+    exact = modeled_reads(units, [LayerFractions(1.0, 0.25, 0.25)], relu=True)  # the gate cut: gate whole, up gathered
+    assert exact == {("q4_0", "dense"): 1000, ("q4_0", "rows"): 400, ("q4_0", "gather"): 100, ("f16", "axpy"): 200}
+    predicted = modeled_reads(units, [LayerFractions(0.25, 0.25, 0.25, True)], relu=True)
+    assert ("q4_0", "rows") not in predicted and predicted[("q4_0", "gather")] == 200
+    with_rows = _cal((KindRate("q4_0", "dense", 1.0), KindRate("q4_0", "rows", 0.5)))
+    without = _cal((KindRate("q4_0", "dense", 1.0),))
+    reads = modeled_reads(units[:3], None, relu=True)
+    assert with_rows.reads_seconds(0, reads, fixed=False) == pytest.approx((1000 + 800 / 0.5) / 10e9)
+    assert without.reads_seconds(0, reads, fixed=False) == pytest.approx(1800 / 10e9)
 
 
 def test_rates_interpolate_over_the_row_fraction():

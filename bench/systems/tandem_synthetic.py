@@ -83,19 +83,39 @@ def counted_reads(engine, step, mode: str, rec: dict, context_tokens: float) -> 
             read_fractions(units, layers, relu=True), modeled_passes(units, layers, relu=True))
 
 
+def modeled(cal, engine, step, mode: str, rec: dict, context: float, read_bytes: float, bandwidth: float) -> dict:
+    """Modeled tok/s of one mode: the calibration's fixed costs and its kernels' shares of the read bandwidth,
+    applied to the bandwidth sampled beside this mode's runs (``modeled_tok_s``) and to the bandwidth of the
+    calibration's own probe (``modeled_tok_s_probe_bandwidth``). The shares are what the model claims; the
+    host's bandwidth is an input that drifts by a third within minutes here, as the bytes limit's does."""
+    from dataclasses import replace
+
+    def tok_s(c) -> float:
+        if not c.rates:  # files from before the per-format rates: one share per weight format
+            return 1.0 / c.step_seconds(engine.executor.settings.weight_format, engine.config.num_layers, read_bytes)
+        reads, shares, passes = counted_reads(engine, step, mode, rec, context)  # the step's own tensors, rows counted
+        return 1.0 / c.reads_seconds(engine.config.num_layers, reads, fractions=shares, passes=passes)
+
+    return {"modeled_tok_s": tok_s(replace(cal, read_bandwidth_bytes_per_s=bandwidth)),
+            "modeled_tok_s_probe_bandwidth": tok_s(cal), "calibration_bandwidth": cal.read_bandwidth_bytes_per_s}
+
+
 def main() -> None:
     ap = timing_arguments(__doc__)
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--plan", required=True)
     ap.add_argument("--predictors", required=True)
     ap.add_argument("--calibration", help="fused-step calibration (tandem probe --fused): modeled tok/s per mode")
+    ap.add_argument("--down-format", default=None, help="storage of the sparse down rows (default: the engine's, fp16)")
     args = ap.parse_args()
     from online import Engine
+    from placement.fused_calibration import load_calibration
     from placement.probe import measure_read_bandwidth
     from placement.step_reads import kv_read_bytes
     import torch
 
-    engine = Engine.load(args.gguf, threads=args.threads, plan=args.plan, predictors=args.predictors)
+    engine = Engine.load(args.gguf, threads=args.threads, plan=args.plan, predictors=args.predictors,
+                         **({"down_format": args.down_format} if args.down_format else {}))
     if engine.decode_path != "fused":
         raise SystemExit(f"no fused decode: {engine.decode_path_reason}")
     torch.set_num_threads(args.threads)
@@ -126,13 +146,7 @@ def main() -> None:
                    sparsity=1 - rec["down_rows"] / (n_layers * n_ff))
         rec["decode_tok_s_median"] = statistics.median(rec["decode_tok_s"])
         if args.calibration:
-            from placement.fused_calibration import load_calibration
-            cal = load_calibration(args.calibration)
-            fmt = engine.executor.settings.weight_format
-            rec["modeled_tok_s"] = 1.0 / cal.step_seconds(fmt, n_layers, read + kv)
-            if cal.rates:  # by packed format and access: the step's own tensors at the rows it counted
-                reads, shares, passes = counted_reads(engine, step, mode, rec, context)
-                rec["modeled_tok_s"] = 1.0 / cal.reads_seconds(n_layers, reads, fractions=shares, passes=passes)
+            rec.update(modeled(load_calibration(args.calibration), engine, step, mode, rec, context, read + kv, bandwidth))
         out.append(rec)
     emit({"system": "tandem", "modes": out, "weight_format": engine.executor.settings.weight_format})
 
