@@ -123,13 +123,15 @@ def read_fractions(units: list[StepUnit], fractions: list[LayerFractions] | None
 
 
 def _unit_reads(units, fractions, relu):
-    """((format, access), bytes read) and the unit's row share, per unit read at all."""
+    """((format, access), bytes read) and the unit's row share, per unit read at all. Only a gated layer's
+    gate cut skips up rows: an ungated ReLU FFN (OPT) reads every up row and keeps its zeros for the down."""
+    gated = {u.layer for u in units if u.role == "gate"}
     for u in units:
         if fractions is None:
             access, share = ("axpy" if u.role == "down_t" else "dense"), (0.0 if u.role == "pred" else 1.0)
         else:
             f = fractions[u.layer] if 0 <= u.layer < len(fractions) else None
-            access, share = unit_access(u, f, relu)
+            access, share = unit_access(u, f, relu and u.layer in gated)
         if access == "dense" and u.in_place:
             access = "rows"
         if share > 0:

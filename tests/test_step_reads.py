@@ -179,6 +179,8 @@ def test_matrices_kept_in_place_are_priced_as_rows_not_as_the_interleaved_copy(m
     assert modeled_reads(units, None, relu=True) == {("q4_0", "dense"): 1000, ("q4_0", "rows"): 800, ("f16", "axpy"): 800}
     exact = modeled_reads(units, [LayerFractions(1.0, 0.25, 0.25)], relu=True)  # the gate cut: gate whole, up gathered
     assert exact == {("q4_0", "dense"): 1000, ("q4_0", "rows"): 400, ("q4_0", "gather"): 100, ("f16", "axpy"): 200}
+    ungated = modeled_reads([u for u in units if u.role != "gate"], [LayerFractions(1.0, 0.25, 0.25)], relu=True)
+    assert ungated == {("q4_0", "dense"): 1000, ("q4_0", "rows"): 400, ("f16", "axpy"): 200}  # OPT: no gate cut, every up row
     predicted = modeled_reads(units, [LayerFractions(0.25, 0.25, 0.25, True)], relu=True)
     assert ("q4_0", "rows") not in predicted and predicted[("q4_0", "gather")] == 200
     with_rows = _cal((KindRate("q4_0", "dense", 1.0), KindRate("q4_0", "rows", 0.5)))
