@@ -27,14 +27,31 @@ PROMPT = [5, 17, 42, 9, 77, 3, 101, 64]
 RNG = np.random.default_rng(7)
 
 
-def packed(folder, fmt: str = "int4", thresholds=None, down_format: str = "fp16", hot=None):
+def packed(folder, fmt: str = "int4", thresholds=None, down_format: str = "fp16", hot=None, threads: int = 2):
     model, ffn_layers = build_model(load_hf_folder(folder))
-    settings = ExecutionSettings(weight_format=fmt, down_format=down_format, sparse=thresholds is not None)
+    settings = ExecutionSettings(weight_format=fmt, down_format=down_format, sparse=thresholds is not None,
+                                 threads=threads)
     tier = GpuTier.create(1 << 30 if hot is not None else 0, "cpu")
     executor = HybridExecutor.build(model.cfg, ffn_layers, tier, settings, thresholds=thresholds, gpu_neurons=hot,
                                     head_weight=model.lm_head.weight)
     quantize_attention(model, fmt, settings.threads)
     return model, executor
+
+
+def steps_match_reference(model, executor, tol: float, tokens=PROMPT) -> None:
+    """Each fused step's logits equal the torch statement's (reference_step) within ``tol``, and where a
+    threshold or gate cut skips neurons, the step counts the neurons the statement used (one may flip at
+    the threshold)."""
+    step = FusedDecodeStep.build(model, executor, residual_ratio=0.0)
+    cache, ref_cache = KVCache(model.cfg, len(tokens)), KVCache(model.cfg, len(tokens))
+    n_ff = model.cfg.intermediate_size
+    for pos, tok in enumerate(tokens):
+        before = executor.counters.ffn_neurons_active
+        got = step(tok, pos, cache)
+        ref, used = reference_step(model, executor, ref_cache, tok, pos, residual_ratio=0.0)
+        torch.testing.assert_close(got, ref.float(), rtol=tol, atol=tol)
+        if executor.settings.sparse:
+            assert abs((executor.counters.ffn_neurons_active - before) - used) <= 1 and 0 < used < 2 * n_ff
 
 
 def decode_all(step, model, executor, cache, tokens, start):
@@ -141,34 +158,14 @@ def test_rows_split_over_any_thread_count(tmp_path, threads, cut):
     torch.manual_seed(3)
     cfg = tf.LlamaConfig(num_key_value_heads=2, intermediate_size=600, hidden_act="relu", **TINY_COMMON)
     tf.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path)
-    model, ffn_layers = build_model(load_hf_folder(tmp_path))
-    settings = ExecutionSettings(weight_format="int4", down_format="fp16", sparse=cut is not None, threads=threads)
-    executor = HybridExecutor.build(model.cfg, ffn_layers, GpuTier.create(0, "cpu"), settings,
-                                    thresholds=None if cut is None else [cut] * 2, head_weight=model.lm_head.weight)
-    quantize_attention(model, "int4", threads)
-    step = FusedDecodeStep.build(model, executor, residual_ratio=0.0)
-    cache, ref_cache = KVCache(model.cfg, 16), KVCache(model.cfg, 16)
-    for pos, tok in enumerate(PROMPT):
-        before = executor.counters.ffn_neurons_active
-        got = step(tok, pos, cache)
-        ref, used = reference_step(model, executor, ref_cache, tok, pos, residual_ratio=0.0)
-        torch.testing.assert_close(got, ref.float(), rtol=1e-4, atol=1e-4)
-        if cut is not None:  # the gate cut keeps the positive gates only: counted once each
-            assert abs((executor.counters.ffn_neurons_active - before) - used) <= 1 and 0 < used < 2 * 600
+    model, executor = packed(tmp_path, "int4", thresholds=None if cut is None else [cut] * 2, threads=threads)
+    steps_match_reference(model, executor, tol=1e-4)
 
 
 def test_sparse_step_counts_the_neurons_it_uses(tiny_model_dir):
     folder, _ = tiny_model_dir("llama")
     model, executor = packed(folder, "int4", thresholds=[0.02] * 2)
-    step = FusedDecodeStep.build(model, executor, residual_ratio=0.0)
-    cache, ref_cache = KVCache(model.cfg, 32), KVCache(model.cfg, 32)
-    for pos, tok in enumerate(PROMPT):
-        before = executor.counters.ffn_neurons_active
-        got = step(tok, pos, cache)
-        ref, used = reference_step(model, executor, ref_cache, tok, pos, residual_ratio=0.0)
-        assert abs((executor.counters.ffn_neurons_active - before) - used) <= 1  # a neuron at the threshold may flip
-        assert 0 < used < 2 * model.cfg.intermediate_size
-        torch.testing.assert_close(got, ref.float(), rtol=1e-3, atol=1e-3)
+    steps_match_reference(model, executor, tol=1e-3)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
