@@ -43,15 +43,12 @@ def test_sparse_stage_and_interleaved_ab_on_the_cpu_tier(tmp_path, monkeypatch):
     # the GPU machine synthesizes the model from the tokenizer-only GGUF: a GGUF without tensors, same fields,
     # from which synth writes the byte-identical model (its sha256 is what the machine compares)
     import hashlib
-    from gguf import GGUFReader
     from synth import SynthSpec, get_shape, synthesize
     from tandem.core.loading.gguf_loader import read_gguf
     from tandem.core.loading.resolve import resolve_model_path
-    tokenizer = str(resolve_model_path("smollm2"))
-    stub, full = GGUFReader(str(out / "tokenizer.gguf")), GGUFReader(tokenizer)
-    assert len(stub.tensors) == 0 and [k for k in stub.fields if k != "GGUF.tensor_count"] == \
-        [k for k in full.fields if k != "GGUF.tensor_count"]
-    assert read_gguf(out / "tokenizer.gguf")[1]["tokenizer.ggml.tokens"] == read_gguf(tokenizer)[1]["tokenizer.ggml.tokens"]
+    (stub_header, stub), (_, full) = read_gguf(out / "tokenizer.gguf"), read_gguf(resolve_model_path("smollm2"))
+    assert len(stub_header.tensors) == 0 and list(stub) == list(full)  # gguf-py's reader: ~5 s a file here
+    assert stub["tokenizer.ggml.tokens"] == full["tokenizer.ggml.tokens"] and stub["tokenizer.ggml.merges"] == full["tokenizer.ggml.merges"]
     r = staged["request"]
     again = synthesize(SynthSpec(get_shape("tiny"), sparsity=r["sparsity"], hot_share=r["hot_share"]),
                        tmp_path / "again", str(out / "tokenizer.gguf"))
