@@ -27,10 +27,17 @@ def gemma3_engine(gemma3_path):
 
 @pytest.fixture(scope="module")
 def hf_gemma3(gemma3_path):
+    import functools
+
+    import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(str(gemma3_path.parent), gguf_file=gemma3_path.name,
-                                                 dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(str(gemma3_path.parent), gguf_file=gemma3_path.name)
+    # transformers parses the file with gguf-py's reader for the tokenizer, the config and the weights alike
+    # (~20 s each on the 262k-token vocabulary): one read-only parse serves all three
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=1)(gguf.GGUFReader))
+        model = AutoModelForCausalLM.from_pretrained(str(gemma3_path.parent), gguf_file=gemma3_path.name,
+                                                     dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(str(gemma3_path.parent), gguf_file=gemma3_path.name)
     return model, tok
 
 
