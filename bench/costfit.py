@@ -116,8 +116,7 @@ def interleaved_ratio(p: dict, reads: dict, shares: dict, passes: int, cal, thre
     import numpy as np
 
     from online.kernels.native import load_native
-    from online.kernels.native.structs import interleave
-    from online.kind_probe import ReadPass, cached_weight, plan_for
+    from online.kind_probe import plan_for, read_pass
 
     lib, rng, total = load_native().lib, np.random.default_rng(1), sum(reads.values())
     probes = []
@@ -125,9 +124,7 @@ def interleaved_ratio(p: dict, reads: dict, shares: dict, passes: int, cal, thre
         if nbytes < 0.005 * total:  # the embedding row and the like: below the noise
             continue
         fmt, acc = plan_for([(kind, access)])[0]
-        ref = cached_weight(fmt, acc == "axpy")[1]
-        ref = interleave(ref, lib) if acc == "dense" else ref  # as measure_kind_rates: "rows" is the in-place layout
-        one = ReadPass(lib, ref, "dense" if acc == "rows" else acc, threads, rng, picks=4, share=shares[(kind, access)])
+        one = read_pass(lib, fmt, acc, threads, rng, share=shares[(kind, access)], picks=4)  # as the probe times it
         one()  # warm-up
         probes.append((one, nbytes / one.nbytes))
     n_layers = p["engine"].config.num_layers
@@ -149,7 +146,7 @@ def main() -> None:
     from bench.run import assemble_results, machine_line
     from online.plan_measure import fixed_cost_engines, measure_fused_calibration
     from placement.fused_calibration import best_of, calibrated_plan_tokens_per_s
-    from placement.step_reads import format_reads, modeled_passes, modeled_reads, read_fractions
+    from placement.step_reads import WHOLE_ACCESSES, format_reads, modeled_passes, modeled_reads, read_fractions
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plans", default=",".join(PLANS))
@@ -232,7 +229,7 @@ def main() -> None:
                      f"**{rec['ab'][0]:.2f}** ({rec['ab'][1]:.2f}-{rec['ab'][2]:.2f}) | {sum(rec['reads'].values()) / 1e6:.0f} / {med(rec['counted']) / 1e6:.0f} | {format_reads(rec['reads'])} |")
     cal = best_of([c for p in plans for c in p["cals"]])
     lines += ["", "Best rates (share of the best read bandwidth): " + ", ".join(
-        f"{r.kind} {r.access}{'' if r.access in ('dense', 'rows') else f' {r.fraction:.0%}'} {r.share:.2f}" for r in cal.rates) + "; fixed: " + ", ".join(
+        f"{r.kind} {r.access}{'' if r.access in WHOLE_ACCESSES else f' {r.fraction:.0%}'} {r.share:.2f}" for r in cal.rates) + "; fixed: " + ", ".join(
         f"{t.weight_format} {1e6 * t.call_s:.0f} us/call {1e6 * t.layer_s:.1f} us/layer" for t in cal.terms)
         + f"; {1e6 * cal.pass_s:.2f} us per matrix pass"]
     Path(args.out).write_text("\n".join(lines) + "\n")

@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from placement.fused_calibration import KindRate
+from placement.step_reads import WHOLE_ACCESSES
 from tandem.core.errors import TandemError
 
 from .kernels.native import load_native
@@ -216,10 +217,20 @@ def measure_pass_cost(threads: int, pass_bytes: int = PASS_BYTES) -> float:
     return max(0.0, statistics.median(diffs) / (n_passes - 1))
 
 
-def time_reads(lib, ref, access: str, threads: int, rng: np.random.Generator, share: float = 1.0) -> tuple[int, float]:
+def read_pass(lib, fmt: str, access: str, threads: int, rng: np.random.Generator, share: float = 1.0,
+              picks: int = REPEATS + 1) -> ReadPass:
+    """A pass over probe format ``fmt``'s matrix read as the step reads it for ``access`` (placement.step_reads):
+    ``dense`` over the eight-row interleaved copy the step streams, ``rows`` over the same blocks in place (the
+    matrices it keeps row by row for gathered reads), gathered and added rows in place."""
+    ref = cached_weight(fmt, access == "axpy")[1]
+    if access == "dense":
+        ref = interleave(ref, lib)
+    return ReadPass(lib, ref, "dense" if access in WHOLE_ACCESSES else access, threads, rng, picks=picks, share=share)
+
+
+def time_reads(one: ReadPass) -> tuple[int, float]:
     """(bytes read per pass, median seconds of REPEATS passes after a warm-up one: the same statistic as the
     read bandwidth the share divides by, probe.measure_read_bandwidth)."""
-    one = ReadPass(lib, ref, access, threads, rng, share=share)
     times = [one() for _ in range(REPEATS + 1)]
     return one.nbytes, statistics.median(times[1:])
 
@@ -234,11 +245,9 @@ def measure_kind_rates(threads: int, bandwidth: float, plan=DEFAULT_PLAN, seed: 
         by_format.setdefault(fmt, []).append(access)
     for fmt, accesses in by_format.items():
         for access in accesses:
-            _, ref = cached_weight(fmt, access == "axpy")
-            if access == "dense":  # whole row ranges: the fused step's layout (GGUF int4 / Q8_0 eight rows interleaved)
-                ref = interleave(ref, lib)
-            for share in (1.0,) if access in ("dense", "rows") else SPARSE_SHARES:
-                read, seconds = time_reads(lib, ref, "dense" if access == "rows" else access, threads, rng, share)
-                out.append(KindRate(kind=kind_name(ref.desc), access=access, share=read / seconds / bandwidth,
+            for share in (1.0,) if access in WHOLE_ACCESSES else SPARSE_SHARES:
+                one = read_pass(lib, fmt, access, threads, rng, share)
+                read, seconds = time_reads(one)
+                out.append(KindRate(kind=kind_name(one.ref.desc), access=access, share=read / seconds / bandwidth,
                                     bytes=read, seconds=seconds, fraction=share))
     return tuple(out)

@@ -205,13 +205,14 @@ def cmd_probe(args: argparse.Namespace) -> int:
     if args.fused:
         from online.plan_measure import measure_fused_calibration  # the runtime: only with --fused
         from .fused_calibration import save_calibration
+        from .step_reads import WHOLE_ACCESSES
         cal = measure_fused_calibration(threads=hardware.cpu_threads)
         save_calibration(cal, args.fused)
         for t in cal.terms:
             print(f"fused step {t.weight_format}: {1e6 * t.call_s:.0f} us per call, {1e6 * t.layer_s:.1f} us per layer")
         print(f"fused step: {1e6 * cal.pass_s:.2f} us per matrix pass beyond its bytes")
         print(f"row kernels, share of {cal.read_bandwidth_bytes_per_s / 1e9:.1f} GB/s per packed format and access: "
-              + ", ".join(f"{r.kind} {r.access}{'' if r.access in ('dense', 'rows') else f' ({r.fraction:.0%} of rows)'} {r.share:.0%}"
+              + ", ".join(f"{r.kind} {r.access}{'' if r.access in WHOLE_ACCESSES else f' ({r.fraction:.0%} of rows)'} {r.share:.0%}"
                         for r in cal.rates))
         print(f"fused-step calibration written to {args.fused} (use it with show-plan --calibration)")
     return 0

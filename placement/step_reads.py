@@ -41,6 +41,7 @@ from tandem.core.errors import TandemError
 from tandem.core.config import kv_row_bytes
 
 ACCESSES = ("dense", "rows", "gather", "axpy")
+WHOLE_ACCESSES = ("dense", "rows")  # every row of the matrix read: no row fraction
 ROLES = ("qkv", "k", "v", "o", "gate", "up", "down", "down_t", "pred", "head", "embed_row")
 
 
