@@ -3,8 +3,11 @@
 Each format gets a random matrix of ``PROBE_BYTES`` (past the last-level cache) packed as the runtime packs
 it (GGUF blocks through weight_from_gguf, re-packed int4 / int8, f16 / int8 down rows) and is read the way
 the step reads it (placement.step_reads): ``dense`` (every row dotted, tdm_dot_rows), ``gather`` (10%,
-40% and all of the rows, sorted, tdm_dot_rows_idx), ``axpy`` (as many down rows added, tdm_axpy_rows).
-``threads`` OpenMP threads split the rows as the step's do (tdm_read_pass). Before every timed pass a
+40% and all of the rows, sorted, tdm_dot_rows_idx), ``pair`` (as many rows, as neighbouring pairs: a
+predictor layer's paired gate / up copy), ``axpy`` (as many down rows added, tdm_axpy_rows). ``threads``
+OpenMP threads split the rows as the step's do, timed inside one OpenMP region with every thread awake
+(tdm_read_pass_timed: the step reads its matrices in a live region; timed from outside, a pass also paid
+the workers' wake-up, and gathered / added rows were rated 10-30% slow until 2026-11-28). Before every timed pass a
 buffer of ``EVICT_BYTES`` is read, so the pass starts with none of the matrix in the last-level cache
 (48 MB against this machine's 32 MB L3: passes back to back found up to two thirds of it there and
 read "faster than memory", up to 1.6x the read bandwidth). Rates are bytes read / the median pass's
@@ -44,11 +47,13 @@ REPEATS = 7
 GGUF_BLOCKS = {"Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q8_0": (32, 34, (0,)), "Q5_0": (32, 22, (0,)),
                "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,))}
 # (name, access) pairs measured by default: every in-place format read dense and gathered, the formats the step
-# interleaves eight rows at a time also read whole in place (``rows``: matrices kept for gathered reads), the
+# interleaves eight rows at a time also read whole in place (``rows``: matrices kept for gathered reads) and
+# gathered in neighbouring pairs (``pair``: the paired gate / up copy of predictor layers), the
 # down-row formats added (re-packed int4 / int8b rows are the q4_1 / q8_0 kinds: the same dot kernels, so only
 # their axpy is timed)
 INTERLEAVED = ("Q4_0", "Q4_1", "Q8_0")
-DEFAULT_PLAN = tuple((q, a) for q in GGUF_BLOCKS for a in ("dense", "gather")) + tuple((q, "rows") for q in INTERLEAVED) + (
+DEFAULT_PLAN = tuple((q, a) for q in GGUF_BLOCKS for a in ("dense", "gather")) + tuple(
+    (q, a) for q in INTERLEAVED for a in ("rows", "pair")) + (
     ("int8", "dense"), ("fp32", "dense")) + tuple((f, "axpy") for f in ("fp16", "int8", "int8b", "int4"))
 # the probe format that packs each step kind (placement.step_reads names), per access: a down row kind is
 # re-packed from float as the runtime packs sparse down rows (int4 -> q4_1 rows, int8b -> q8_0 rows)
@@ -108,10 +113,17 @@ def _parallel(threads: int, work) -> float:
     return time.perf_counter() - t0
 
 
+def _pairs(neurons: np.ndarray) -> np.ndarray:
+    """Row indices 2r, 2r + 1 for each neuron r (predict.h paired_rows' order)."""
+    return np.stack([2 * neurons, 2 * neurons + 1], axis=1).reshape(-1).astype(np.int32)  # [2 n]
+
+
 class ReadPass:
-    """One timed pass of the step's row kernel over a probe matrix (``access`` as in time_reads) on OpenMP
-    threads (tdm_read_pass, as the step runs them); calling it reads ``nbytes`` and returns the seconds it
-    took. Gathered / added rows change every pass (a repeated pick would come from the last-level cache)."""
+    """One timed pass of the step's row kernel over a probe matrix (``access``: dense, gather, pair, axpy) on
+    OpenMP threads (tdm_read_pass_timed, as the step runs them); calling it reads ``nbytes`` and returns the
+    seconds it took. Gathered / added rows change every pass (a repeated pick would come from the last-level
+    cache); ``pair`` gathers rows 2r and 2r + 1 of a share of the neurons r, as a predictor layer reads its
+    paired gate / up copy (predict.h paired_rows)."""
 
     def __init__(self, lib, ref, access: str, threads: int, rng: np.random.Generator, picks: int = REPEATS + 1,
                  share: float = 1.0):
@@ -121,6 +133,9 @@ class ReadPass:
         self.x = rng.standard_normal(cols, dtype=np.float32)
         if access == "dense":
             self.picks = [np.arange(rows, dtype=np.int32)]
+        elif access == "pair":  # rows 2r and 2r + 1 of a share of the neurons r: a paired gate / up matrix
+            n = max(1, int(rows // 2 * share))
+            self.picks = [_pairs(np.sort(rng.choice(rows // 2, n, replace=False))) for _ in range(picks if n < rows // 2 else 1)]
         else:
             n = max(1, int(rows * share))
             self.picks = [np.sort(rng.choice(rows, n, replace=False)).astype(np.int32) for _ in range(picks if n < rows else 1)]
@@ -136,7 +151,7 @@ class ReadPass:
         o = self.out[t].ctypes.data
         if self.access == "dense":
             lib.tdm_dot_rows(ctypes.byref(d), lo, hi - lo, self.x.ctypes.data, 2.0, o)
-        elif self.access == "gather":
+        elif self.access in ("gather", "pair"):
             lib.tdm_dot_rows_idx(ctypes.byref(d), idx[lo:].ctypes.data, hi - lo, self.x.ctypes.data, 2.0, o)
         else:
             lib.tdm_axpy_rows(ctypes.byref(d), idx[lo:].ctypes.data, self.h[lo:].ctypes.data, hi - lo, o)
@@ -145,17 +160,17 @@ class ReadPass:
         self._idx = self.picks[self.calls % len(self.picks)]
         self.calls += 1
         _evict_buffer().sum()  # the matrix out of the last-level cache, as after a step's other reads
-        read_pass = self._read_pass
+        read_pass, timed = self._read_pass
         if read_pass is None:
             return _parallel(self.threads, self._work)
         idx, out = self._idx, self.out
         t0 = time.perf_counter()
-        read_pass(ctypes.addressof(self.ref.desc), ACCESS_CODES[self.access], idx.ctypes.data, len(idx), self.x.ctypes.data,
-                  self.h.ctypes.data, self.threads, out.ctypes.data, out.shape[1])
-        return time.perf_counter() - t0
+        seconds = read_pass(ctypes.addressof(self.ref.desc), ACCESS_CODES[self.access], idx.ctypes.data, len(idx),
+                            self.x.ctypes.data, self.h.ctypes.data, self.threads, out.ctypes.data, out.shape[1])
+        return seconds if timed else time.perf_counter() - t0
 
 
-ACCESS_CODES = {"dense": 0, "gather": 1, "axpy": 2}  # tdm_read_pass (predict.h)
+ACCESS_CODES = {"dense": 0, "gather": 1, "pair": 1, "axpy": 2}  # tdm_read_pass_timed (predict.h)
 
 
 @functools.lru_cache(maxsize=1)
@@ -164,13 +179,16 @@ def _evict_buffer() -> np.ndarray:
 
 
 def _read_pass(lib):
-    """The library's tdm_read_pass bound (its row kernels on OpenMP threads, as the step runs them), or None."""
-    fn = getattr(lib, "tdm_read_pass", None)
-    if fn is not None:
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-        fn.restype = None
-    return fn
+    """(entry, timed): the library's tdm_read_pass_timed (its row kernels on OpenMP threads, as the step runs
+    them, timed inside the region), else an older library's untimed tdm_read_pass, else (None, False)."""
+    for name, timed in (("tdm_read_pass_timed", True), ("tdm_read_pass", False)):
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+            fn.restype = ctypes.c_double if timed else None
+            return fn, timed
+    return None, False
 
 
 PASS_PAIRS = 15

@@ -11,6 +11,8 @@ Example::
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from placement.step_reads import StepUnit
 from tandem.core.errors import TandemError
 
@@ -64,9 +66,10 @@ def step_units(step, cfg) -> list[StepUnit]:
             if w.data:
                 units.append(_unit(role, i, w))
         units.append(_unit("o", i, layer.o))
+        paired = bool(layer.pred) and bool(layer.pred.contents.gate_up.data)  # predicted rows read from the pair
         if cfg.mlp_gated:
-            units.append(_unit("gate", i, layer.gate))
-        units.append(_unit("up", i, layer.up))
+            units.append(replace(_unit("gate", i, layer.gate), paired=paired))
+        units.append(replace(_unit("up", i, layer.up), paired=paired))
         units.append(_unit("down", i, layer.down) if layer.down.data else _unit("down_t", i, layer.down_t))
         if layer.pred:
             pred = layer.pred.contents

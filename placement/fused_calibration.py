@@ -101,9 +101,9 @@ class FusedCalibration:
 
     def rate(self, kind: str, access: str, fraction: float | None = None) -> KindRate:
         """The measured rate of (kind, access), at ``fraction`` of the rows linearly between the fractions
-        timed (clamped at the ends; None: the densest); a format measured only dense stands in for its
-        other accesses."""
-        for want in (access, "dense"):
+        timed (clamped at the ends; None: the densest); paired rows not timed are rated as gathered ones, and
+        a format measured only dense stands in for its other accesses."""
+        for want in dict.fromkeys((access, "gather" if access == "pair" else access, "dense")):
             found = sorted((r for r in self.rates if r.kind == kind and r.access == want), key=lambda r: r.fraction)
             if not found:
                 continue

@@ -115,6 +115,11 @@ def test_fused_step_reads_predicted_gate_and_up_as_pairs(tiny_model_dir, act, fm
         return out, rows[0] - before[0], rows[1] - before[1]
 
     saved = [p.gate_up.data for p in preds]
+    from online.step_inventory import step_units
+    ffn_units = [u for u in step_units(step, model.cfg) if u.role in ("gate", "up")]
+    assert len(ffn_units) == 4 and all(u.paired for u in ffn_units)  # the cost model prices the pair's reads
+    preds[0].gate_up.data = None
+    assert [u.paired for u in step_units(step, model.cfg) if u.role in ("gate", "up")] == [False, False, True, True]
     (apart, predicted_a, computed_a), (paired, predicted_p, computed_p) = run(False), run(True)
     torch.testing.assert_close(paired, apart, rtol=0, atol=0)
     assert predicted_p == predicted_a > 0

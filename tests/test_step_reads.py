@@ -91,6 +91,30 @@ def test_modeled_reads_follow_the_row_fractions():
     assert modeled_reads(units, None, relu=True)[("f16", "axpy")] == 800  # every row
 
 
+def test_a_paired_gate_and_up_are_one_pass_of_neighbouring_rows():
+    """A predictor layer with a paired gate / up copy reads each predicted neuron's two rows together: both at
+    the predicted share (the up row is not cut by the gate), priced as ``pair`` (a calibration without that
+    rate: the gathered one), one pass for the two; without a predictor the layer's own matrices are read."""
+    from placement.step_reads import modeled_passes, read_fractions
+
+    units = [StepUnit("qkv", 0, "q8_0", 1000), StepUnit("gate", 0, "q4_0", 400, in_place=True, paired=True),
+             StepUnit("up", 0, "q4_0", 400, in_place=True, paired=True), StepUnit("down_t", 0, "f16", 800),
+             StepUnit("pred", 0, "int8", 50)]
+    predicted = [LayerFractions(gate=0.5, up=0.25, down=0.25, predicted=True)]
+    assert modeled_reads(units, predicted, relu=True) == {("q8_0", "dense"): 1000, ("q4_0", "pair"): 400,
+                                                          ("f16", "axpy"): 200, ("int8", "dense"): 50}
+    assert read_fractions(units, predicted, relu=True)[("q4_0", "pair")] == 0.5
+    apart = [StepUnit(u.role, u.layer, u.kind, u.packed_bytes, u.in_place) for u in units]
+    assert modeled_passes(units, predicted, relu=True) == modeled_passes(apart, predicted, relu=True) - 1 == 4
+    exact = [LayerFractions(gate=1.0, up=0.25, down=0.25)]  # no predictor: the gate cut over the layer's own rows
+    assert modeled_reads(units, exact, relu=True) == modeled_reads(apart, exact, relu=True)
+    reads = {("q4_0", "pair"): 1e6}
+    gathered = _cal((KindRate("q4_0", "gather", 0.2),))
+    assert gathered.reads_seconds(0, reads, fixed=False) == pytest.approx(1e6 / 2e9)
+    both = _cal((KindRate("q4_0", "gather", 0.2), KindRate("q4_0", "pair", 0.25)))
+    assert both.reads_seconds(0, reads, fixed=False) == pytest.approx(1e6 / 2.5e9)
+
+
 def test_layer_fractions_count_the_rows_read():
     freq = np.array([[1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # 2 of 8 neurons always fire, the rest never
     relu, = layer_fractions("relu", freq)
@@ -138,16 +162,19 @@ def test_probe_rates_schema(monkeypatch):
     kind_probe.cached_weight.cache_clear()
     try:
         plan = kind_probe.plan_for([("q4_1", "dense"), ("q4_1", "rows"), ("q6_k", "gather"), ("q8_0", "axpy"),
-                                    ("f16", "axpy")])
-        assert plan == (("Q4_1", "dense"), ("Q4_1", "rows"), ("Q6_K", "gather"), ("int8b", "axpy"), ("fp16", "axpy"))
+                                    ("f16", "axpy"), ("q4_1", "pair")])
+        assert plan == (("Q4_1", "dense"), ("Q4_1", "rows"), ("Q6_K", "gather"), ("int8b", "axpy"), ("fp16", "axpy"),
+                        ("Q4_1", "pair"))
         rates = kind_probe.measure_kind_rates(2, 10e9, plan)
     finally:
         kind_probe.cached_weight.cache_clear()
     sparse = kind_probe.SPARSE_SHARES
     assert [(r.kind, r.access, r.fraction) for r in rates] == [("q4_1", "dense", 1.0), ("q4_1", "rows", 1.0)] + [
-        (k, a, f) for k, a in (("q6_k", "gather"), ("q8_0", "axpy"), ("f16", "axpy")) for f in sparse]
+        (k, a, f) for k, a in (("q4_1", "pair"), ("q6_k", "gather"), ("q8_0", "axpy"), ("f16", "axpy")) for f in sparse]
     rows = 256 * 1024 // (kind_probe.COLS // 32 * 20)
     assert rates[0].bytes == rates[1].bytes == _ggml_bytes("Q4_1", rows, kind_probe.COLS)  # every row read once
+    pair_rows = [2 * max(1, int(rows // 2 * f)) for f in sparse]  # both rows of a share of the neurons
+    assert [r.bytes for r in rates[2:5]] == [_ggml_bytes("Q4_1", n, kind_probe.COLS) for n in pair_rows]
     f16_rows = int(256 * 1024 // (2 * kind_probe.COLS))
     assert [r.bytes for r in rates[-3:]] == [max(1, int(f16_rows * f)) * 2 * kind_probe.COLS for f in sparse]
     assert all(r.share > 0 and r.seconds > 0 and np.isfinite(r.share) for r in rates)
@@ -296,6 +323,45 @@ def test_read_passes_compute_the_step_rows_pass_by_pass(monkeypatch):
     assert 0.0 <= cost < 1e-3 and np.isfinite(cost)
     with pytest.raises(TandemError, match="threads"):
         kind_probe.measure_pass_cost(0)
+
+def test_timed_read_pass_reads_the_rows_and_times_only_its_region():
+    """tdm_read_pass_timed (the per-format probe's kernel entry) computes each thread's share of the rows as the
+    row kernels do (dot_rows, dot_rows_idx, axpy_rows) and returns seconds inside the call's wall time."""
+    import ctypes
+    import time
+
+    from online import kind_probe
+    from online.kernels.native import load_native
+    from online.kernels.native.structs import describe
+
+    lib = load_native().lib
+    rng = np.random.default_rng(5)
+    rows, cols, threads = 100, 96, 2
+    w = weight_from_gguf(gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
+                                              gguf.GGMLQuantizationType.Q4_0), "Q4_0", (rows, cols))
+    ref, down = describe(w), describe(quantize(rng.standard_normal((rows, cols)).astype(np.float32), "fp16"), dot_input=False)
+    x, h = rng.standard_normal(cols).astype(np.float32), rng.standard_normal(rows).astype(np.float32)
+    fn, timed = kind_probe._read_pass(lib)
+    assert timed
+    picks = np.sort(rng.choice(rows, 37, replace=False)).astype(np.int32)
+    want = np.zeros(rows, np.float32)
+    lib.tdm_dot_rows_idx(ctypes.byref(ref.desc), picks.ctypes.data, len(picks), x.ctypes.data, ctypes.c_double(2.0),
+                         want.ctypes.data)
+    out = np.full((threads, rows), np.nan, np.float32)
+    t0 = time.perf_counter()
+    seconds = fn(ctypes.addressof(ref.desc), 1, picks.ctypes.data, len(picks), x.ctypes.data, h.ctypes.data, threads,
+                 out.ctypes.data, rows)
+    wall = time.perf_counter() - t0
+    assert 0.0 < seconds <= wall
+    half = len(picks) // 2  # thread t: picks [n t / T, n (t + 1) / T)
+    assert np.array_equal(np.concatenate([out[0, :half], out[1, :len(picks) - half]]), want[:len(picks)])
+    summed = np.zeros(cols, np.float32)
+    lib.tdm_axpy_rows(ctypes.byref(down.desc), picks.ctypes.data, h.ctypes.data, len(picks), summed.ctypes.data)
+    out = np.zeros((threads, rows), np.float32)
+    assert fn(ctypes.addressof(down.desc), 2, picks.ctypes.data, len(picks), x.ctypes.data, h.ctypes.data, threads,
+              out.ctypes.data, rows) > 0.0
+    np.testing.assert_allclose(out[:, :cols].sum(0), summed, rtol=1e-5, atol=1e-5)  # two partial sums
+
 
 
 @pytest.mark.parametrize("windows", [(), (4, 0)])  # every layer global; a windowed layer beside a global one

@@ -257,31 +257,46 @@ static int64_t sparse_rows(const tdm_predictor *P, const tdm_weight *gate, const
     return kept;
 }
 
+/* One thread's part of a read pass: access 0: rows rows[0] .. rows[0] + n - 1 dotted (dot_rows, split as
+ * decode.c's row_chunk splits the step's rows); 1: the n rows at rows[] dotted (dot_rows_idx); 2: those rows
+ * added with weights h (axpy_rows). Thread t takes [n t / T, n (t + 1) / T) and writes at o. */
+static void read_pass_part(const tdm_weight *w, int64_t access, const int32_t *rows, int64_t n, const qvec *v,
+                           const float *h, int t, int nt, float *o) {
+    int64_t lo = n * t / nt, hi = n * (t + 1) / nt;
+    if (access == 0) {
+        row_chunk(n, t, nt, &lo, &hi);
+        dot_rows(w, rows[0] + lo, hi - lo, v, o);
+    } else if (access == 1) dot_rows_idx(w, rows + lo, hi - lo, v, o);
+    else axpy_rows(w, rows + lo, h + lo, hi - lo, o);
+}
+
 /* Benchmark entry (online/kind_probe.py ReadPass): one pass of the step's row kernels on `threads` OpenMP
- * threads, as the step runs them (no Python thread starts inside the timed span: they cost ~0.1 ms, a
- * third of a 10%-share gathered pass). access 0: rows rows[0] .. rows[0] + n - 1 dotted (dot_rows);
- * 1: the n rows at rows[] dotted (dot_rows_idx); 2: those rows added with weights h (axpy_rows). Thread t
- * takes [n t / T, n (t + 1) / T) (dense: decode.c's row_chunk, as the step) and writes at out + t * out_stride;
- * x is quantized once, before. */
-void tdm_read_pass(const tdm_weight *w, int64_t access, const int32_t *rows, int64_t n, const float *x,
-                   const float *h, int64_t threads, float *out, int64_t out_stride) {
+ * threads (read_pass_part; thread t writes at out + t * out_stride; x is quantized once, before), timed
+ * inside the region: the seconds from a barrier every thread has reached (all awake) to the barrier after
+ * the last row. The step reads its matrices inside one live region; timed from outside, a pass also paid
+ * the workers' wake-up (~0.1-0.2 ms here: the probe rated gathered and added rows 10-30% slow, until
+ * 2026-11-28), and Python threads (before tdm_read_pass) ~0.1 ms more. */
+double tdm_read_pass_timed(const tdm_weight *w, int64_t access, const int32_t *rows, int64_t n, const float *x,
+                           const float *h, int64_t threads, float *out, int64_t out_stride) {
     int64_t cols = w->cols, nb = cols / QB + 1;
     int8_t q[cols], rq[cols];
     float d[nb], dr[nb], s[nb];
     int32_t flagged[nb];
     qvec v = {x, q, rq, d, dr, s, flagged, 0};
+    double t0 = 0.0, t1 = 0.0;
     if (access != 2) quantize_q8(x, cols, &v, 2.0f);
 #pragma omp parallel num_threads((int)threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t lo = n * t / nt, hi = n * (t + 1) / nt;
-        float *o = out + t * out_stride;
-        if (access == 0) {
-            row_chunk(n, t, nt, &lo, &hi); /* a dense pass splits its rows as the step does */
-            dot_rows(w, rows[0] + lo, hi - lo, &v, o);
-        } else if (access == 1) dot_rows_idx(w, rows + lo, hi - lo, &v, o);
-        else axpy_rows(w, rows + lo, h + lo, hi - lo, o);
+#pragma omp barrier
+#pragma omp master
+        t0 = omp_get_wtime();
+        read_pass_part(w, access, rows, n, &v, h, t, nt, out + t * out_stride);
+#pragma omp barrier
+#pragma omp master
+        t1 = omp_get_wtime();
     }
+    return t1 - t0;
 }
 
 /* Benchmark entry (online/kind_probe.py measure_pass_cost): the rows of w read as n_passes consecutive
