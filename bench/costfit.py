@@ -21,6 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.cli_errors import run_main
+from tandem.core.errors import TandemError
+
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")  # as the tandem CLI (tandem/cli.py), before the kernels load
 
 HEADING = "## Cost model check, {threads} thread(s): modeled vs measured tok/s by packed format (`python -m bench.costfit`, issue 13)"
@@ -156,6 +159,9 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=24, help="interleaved (modeled token, decode step) pairs per mode")
     ap.add_argument("--out", default="bench/costfit.md")
     args = ap.parse_args()
+    unknown = [n for n in args.plans.split(",") if n not in PLANS]
+    if unknown:
+        raise TandemError(f"unknown plan {', '.join(unknown)} (have {', '.join(PLANS)})")
     plans = [load(n, args.threads) for n in args.plans.split(",")]
     rows: dict = {}
     for p in plans:
@@ -239,4 +245,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
