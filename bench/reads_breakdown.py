@@ -66,15 +66,13 @@ def main() -> None:
           f"(calibration's {cal.read_bandwidth_bytes_per_s / 1e9:.1f})")
     print("| format | access | MB/token | row share | rate GB/s | modeled ms |")
     print("|---|---|---|---|---|---|")
-    total = 0.0
     for (kind, access), nbytes in sorted(reads.items(), key=lambda kv: -kv[1]):
         rate = at_run.rate(kind, access, shares.get((kind, access))).share * bandwidth
-        total += nbytes / rate
         print(f"| {kind} | {access} | {nbytes / 1e6:.1f} | {shares.get((kind, access), 1.0):.3f} | {rate / 1e9:.1f} "
               f"| {1e3 * nbytes / rate:.2f} |")
-    term = cal.term("int4")
-    fixed = term.call_s + engine.config.num_layers * term.layer_s + passes * cal.pass_s
-    modeled_ms = 1e3 * (total + fixed)
+    layers = engine.config.num_layers
+    fixed = at_run.reads_seconds(layers, {}, passes=passes)  # the model's own sum: its fixed costs alone, then all
+    modeled_ms = 1e3 * at_run.reads_seconds(layers, reads, fractions=shares, passes=passes)
     print(f"fixed costs {1e3 * fixed:.2f} ms ({passes} passes); modeled {modeled_ms:.2f} ms/token; "
           f"modeled / measured tok/s {measured_ms / modeled_ms:.2f}")
 
