@@ -90,10 +90,12 @@ def modeled(cal, engine, step, mode: str, rec: dict, context: float, read_bytes:
     host's bandwidth is an input that drifts by a third within minutes here, as the bytes limit's does."""
     from dataclasses import replace
 
+    if cal.rates:  # the step's own tensors at the rows counted, priced under both bandwidths below
+        reads, shares, passes = counted_reads(engine, step, mode, rec, context)
+
     def tok_s(c) -> float:
         if not c.rates:  # files from before the per-format rates: one share per weight format
             return 1.0 / c.step_seconds(engine.executor.settings.weight_format, engine.config.num_layers, read_bytes)
-        reads, shares, passes = counted_reads(engine, step, mode, rec, context)  # the step's own tensors, rows counted
         return 1.0 / c.reads_seconds(engine.config.num_layers, reads, fractions=shares, passes=passes)
 
     return {"modeled_tok_s": tok_s(replace(cal, read_bandwidth_bytes_per_s=bandwidth)),

@@ -274,8 +274,8 @@ static void read_pass_part(const tdm_weight *w, int64_t access, const int32_t *r
  * threads (read_pass_part; thread t writes at out + t * out_stride; x is quantized once, before), timed
  * inside the region: the seconds from a barrier every thread has reached (all awake) to the barrier after
  * the last row. The step reads its matrices inside one live region; timed from outside, a pass also paid
- * the workers' wake-up (~0.1-0.2 ms here: the probe rated gathered and added rows 10-30% slow, until
- * 2026-11-28), and Python threads (before tdm_read_pass) ~0.1 ms more. */
+ * the workers' wake-up (~0.1-0.2 ms here: the probe rated gathered and added rows 10-30% slow until
+ * 2026-11-28; Python threads, before that, ~0.1 ms more). */
 double tdm_read_pass_timed(const tdm_weight *w, int64_t access, const int32_t *rows, int64_t n, const float *x,
                            const float *h, int64_t threads, float *out, int64_t out_stride) {
     int64_t cols = w->cols, nb = cols / QB + 1;
