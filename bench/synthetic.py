@@ -126,7 +126,7 @@ def write_table(rows, args, calibration: Path) -> None:
              "row and only the up/down rows of active neurons (exact ReLU zeros); *predictor* runs the layer's "
              "low-rank predictor (int8; closed-form reduced-rank gate or trained scorer, whichever `train-predictors` kept) and reads only the predicted gate/up rows and active down rows.",
              "- bytes/token: weight bytes each mode reads per token (attention, output layer, FFN rows, predictor), "
-             "and the float32 KV cache every mode reads at the run's mean context (placement.step_reads.kv_read_bytes); "
+             "and the KV cache (float16, the default) every mode reads at the run's mean context (placement.step_reads.kv_read_bytes); "
              "limit: weight + KV bytes per token against the read bandwidth measured in the same process (after "
              "the slash: weights only, the table's limit before 2026-11-28); achieved = tok/s / limit. Since 2026-11-28 the "
              "bandwidth is the median of samples taken before each of the mode's runs (before: one snapshot per process).",
@@ -216,7 +216,7 @@ def modeled_7b(rows, calibration: Path, shapes=("llama-2-7b", "llama-2-13b")) ->
         d, kv = shape.hidden, shape.n_kv_heads * shape.head_dim
         return (shape.n_layers * (2 * d * d + 2 * d * kv + 3 * d * shape.n_ff) + 49152 * d) * q4
 
-    def kv_scale(a, b) -> float:  # float32 KV bytes per token of context, shape a over shape b
+    def kv_scale(a, b) -> float:  # KV bytes per token of context (same element type), shape a over shape b
         return (a.n_layers * a.n_kv_heads * a.head_dim) / (b.n_layers * b.n_kv_heads * b.head_dim)
 
     out = ["", "### 7B-class shapes: **modeled** (not measured: no GPU machine was lent to this run)", "",

@@ -12,7 +12,6 @@ Example::
 """
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,14 +22,14 @@ from tandem.core.sampling_params import DecodeOptions, SamplingParams, TokenChoi
 from tandem.core.step_loop import LoopTimings
 
 from .engine_args import EngineArgs
+from .engine_kv import KVCaches
 from .engine_lazy import LazyModules, load_fast
 from .engine_scoring import Scoring
 from .results import GenerationResult, TextStream
 
-KV_CAPACITY_ROUND_TOKENS = 256
 
 
-class Engine(LazyModules, Scoring):
+class Engine(LazyModules, Scoring, KVCaches):
     def __init__(self, model, executor, tokenizer, cfg: ModelConfig, model_path: Path, model_id: str,
                  model_fingerprint: str, threads: int | None, context_length: int | None = None) -> None:
         self._model, self._executor = model, executor
@@ -202,21 +201,6 @@ class Engine(LazyModules, Scoring):
             raise TandemError(f"model {self.model_id} has no tokenizer; pass token ids instead of text")
         return self.tokenizer
 
-    def _kv_cache(self, n_tokens: int, arrays: bool = False):
-        """A KVCache (torch, the module graph) or with ``arrays`` an ArrayKVCache (the cached step) of
-        at least ``n_tokens`` rows, reused while it is big enough and of that kind."""
-        needed = min(self.max_context, math.ceil(n_tokens / KV_CAPACITY_ROUND_TOKENS) * KV_CAPACITY_ROUND_TOKENS)
-        from .execution.native_step import ArrayKVCache
-        if (self._cache is None or self._cache.capacity_tokens < needed
-                or isinstance(self._cache, ArrayKVCache) != arrays):
-            self._cache = None
-            cfg = self.config
-            if arrays:
-                self._cache = ArrayKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, needed)
-            else:
-                from tandem.core.kv_cache import KVCache
-                self._cache = KVCache(cfg, needed)
-        return self._cache
 
     # --- generation ------------------------------------------------------------------------
     def generate(self, prompt: str | list, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,

@@ -22,6 +22,7 @@ from tandem.core.errors import TandemError
 WEIGHT_FORMATS = ("fp32", "int8", "int4")  # packed CPU weights of hybrid executors
 DOWN_FORMATS = ("fp32", "fp16", "int8b", "int8", "int4")  # sparse (transposed) down projection; int8b / int4: Q8_0 / Q4_1 rows (f16 scales)
 GPU_DEVICES = ("cuda", "cpu")
+KV_CACHE_TYPES = ("f16", "f32")  # element type of the KV caches the fused C step reads (attention.h)
 
 
 def _flag(flag: str, help: str, **argparse_kw) -> dict:
@@ -59,6 +60,9 @@ class EngineArgs:
         "--no-prefetch", "MoE: no speculative prefetch of the next layer's experts"))
     layer_offload: bool = field(default=False, metadata=_flag(
         "--layer-offload", "llama.cpp -ngl policy: whole layers on the GPU tier in order until --gpu-budget is spent"))
+    kv_cache_type: str = field(default="f16", metadata=_flag(
+        "--kv-cache-type", "keys and values of the fused C step's KV cache: f16 (half the bytes per attended token, "
+        "llama.cpp's default) or f32 (module-graph decoding always keeps float32)", choices=KV_CACHE_TYPES))
     step_cache: bool = field(default=True, metadata=_flag(
         "--no-step-cache", "load the model and pack it at every start instead of using (and writing) the plan's "
         "prepared-step cache (plans on the fused CPU step; TANDEM_STEP_CACHE=0 does the same)"))
@@ -72,12 +76,14 @@ class EngineArgs:
                 raise TandemError(f"{name} must be a path, got {value!r}")
         if not self.model:
             raise TandemError("model is empty")
+        if self.kv_cache_type is None:  # the flag left out
+            object.__setattr__(self, "kv_cache_type", "f16")
         _check_int("threads", self.threads, 1)
         _check_int("context_length", self.context_length, 1)
         _check_int("gpu_budget_bytes", self.gpu_budget_bytes, 0)
         _check_int("expert_slots", self.expert_slots, 0)
         for name, allowed in (("weight_format", WEIGHT_FORMATS), ("down_format", DOWN_FORMATS),
-                              ("gpu_device", GPU_DEVICES)):
+                              ("gpu_device", GPU_DEVICES), ("kv_cache_type", KV_CACHE_TYPES)):
             if getattr(self, name) is not None and getattr(self, name) not in allowed:
                 raise TandemError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         for name in ("sparse", "fused_decode", "prefetch", "layer_offload", "step_cache"):

@@ -4,7 +4,10 @@ Each format gets a random matrix of ``PROBE_BYTES`` (past the last-level cache) 
 it (GGUF blocks through weight_from_gguf, re-packed int4 / int8, f16 / int8 down rows) and is read the way
 the step reads it (placement.step_reads): ``dense`` (every row dotted, tdm_dot_rows), ``gather`` (10%,
 40% and all of the rows, sorted, tdm_dot_rows_idx), ``pair`` (as many rows, as neighbouring pairs: a
-predictor layer's paired gate / up copy), ``axpy`` (as many down rows added, tdm_axpy_rows). ``threads``
+predictor layer's paired gate / up copy), ``axpy`` (as many down rows added, tdm_axpy_rows), ``dense_gu`` /
+``rows_gu`` (the matrix's two halves as a layer's up and gate, read whole together 32 rows at a time as the step's
+dense slice loop reads them) and ``attend`` (AttendPass: the attention kernel over a KV cache of ``PROBE_BYTES``,
+float16 or float32, at one and four query heads per KV head). ``threads``
 OpenMP threads split the rows as the step's do, timed inside one OpenMP region with every thread awake
 (tdm_read_pass_timed: the step reads its matrices in a live region; timed from outside, a pass also paid
 the workers' wake-up, and gathered / added rows were rated 10-30% slow until 2026-11-28). Before every timed pass a
@@ -42,6 +45,8 @@ PROBE_BYTES = 48 * 2**20
 EVICT_BYTES = 96 * 2**20  # read before each timed pass: three times a 32 MB last-level cache
 COLS = 2048
 SPARSE_SHARES = (0.1, 0.4, 1.0)  # shares of the rows a gather / axpy pass reads (rates interpolate between)
+ATTEND_GROUPS = (4, 1)  # query heads per KV head an attend pass serves (its KindRate fraction: 1 / group)
+ATTEND_KV_HEADS, ATTEND_HEAD_DIM = 8, 64
 REPEATS = 7
 # GGUF block layouts: (weights per block, bytes per block, offsets of the f16 fields) -- ggml-common.h
 GGUF_BLOCKS = {"Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q8_0": (32, 34, (0,)), "Q5_0": (32, 22, (0,)),
@@ -53,8 +58,9 @@ GGUF_BLOCKS = {"Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q8_0": (32, 34
 # their axpy is timed)
 INTERLEAVED = ("Q4_0", "Q4_1", "Q8_0")
 DEFAULT_PLAN = tuple((q, a) for q in GGUF_BLOCKS for a in ("dense", "gather")) + tuple(
-    (q, a) for q in INTERLEAVED for a in ("rows", "pair")) + (
-    ("int8", "dense"), ("fp32", "dense")) + tuple((f, "axpy") for f in ("fp16", "int8", "int8b", "int4"))
+    (q, a) for q in INTERLEAVED for a in ("rows", "pair", "dense_gu", "rows_gu")) + (
+    ("int8", "dense"), ("fp32", "dense")) + tuple((f, "axpy") for f in ("fp16", "int8", "int8b", "int4")) + (
+    ("fp16", "attend"), ("fp32", "attend"))
 # the probe format that packs each step kind (placement.step_reads names), per access: a down row kind is
 # re-packed from float as the runtime packs sparse down rows (int4 -> q4_1 rows, int8b -> q8_0 rows)
 PROBE_FORMAT = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q5_0": "Q5_0", "q4_k": "Q4_K", "q5_k": "Q5_K",
@@ -63,7 +69,7 @@ AXPY_FORMAT = {"q4_1": "int4", "q8_0": "int8b", "f16": "fp16", "int8": "int8", "
 
 
 def plan_for(reads) -> tuple[tuple[str, str], ...]:
-    """The (probe format, access) pairs that time the given (kind, access) reads (unknown kinds: dense)."""
+    """The (probe format, access) pairs that time the given (kind, access) reads."""
     out = []
     for kind, access in reads:
         fmt = (AXPY_FORMAT if access == "axpy" else PROBE_FORMAT).get(kind)
@@ -133,6 +139,8 @@ class ReadPass:
         self.x = rng.standard_normal(cols, dtype=np.float32)
         if access == "dense":
             self.picks = [np.arange(rows, dtype=np.int32)]
+        elif access == "gu":  # the first 2n rows as n up rows then n gate rows (n: whole interleave groups)
+            self.picks = [np.arange(rows // 2 // 64 * 64 * 2, dtype=np.int32)]
         elif access == "pair":  # rows 2r and 2r + 1 of a share of the neurons r: a paired gate / up matrix
             n = max(1, int(rows // 2 * share))
             self.picks = [_pairs(np.sort(rng.choice(rows // 2, n, replace=False))) for _ in range(picks if n < rows // 2 else 1)]
@@ -149,7 +157,7 @@ class ReadPass:
         d, idx, lib = self.ref.desc, self._idx, self.lib
         lo, hi = len(idx) * t // nt, len(idx) * (t + 1) // nt
         o = self.out[t].ctypes.data
-        if self.access == "dense":
+        if self.access in ("dense", "gu"):
             lib.tdm_dot_rows(ctypes.byref(d), lo, hi - lo, self.x.ctypes.data, 2.0, o)
         elif self.access in ("gather", "pair"):
             lib.tdm_dot_rows_idx(ctypes.byref(d), idx[lo:].ctypes.data, hi - lo, self.x.ctypes.data, 2.0, o)
@@ -165,12 +173,13 @@ class ReadPass:
             return _parallel(self.threads, self._work)
         idx, out = self._idx, self.out
         t0 = time.perf_counter()
-        seconds = read_pass(ctypes.addressof(self.ref.desc), ACCESS_CODES[self.access], idx.ctypes.data, len(idx),
+        n = len(idx) // 2 if self.access == "gu" else len(idx)  # gu: rows per matrix
+        seconds = read_pass(ctypes.addressof(self.ref.desc), ACCESS_CODES[self.access], idx.ctypes.data, n,
                             self.x.ctypes.data, self.h.ctypes.data, self.threads, out.ctypes.data, out.shape[1])
         return seconds if timed else time.perf_counter() - t0
 
 
-ACCESS_CODES = {"dense": 0, "gather": 1, "pair": 1, "axpy": 2}  # tdm_read_pass_timed (predict.h)
+ACCESS_CODES = {"dense": 0, "gather": 1, "pair": 1, "axpy": 2, "gu": 3}  # tdm_read_pass_timed (probe.h)
 
 
 @functools.lru_cache(maxsize=1)
@@ -240,10 +249,40 @@ def read_pass(lib, fmt: str, access: str, threads: int, rng: np.random.Generator
     """A pass over probe format ``fmt``'s matrix read as the step reads it for ``access`` (placement.step_reads):
     ``dense`` over the eight-row interleaved copy the step streams, ``rows`` over the same blocks in place (the
     matrices it keeps row by row for gathered reads), gathered and added rows in place."""
+    if access == "attend":
+        return AttendPass(lib, fmt, threads, rng, group=round(1 / share))
     ref = cached_weight(fmt, access == "axpy")[1]
-    if access == "dense":
+    if access in ("dense", "dense_gu"):
         ref = interleave(ref, lib)
-    return ReadPass(lib, ref, "dense" if access in WHOLE_ACCESSES else access, threads, rng, picks=picks, share=share)
+    kernel = "gu" if access in ("dense_gu", "rows_gu") else "dense" if access in WHOLE_ACCESSES else access
+    return ReadPass(lib, ref, kernel, threads, rng, picks=picks, share=share)
+
+
+class AttendPass:
+    """One timed attention pass (tdm_attend_pass_timed, probe.h) of one token over a KV cache of about
+    PROBE_BYTES in ``fmt`` (fp16 / fp32) with ATTEND_KV_HEADS heads of ATTEND_HEAD_DIM, ``group`` query heads
+    per KV head, on ``threads`` OpenMP threads as the step splits heads; calling it returns the seconds."""
+
+    def __init__(self, lib, fmt: str, threads: int, rng: np.random.Generator, group: int) -> None:
+        dtype = {"fp16": np.float16, "fp32": np.float32}[fmt]
+        n_kv, hd, size = ATTEND_KV_HEADS, ATTEND_HEAD_DIM, np.dtype(dtype).itemsize
+        self.rows = PROBE_BYTES // (2 * n_kv * hd * size)
+        self.k = rng.standard_normal((n_kv, self.rows, hd), dtype=np.float32).astype(dtype)  # [KV, rows, hd]
+        self.v = rng.standard_normal((n_kv, self.rows, hd), dtype=np.float32).astype(dtype)  # [KV, rows, hd]
+        self.q = rng.standard_normal((n_kv * group, hd), dtype=np.float32)  # [H, hd]
+        self.out = np.zeros_like(self.q)
+        self.scores = np.zeros(threads * min(group, 16) * self.rows, np.float32)
+        self.lib, self.threads, self.group, self.half = lib, threads, group, int(size == 2)
+        self.kind, self.nbytes = {"fp16": "f16", "fp32": "f32"}[fmt], self.k.nbytes + self.v.nbytes
+        fn = lib.tdm_attend_pass_timed
+        fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 3
+        fn.restype = ctypes.c_double
+
+    def __call__(self) -> float:
+        _evict_buffer().sum()  # the cache out of the last-level cache, as after a step's weight reads
+        return self.lib.tdm_attend_pass_timed(self.k.ctypes.data, self.v.ctypes.data, ATTEND_KV_HEADS, self.rows,
+                                              ATTEND_HEAD_DIM, self.group, self.half, self.threads,
+                                              self.q.ctypes.data, self.out.ctypes.data, self.scores.ctypes.data)
 
 
 def time_reads(one: ReadPass) -> tuple[int, float]:
@@ -263,9 +302,12 @@ def measure_kind_rates(threads: int, bandwidth: float, plan=DEFAULT_PLAN, seed: 
         by_format.setdefault(fmt, []).append(access)
     for fmt, accesses in by_format.items():
         for access in accesses:
-            for share in (1.0,) if access in WHOLE_ACCESSES else SPARSE_SHARES:
+            shares = (1.0,) if access in WHOLE_ACCESSES else tuple(1 / g for g in ATTEND_GROUPS) if access == "attend" \
+                else SPARSE_SHARES
+            for share in shares:
                 one = read_pass(lib, fmt, access, threads, rng, share)
                 read, seconds = time_reads(one)
-                out.append(KindRate(kind=kind_name(one.ref.desc), access=access, share=read / seconds / bandwidth,
+                kind = one.kind if access == "attend" else kind_name(one.ref.desc)
+                out.append(KindRate(kind=kind, access=access, share=read / seconds / bandwidth,
                                     bytes=read, seconds=seconds, fraction=share))
     return tuple(out)

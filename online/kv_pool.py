@@ -1,7 +1,7 @@
 """Paged KV pool: fixed-size blocks in one storage, ref counts, prefix caching, copy on write.
 
-Storage is ``keys``/``values`` float32 ``[L, KV, n_blocks * block_tokens, hd]`` (the layout the fused
-step's ``step_batch`` reads, see tandem/core/kv_cache.py). A sequence owns a block table; its position p
+Storage is ``keys``/``values`` ``[L, KV, n_blocks * block_tokens, hd]`` in float16 (the default) or float32
+(the layout the fused step's ``step_batch`` reads, see tandem/core/kv_cache.py). A sequence owns a block table; its position p
 lives at row ``table[p // block_tokens] * block_tokens + p % block_tokens``.
 
 Prefix caching (vLLM's automatic prefix caching): a *full* block's id is the hash of its parent
@@ -46,23 +46,29 @@ class PoolCounters:
     copies: int = 0  # copy-on-write block copies
 
 
-def kv_bytes_per_token(cfg) -> int:
-    """float32 keys + values of one token over all layers."""
-    return int(cfg.num_layers * kv_row_bytes(cfg))
+KV_TYPES = {"f16": torch.float16, "f32": torch.float32}  # EngineArgs.kv_cache_type -> the storage's dtype
+
+
+def kv_bytes_per_token(cfg, kv_cache_type: str = "f16") -> int:
+    """Keys + values of one token over all layers, in ``kv_cache_type`` (f16 / f32)."""
+    return int(cfg.num_layers * kv_row_bytes(cfg, KV_TYPES[kv_cache_type].itemsize))
 
 
 class KVPool:
     """Block allocator over one preallocated key/value storage (see the module docstring)."""
 
-    def __init__(self, cfg, n_blocks: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
+    def __init__(self, cfg, n_blocks: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, kv_cache_type: str = "f16") -> None:
         if n_blocks < 1 or block_tokens < 1:
             raise TandemError(f"a KV pool needs >= 1 block of >= 1 token, got {n_blocks} x {block_tokens}")
+        if kv_cache_type not in KV_TYPES:
+            raise TandemError(f"kv_cache_type must be one of {', '.join(KV_TYPES)}, got {kv_cache_type!r}")
         self.cfg = cfg
         self.n_blocks = n_blocks
         self.block_tokens = block_tokens
         shape = (cfg.num_layers, cfg.num_kv_heads, n_blocks * block_tokens, cfg.head_dim)
-        self.keys = torch.zeros(shape, dtype=torch.float32)  # [L, KV, n_blocks*bt, hd]
-        self.values = torch.zeros(shape, dtype=torch.float32)  # [L, KV, n_blocks*bt, hd]
+        self.kv_cache_type = kv_cache_type
+        self.keys = torch.zeros(shape, dtype=KV_TYPES[kv_cache_type])  # [L, KV, n_blocks*bt, hd]
+        self.values = torch.zeros(shape, dtype=KV_TYPES[kv_cache_type])  # [L, KV, n_blocks*bt, hd]
         self.refs = [0] * n_blocks
         self._free: collections.deque[int] = collections.deque(range(n_blocks))  # never-hashed free blocks
         self._cached_free: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU order: oldest first
@@ -71,14 +77,17 @@ class KVPool:
         self.counters = PoolCounters()
 
     @classmethod
-    def create(cls, cfg, kv_budget_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> "KVPool":
+    def create(cls, cfg, kv_budget_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+               kv_cache_type: str = "f16") -> "KVPool":
         """As many blocks as ``kv_budget_bytes`` holds (at least one)."""
-        block_bytes = kv_bytes_per_token(cfg) * block_tokens
+        if kv_cache_type not in KV_TYPES:
+            raise TandemError(f"kv_cache_type must be one of {', '.join(KV_TYPES)}, got {kv_cache_type!r}")
+        block_bytes = kv_bytes_per_token(cfg, kv_cache_type) * block_tokens
         n_blocks = kv_budget_bytes // block_bytes
         if n_blocks < 1:
             raise TandemError(f"--kv-budget of {kv_budget_bytes} bytes is smaller than one KV block "
                               f"({block_bytes} bytes for {block_tokens} tokens)")
-        return cls(cfg, int(n_blocks), block_tokens)
+        return cls(cfg, int(n_blocks), block_tokens, kv_cache_type)
 
     # --- sizes ---------------------------------------------------------------------------------
     @property

@@ -57,8 +57,8 @@ def measure_plan_quality(model: str | Path, plan_dir: str | Path, *, max_tokens:
 def measure_plan_tokens_per_s(model: str, plan_dir: str, predictors: str | None, threads: int | None,
                               want_units: bool = False):
     """(decode tok/s over MEASURE_TOKENS greedy tokens after a short prompt, decode path); with
-    ``want_units`` also (the fused step's packed tensors, config, the decode steps' mean context in tokens)
-    for placement.step_reads (None: no fused step)."""
+    ``want_units`` also (the fused step's packed tensors, config, the decode steps' mean context in tokens,
+    the KV cache's type) for placement.step_reads (None: no fused step)."""
     engine = Engine.load(model, threads=threads, plan=plan_dir, predictors=predictors)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     context = len(prompt) + (MEASURE_TOKENS + 1) / 2  # keys a decode step attends to, on average
@@ -74,7 +74,7 @@ def measure_plan_tokens_per_s(model: str, plan_dir: str, predictors: str | None,
     if engine.decode_path == "fused":
         from .step_inventory import step_units
         try:
-            step = (step_units(engine.compiled_decode, engine.config), engine.config, context)
+            step = (step_units(engine.compiled_decode, engine.config), engine.config, context, engine.kv_cache_type)
         except TandemError:  # MoE layers: reads that follow the router are not modeled by format
             step = None
     return float(rate), engine.decode_path, step

@@ -212,7 +212,15 @@ def cmd_probe(args: argparse.Namespace) -> int:
             print(f"fused step {t.weight_format}: {1e6 * t.call_s:.0f} us per call, {1e6 * t.layer_s:.1f} us per layer")
         print(f"fused step: {1e6 * cal.pass_s:.2f} us per matrix pass beyond its bytes")
         print(f"row kernels, share of {cal.read_bandwidth_bytes_per_s / 1e9:.1f} GB/s per packed format and access: "
-              + ", ".join(f"{r.kind} {r.access}{'' if r.access in WHOLE_ACCESSES else f' ({r.fraction:.0%} of rows)'} {r.share:.0%}"
-                        for r in cal.rates))
+              + ", ".join(f"{r.kind} {r.access}{_rate_note(r, WHOLE_ACCESSES)} {r.share:.0%}" for r in cal.rates))
         print(f"fused-step calibration written to {args.fused} (use it with show-plan --calibration)")
     return 0
+
+
+def _rate_note(rate, whole_accesses) -> str:
+    """How much a probe pass read: nothing for whole matrices, the row share, or an attention pass's group size."""
+    if rate.access in whole_accesses:
+        return ""
+    if rate.access == "attend":
+        return f" ({round(1 / rate.fraction)} query heads per KV head)"
+    return f" ({rate.fraction:.0%} of rows)"

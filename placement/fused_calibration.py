@@ -36,6 +36,7 @@ from tandem.core.errors import TandemError
 from .step_reads import ACCESSES
 
 FORMATS = ("int4", "int8")
+FALLBACK = {"pair": ("gather",), "rows": ("dense",), "dense_gu": ("dense",), "rows_gu": ("rows", "dense")}
 # (layers, hidden, ffn) of the three timed models: fixed costs from the two small ones, bandwidth from the big one
 SIZES = ((2, 256, 1024), (10, 256, 1024), (2, 1536, 6144))
 # tiny layers (hidden 64, FFN 128: ~25 KB of weights each) whose time is the step's fixed costs
@@ -58,13 +59,14 @@ class FusedTerms:
 @dataclass(frozen=True)
 class KindRate:
     """The share of the read bandwidth the step's row kernels reach on one packed format and access
-    pattern (placement.step_reads: dense / gather / axpy), from one timed pass (online.kind_probe)."""
+    pattern (placement.step_reads: dense / gather / axpy / ...), from one timed pass (online.kind_probe);
+    ``attend``: the attention kernel over a KV cache of that element type (kind f16 / f32)."""
     kind: str
     access: str
     share: float
     bytes: int = 0
     seconds: float = 0.0
-    fraction: float = 1.0  # share of the matrix's rows the timed pass read (gather / axpy)
+    fraction: float = 1.0  # share of the matrix's rows the timed pass read (gather / axpy); attend: KV heads / query heads
 
     def __post_init__(self) -> None:
         if self.access not in ACCESSES:
@@ -100,12 +102,16 @@ class FusedCalibration:
         return t.call_s + n_layers * t.layer_s + read_bytes / (t.bandwidth_share * self.read_bandwidth_bytes_per_s)
 
     def rate(self, kind: str, access: str, fraction: float | None = None) -> KindRate:
-        """The measured rate of (kind, access), at ``fraction`` of the rows linearly between the fractions
-        timed (clamped at the ends; None: the densest); paired rows not timed are rated as gathered ones, and
-        a format measured only dense stands in for its other accesses."""
-        for want in dict.fromkeys((access, "gather" if access == "pair" else access, "dense")):
+        """The measured rate of (kind, access), at ``fraction`` of the rows (for ``attend``: KV heads per query
+        head) linearly between the fractions timed (clamped at the ends; None: the densest). An access not
+        timed falls back to its nearest timed one (FALLBACK: paired rows as gathered ones, gate and up read
+        together as one matrix read whole, in-place rows as dense ones); a calibration from before the
+        attention pass prices the KV cache at its float32 dense rate, as it did then."""
+        for want in (access,) + FALLBACK.get(access, ()) + ("dense",):
             found = sorted((r for r in self.rates if r.kind == kind and r.access == want), key=lambda r: r.fraction)
             if not found:
+                if access == "attend" and want == "attend" and not any(r.access == "attend" for r in self.rates):
+                    return self.rate("f32", "dense")
                 continue
             if fraction is None or fraction >= found[-1].fraction:
                 return found[-1]

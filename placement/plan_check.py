@@ -15,7 +15,8 @@ from pathlib import Path
 from tandem.core.errors import TandemError
 
 from .fused_calibration import calibrated_plan_tokens_per_s, load_calibration
-from .step_reads import format_reads, kv_reads, layer_fractions, modeled_passes, modeled_reads, read_fractions, with_kv
+from .step_reads import (format_reads, kv_reads, kv_shares, layer_fractions, modeled_passes, modeled_reads,
+                         read_fractions, with_kv)
 
 
 def plan_fractions(plan_dir: str | Path, cfg, predictors_dir: str | Path | None = None) -> tuple[list, bool]:
@@ -37,7 +38,7 @@ def plan_fractions(plan_dir: str | Path, cfg, predictors_dir: str | Path | None 
 
 def print_modeled_and_measured(plan, args, measure=None) -> None:
     """``measure(model, plan_dir, predictors, threads, want_units=True) -> (tok/s, decode path, (step units,
-    config, mean context tokens) or None)``: the runtime's timing (online.plan_measure.measure_plan_tokens_per_s), needed with
+    config, mean context tokens, KV cache type) or None)``: the runtime's timing (online.plan_measure.measure_plan_tokens_per_s), needed with
     ``args.measure``."""
     modeled = plan.modeled["tokens_per_s"]
     line = [f"tokens/s side by side: modeled (raw cost model) {modeled:.1f}"]
@@ -54,12 +55,13 @@ def print_modeled_and_measured(plan, args, measure=None) -> None:
             raise TandemError(f"--threads must be >= 1, got {args.threads}")
         measured, path, step = measure(args.measure, args.plan_dir, args.predictors, args.threads, want_units=True)
         if cal is not None and cal.rates and step is not None and plan.gpu_bytes == 0:
-            units, cfg, context = step
+            units, cfg, context, kv_type = step
             fractions, relu = plan_fractions(args.plan_dir, cfg, args.predictors)
-            reads = with_kv(modeled_reads(units, fractions, relu), kv_reads(cfg, context))  # weights, then the KV cache
+            reads = with_kv(modeled_reads(units, fractions, relu), kv_reads(cfg, context, kv_type))  # weights, then the KV cache
+            shares = with_kv(read_fractions(units, fractions, relu), kv_shares(cfg, kv_type))
             reads_line = f"modeled reads per token: {format_reads(reads)}"
             try:
-                calibrated = 1.0 / cal.reads_seconds(cfg.num_layers, reads, fractions=read_fractions(units, fractions, relu),
+                calibrated = 1.0 / cal.reads_seconds(cfg.num_layers, reads, fractions=shares,
                                                      passes=modeled_passes(units, fractions, relu))
                 line.append(f"modeled (by packed format) {calibrated:.1f}")
             except TandemError as exc:  # a format the calibration did not time

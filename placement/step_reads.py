@@ -17,12 +17,17 @@ them); ``modeled_reads`` sums bytes per token by (format, access):
 - ``pair``: a predictor layer's paired copy of gate and up (gate row r at 2r, up row r at 2r + 1), where
   the step keeps one: each predicted neuron's two rows in one contiguous read, both always read
   (~10-20% faster than two single gathered rows here);
-- ``axpy``: selected down rows added into the output (sparse down_t).
+- ``axpy``: selected down rows added into the output (sparse down_t);
+- ``dense_gu`` / ``rows_gu``: a gated layer's gate and up both read whole (interleaved copies / in place),
+  as the step's dense slice loop reads them: 32 rows of up, then the same 32 of gate, one pass for both
+  (two streams per thread: 5-18% slower than one matrix here, bench/RESULTS.md, sixteenth session).
 
-Beside the weights, attention reads the KV cache: ``kv_reads`` adds the float32 keys and values of every
-layer's KV heads over the tokens before the step (a layer's window caps them) as ``("f32", "dense")``
-bytes (rows streamed per head). At a 64-token prompt on a 16-head, 24-layer model that is 17 MB per
-token beside 130 MB of weights: leaving it out overrated the modeled tok/s and the bytes limit.
+Beside the weights, attention reads the KV cache: ``kv_reads`` adds the keys and values (float16 by default,
+the engine's kv_cache_type) of every layer's KV heads over the tokens before the step (a layer's window caps
+them) as ``(type, "attend")`` bytes; the attention kernel's rate depends on the query heads per KV head,
+which ``kv_shares`` gives as the access's row fraction (1 / group size). At a 64-token prompt on a 16-head,
+24-layer model that is 8.7 MB per token (float16) beside 130 MB of weights: leaving it out overrated the
+modeled tok/s and the bytes limit.
 
 Example::
 
@@ -31,6 +36,7 @@ Example::
     shares = read_fractions(units, fractions, relu=True)  # {("f16", "axpy"): 0.1, ...}: rows read, byte-weighted
     passes = modeled_passes(units, fractions, relu=True)  # matrix passes per token
     reads = with_kv(reads, kv_reads(cfg, context_tokens=88))  # the KV cache at the tokens' mean position
+    shares = with_kv(shares, kv_shares(cfg))                   # its rate's key: query heads per KV head
     cal.reads_seconds(n_layers, reads, fractions=shares, passes=passes)  # placement.fused_calibration
 """
 from __future__ import annotations
@@ -43,8 +49,9 @@ import numpy as np
 from tandem.core.errors import TandemError
 from tandem.core.config import kv_row_bytes
 
-ACCESSES = ("dense", "rows", "gather", "pair", "axpy")
-WHOLE_ACCESSES = ("dense", "rows")  # every row of the matrix read: no row fraction
+ACCESSES = ("dense", "rows", "gather", "pair", "axpy", "dense_gu", "rows_gu", "attend")
+WHOLE_ACCESSES = ("dense", "rows", "dense_gu", "rows_gu")  # every row of the matrix read: no row fraction
+IN_PLACE = {"dense": "rows", "dense_gu": "rows_gu"}  # the same reads of GGUF blocks kept row by row
 ROLES = ("qkv", "k", "v", "o", "gate", "up", "down", "down_t", "pred", "head", "embed_row")
 
 
@@ -95,16 +102,18 @@ def layer_fractions(activity: str, neuron_freq: np.ndarray, predictors=None) -> 
     return out
 
 
-def unit_access(unit: StepUnit, fractions: LayerFractions | None, relu: bool) -> tuple[str, float]:
-    """(access pattern, share of the unit's bytes read per token)."""
+def unit_access(unit: StepUnit, fractions: LayerFractions | None, relu: bool, gated: bool = False) -> tuple[str, float]:
+    """(access pattern, share of the unit's bytes read per token); ``relu``: the layer's gate cut skips up rows;
+    ``gated``: the layer has a gate (its gate and up, both read whole, are one slice loop)."""
     if unit.role in ("gate", "up", "down_t") and fractions is None:
         raise TandemError(f"no row fractions for layer {unit.layer}'s {unit.role}")
     if unit.role in ("gate", "up") and unit.paired and fractions.predicted:
         return "pair", fractions.gate  # every predicted neuron's gate and up rows, read together
+    whole = "dense_gu" if gated and not (fractions.predicted or relu) else "dense"
     if unit.role == "gate":
-        return ("gather", fractions.gate) if fractions.predicted else ("dense", 1.0)
+        return ("gather", fractions.gate) if fractions.predicted else (whole, 1.0)
     if unit.role == "up":
-        return ("gather", fractions.up) if (fractions.predicted or relu) else ("dense", 1.0)
+        return ("gather", fractions.up) if (fractions.predicted or relu) else (whole, 1.0)
     if unit.role == "down_t":
         return "axpy", fractions.down
     if unit.role == "pred":  # read only where the layer runs its predictor
@@ -136,20 +145,23 @@ def _unit_reads(units, fractions, relu):
     for u in units:
         if fractions is None:
             access, share = ("axpy" if u.role == "down_t" else "dense"), (0.0 if u.role == "pred" else 1.0)
+            if u.role in ("gate", "up") and u.layer in gated:
+                access = "dense_gu"
         else:
             f = fractions[u.layer] if 0 <= u.layer < len(fractions) else None
-            access, share = unit_access(u, f, relu and u.layer in gated)
-        if access == "dense" and u.in_place:
-            access = "rows"
+            access, share = unit_access(u, f, relu and u.layer in gated, u.layer in gated)
+        if access in IN_PLACE and u.in_place:
+            access = IN_PLACE[access]
         if share > 0:
             yield u, (u.kind, access), share * u.packed_bytes, share
 
 
 def modeled_passes(units: list[StepUnit], fractions: list[LayerFractions] | None, relu: bool) -> int:
     """Matrix passes per token: the units read at all (each is one pass of the step's row kernels over its
-    rows, ending at a barrier; a paired gate and up are one pass); the embedding row is a copy, not a pass."""
+    rows, ending at a barrier; a paired gate and up, or a gate and up read whole together, are one pass);
+    the embedding row is a copy, not a pass."""
     reads = _unit_reads([u for u in units if u.role != "embed_row"], fractions, relu)
-    return sum(1 for u, (_, access), _, _ in reads if not (access == "pair" and u.role == "up"))
+    return sum(1 for u, (_, access), _, _ in reads if not (access in ("pair", "dense_gu", "rows_gu") and u.role == "up"))
 
 
 def bytes_by_kind(units: list[StepUnit]) -> dict[str, int]:
@@ -165,25 +177,41 @@ def format_reads(reads: dict[tuple[str, str], float]) -> str:
     return ", ".join(f"{k} {a} {b / 1e6:.1f} MB" for (k, a), b in sorted(reads.items(), key=lambda kv: -kv[1]))
 
 
-KV_KIND = ("f32", "dense")  # the float32 KV cache, streamed per head
+KV_TYPES = {"f16": 2, "f32": 4}  # the KV cache's element types (EngineArgs.kv_cache_type): bytes per element
 
 
-def kv_read_bytes(cfg, context_tokens: float) -> float:
+def kv_kind(kv_cache_type: str = "f16") -> tuple[str, str]:
+    """The (format, access) of the KV cache's reads: the attention kernel over keys and values of that type."""
+    if kv_cache_type not in KV_TYPES:
+        raise TandemError(f"unknown KV cache type {kv_cache_type!r} (known: {', '.join(KV_TYPES)})")
+    return kv_cache_type, "attend"
+
+
+def kv_read_bytes(cfg, context_tokens: float, kv_cache_type: str = "f16") -> float:
     """Bytes of the KV cache one decode step reads at ``context_tokens`` tokens before it: keys and values
-    (float32) of each layer's KV heads, over the layer's window where it has one."""
+    (of ``kv_cache_type``) of each layer's KV heads, over the layer's window where it has one."""
     if context_tokens < 0:
         raise TandemError(f"context must be >= 0 tokens, got {context_tokens}")
+    kv_kind(kv_cache_type)
     windows = cfg.layer_windows or (cfg.sliding_window or 0,) * cfg.num_layers
-    return float(sum(kv_row_bytes(cfg) * (min(context_tokens, w) if w else context_tokens) for w in windows))
+    row = kv_row_bytes(cfg, KV_TYPES[kv_cache_type])
+    return float(sum(row * (min(context_tokens, w) if w else context_tokens) for w in windows))
 
 
-def kv_reads(cfg, context_tokens: float) -> dict[tuple[str, str], float]:
-    """{KV_KIND: kv_read_bytes}: merge into modeled_reads' dict with ``with_kv``."""
-    return {KV_KIND: kv_read_bytes(cfg, context_tokens)}
+def kv_reads(cfg, context_tokens: float, kv_cache_type: str = "f16") -> dict[tuple[str, str], float]:
+    """{kv_kind: kv_read_bytes}: merge into modeled_reads' dict with ``with_kv``."""
+    return {kv_kind(kv_cache_type): kv_read_bytes(cfg, context_tokens, kv_cache_type)}
+
+
+def kv_shares(cfg, kv_cache_type: str = "f16") -> dict[tuple[str, str], float]:
+    """{kv_kind: KV heads / query heads}: the attention rate's key (read_fractions' dict for ``with_kv``),
+    since a KV row serves every query head of its group (more arithmetic per byte, a slower byte rate)."""
+    return {kv_kind(kv_cache_type): cfg.num_kv_heads / cfg.num_heads}
 
 
 def with_kv(reads: dict, kv: dict) -> dict:
-    """The weight reads with the KV cache's added (same keys summed)."""
+    """The weight reads with the KV cache's added (same keys summed; for kv_shares' dict, the same keys
+    never occur in the weights')."""
     out = dict(reads)
     for key, nbytes in kv.items():
         out[key] = out.get(key, 0.0) + nbytes

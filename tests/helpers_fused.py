@@ -94,7 +94,7 @@ def reference_step(model, executor, cache, token: int, pos: int, residual_ratio:
         cache.keys[layer, :, pos] = k
         cache.values[layer, :, pos] = v.reshape(n_kv, hd)
         start = max(0, pos + 1 - cfg.sliding_window) if cfg.sliding_window else 0
-        keys, values = cache.keys[layer, :, start: pos + 1], cache.values[layer, :, start: pos + 1]  # [KV, S, hd]
+        keys, values = cache.keys[layer, :, start: pos + 1].float(), cache.values[layer, :, start: pos + 1].float()  # [KV, S, hd]
         heads = []
         for h in range(n_heads):
             g = h // (n_heads // n_kv)

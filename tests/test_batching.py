@@ -13,7 +13,6 @@ import torch
 
 from online import Engine
 from tandem.core.generate import prefill
-from tandem.core.kv_cache import KVCache
 from online.server.batch_config import BatchConfig
 from online.server.metrics import Metrics
 from online.server.scheduler import Scheduler
@@ -98,7 +97,7 @@ def serve(engine, specs: list[dict], batch: BatchConfig, spy=None):
 def single_step_greedy(engine, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
     """Independent reference: the single-token fused step on a contiguous cache, greedy (EOS ignored).
     Returns the tokens and the logits after the prompt."""
-    cache = KVCache(engine.config, len(prompt) + max_tokens)
+    cache = engine.new_kv_cache(len(prompt) + max_tokens)
     for pos, tok in enumerate(prompt):
         logits = engine.compiled_decode(tok, pos, cache)
     first_logits, out = logits.clone(), []
@@ -112,7 +111,7 @@ def single_step_greedy(engine, prompt: list[int], max_tokens: int) -> tuple[list
 def module_prefill_greedy(engine, prompt: list[int], max_tokens: int) -> list[int]:
     """Reference for ``prefill="modules"``: the prompt through the module graph in one chunk, then greedy
     single-token fused steps."""
-    cache = KVCache(engine.config, len(prompt) + max_tokens)
+    cache = engine.new_kv_cache(len(prompt) + max_tokens)
     logits, out = prefill(engine.model, engine.executor, cache, prompt), []
     for i in range(max_tokens):
         out.append(int(torch.argmax(logits)))

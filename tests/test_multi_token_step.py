@@ -16,12 +16,13 @@ from tandem.core.errors import TandemError
 from test_fused_decode import PROMPT, packed
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("kind", ["llama", "mistral", "llama-mqa"])
-def test_step_many_equals_single_steps(tiny_model_dir, kind):
+def test_step_many_equals_single_steps(tiny_model_dir, kind, kv_dtype):
     folder, _ = tiny_model_dir(kind)
     model, executor = packed(folder, "int4", thresholds=[0.02] * 2)
     step = FusedDecodeStep.build(model, executor)
-    single, multi = KVCache(model.cfg, 40), KVCache(model.cfg, 40)
+    single, multi = KVCache(model.cfg, 40, dtype=kv_dtype), KVCache(model.cfg, 40, dtype=kv_dtype)
     for pos, tok in enumerate(PROMPT):  # a shared history
         step(tok, pos, single), step(tok, pos, multi)
     tokens = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]  # crosses mistral's window (16)
@@ -140,23 +141,24 @@ def test_step_many_with_predictor_layers(tiny_model_dir, act, predictor_format):
 
 # --- step_batch: tokens of several sequences over a paged pool ------------------------------
 
-@pytest.mark.parametrize("block_tokens", [16, 4])
+@pytest.mark.parametrize("block_tokens,kv_dtype", [(16, torch.float32), (4, torch.float32), (4, torch.float16)])
 @pytest.mark.parametrize("kind", ["llama", "mistral", "llama-mqa"])
-def test_step_batch_several_sequences_random_tables(tiny_model_dir, block_tokens, kind):
+def test_step_batch_several_sequences_random_tables(tiny_model_dir, block_tokens, kind, kv_dtype):
     """Rounds of mixed prefill chunks and decode tokens of four sequences, interleaved in one batch,
     against each sequence alone on a contiguous cache; random block tables, random logits_for. With one
-    KV group of four heads (llama-mqa) the two threads split a group's heads in both steps."""
+    KV group of four heads (llama-mqa) the two threads split a group's heads in both steps. A float16
+    pool against float16 caches as well."""
     folder, _ = tiny_model_dir(kind)
     model, executor = packed(folder, "int4", thresholds=[0.02] * 2)
     step = FusedDecodeStep.build(model, executor)
     cfg, n_blocks = model.cfg, 48
-    storage = KVCache(cfg, block_tokens * n_blocks)
+    storage = KVCache(cfg, block_tokens * n_blocks, dtype=kv_dtype)
     pool = SimpleNamespace(keys=storage.keys, values=storage.values, block_tokens=block_tokens)
     rng = np.random.default_rng(block_tokens)
     free = [int(b) for b in rng.permutation(n_blocks)]
     per_seq = 40 // block_tokens + 1
     tables = [np.array([free.pop() for _ in range(per_seq)], dtype=np.int32) for _ in range(4)]
-    refs = [KVCache(cfg, 40) for _ in range(4)]
+    refs = [KVCache(cfg, 40, dtype=kv_dtype) for _ in range(4)]
     length = [0, 0, 0, 0]
     for round_sizes in ([5, 1, 0, 9], [1, 7, 3, 1], [1, 1, 1, 1], [12, 0, 2, 1], [1, 9, 1, 0]):
         items = []  # (sequence, token, position)

@@ -19,7 +19,6 @@ from pydantic import BaseModel, Field
 
 from online import Engine
 from tandem.core.generate import decode_one_token, prefill
-from tandem.core.kv_cache import KVCache
 from online.constrain import (Grammar, GrammarConstraint, ToolSpec, parse_tool_calls, render_tool_messages,
                               tool_call_grammar)
 from online.constrain.grammar import build_grammar_tokenizer
@@ -222,7 +221,7 @@ def test_smollm2_json_schema_and_json_object(smollm2_path):
 def generation_logits(engine: Engine, prompt_ids: list[int], token_ids: list[int]) -> torch.Tensor:
     """[len(token_ids), vocab]: the logits each generated token was chosen from, recomputed as generation
     does (prefill and one decode step per token, through the fused step on a packed engine)."""
-    cache = KVCache(engine.config, len(prompt_ids) + len(token_ids))
+    cache = engine.new_kv_cache(len(prompt_ids) + len(token_ids))
     rows = [prefill(engine.model, engine.executor, cache, prompt_ids, compiled=engine.compiled_decode)]
     for pos, token in enumerate(token_ids[:-1], start=len(prompt_ids)):
         rows.append(decode_one_token(engine.model, engine.executor, cache, token, pos, engine.compiled_decode))

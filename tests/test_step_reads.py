@@ -83,8 +83,8 @@ def test_modeled_reads_follow_the_row_fractions():
     exact = [LayerFractions(gate=1.0, up=0.25, down=0.25)]
     assert modeled_reads(units, exact, relu=True) == {
         ("q8_0", "dense"): 6000, ("q4_0", "dense"): 400, ("q4_0", "gather"): 100, ("f16", "axpy"): 200, ("f32", "dense"): 16}
-    # a non-ReLU exact layer reads up in full; a predictor layer gathers gate and up
-    assert modeled_reads(units, exact, relu=False)[("q4_0", "dense")] == 800
+    # a non-ReLU exact layer reads up in full, with its gate in one slice loop; a predictor layer gathers gate and up
+    assert modeled_reads(units, exact, relu=False)[("q4_0", "dense_gu")] == 800
     predicted = [LayerFractions(gate=0.5, up=0.25, down=0.25, predicted=True)]
     reads = modeled_reads(units, predicted, relu=True)
     assert reads[("q4_0", "gather")] == 400 * 0.5 + 400 * 0.25 and ("q4_0", "dense") not in reads
@@ -113,6 +113,42 @@ def test_a_paired_gate_and_up_are_one_pass_of_neighbouring_rows():
     assert gathered.reads_seconds(0, reads, fixed=False) == pytest.approx(1e6 / 2e9)
     both = _cal((KindRate("q4_0", "gather", 0.2), KindRate("q4_0", "pair", 0.25)))
     assert both.reads_seconds(0, reads, fixed=False) == pytest.approx(1e6 / 2.5e9)
+
+
+def test_a_gate_and_up_read_whole_are_one_pass_of_two_streams():
+    """A gated layer that reads its gate and up in full (no predictor, no gate cut) reads them in one slice loop:
+    ``dense_gu`` (``rows_gu`` in place), one pass; priced at its own rate, else at the single-matrix one."""
+    from placement.step_reads import modeled_passes
+
+    units = [StepUnit("gate", 0, "q4_1", 400), StepUnit("up", 0, "q4_1", 400), StepUnit("down_t", 0, "f16", 800),
+             StepUnit("gate", 1, "q4_0", 400, in_place=True), StepUnit("up", 1, "q4_0", 400, in_place=True),
+             StepUnit("down_t", 1, "f16", 800)]
+    whole = [LayerFractions(1.0, 1.0, 0.5)] * 2
+    assert modeled_reads(units, whole, relu=False) == {("q4_1", "dense_gu"): 800, ("q4_0", "rows_gu"): 800,
+                                                        ("f16", "axpy"): 800}
+    assert modeled_passes(units, whole, relu=False) == 4
+    cut = modeled_reads(units, [LayerFractions(1.0, 0.25, 0.25)] * 2, relu=True)  # the gate cut: gate alone, whole
+    assert cut[("q4_1", "dense")] == 400 and cut[("q4_0", "rows")] == 400
+    ungated = modeled_reads([u for u in units if u.role != "gate"], whole, relu=False)
+    assert ungated[("q4_1", "dense")] == 400  # no gate: one matrix
+    reads = {("q4_1", "dense_gu"): 1e6, ("q4_0", "rows_gu"): 1e6}
+    apart = _cal((KindRate("q4_1", "dense", 0.5), KindRate("q4_0", "rows", 0.4)))
+    assert apart.reads_seconds(0, reads, fixed=False) == pytest.approx(1e6 / 5e9 + 1e6 / 4e9)
+    both = _cal((KindRate("q4_1", "dense", 0.5), KindRate("q4_1", "dense_gu", 0.25), KindRate("q4_0", "rows_gu", 0.2)))
+    assert both.reads_seconds(0, reads, fixed=False) == pytest.approx(1e6 / 2.5e9 + 1e6 / 2e9)
+
+
+def test_kv_reads_are_priced_at_the_attention_rate_of_their_group():
+    """The KV cache's bytes at the ``attend`` rate interpolated over KV heads per query head; a calibration
+    from before the attention pass prices them at its float32 dense rate."""
+    cal = _cal((KindRate("f16", "attend", 0.4, fraction=0.25), KindRate("f16", "attend", 0.8, fraction=1.0),
+                KindRate("f32", "dense", 0.3)))
+    reads = {("f16", "attend"): 1e6}
+    assert cal.reads_seconds(0, reads, fixed=False, fractions={("f16", "attend"): 1.0}) == pytest.approx(1e6 / 8e9)
+    assert cal.reads_seconds(0, reads, fixed=False, fractions={("f16", "attend"): 0.5}) == pytest.approx(
+        1e6 / ((0.4 + (0.5 - 0.25) / 0.75 * 0.4) * 10e9))
+    old = _cal((KindRate("f32", "dense", 0.3),))
+    assert old.reads_seconds(0, reads, fixed=False) == pytest.approx(1e6 / 3e9)
 
 
 def test_layer_fractions_count_the_rows_read():
@@ -178,6 +214,13 @@ def test_probe_rates_schema(monkeypatch):
     f16_rows = int(256 * 1024 // (2 * kind_probe.COLS))
     assert [r.bytes for r in rates[-3:]] == [max(1, int(f16_rows * f)) * 2 * kind_probe.COLS for f in sparse]
     assert all(r.share > 0 and r.seconds > 0 and np.isfinite(r.share) for r in rates)
+    kind_probe.cached_weight.cache_clear()
+    try:  # a gate and up read whole together: the matrix's first 2n rows (n: whole groups of 64), once each
+        gu = kind_probe.measure_kind_rates(2, 10e9, kind_probe.plan_for([("q4_1", "dense_gu"), ("q4_0", "rows_gu")]))
+    finally:
+        kind_probe.cached_weight.cache_clear()
+    assert [(r.kind, r.access, r.fraction) for r in gu] == [("q4_1", "dense_gu", 1.0), ("q4_0", "rows_gu", 1.0)]
+    assert gu[0].bytes == _ggml_bytes("Q4_1", rows // 2 // 64 * 64 * 2, kind_probe.COLS)
     with pytest.raises(TandemError, match="cannot time"):
         kind_probe.plan_for([("q2_k", "dense")])
 
@@ -203,7 +246,7 @@ def test_matrices_kept_in_place_are_priced_as_rows_not_as_the_interleaved_copy(m
     assert in_place.packed_bytes == copy.packed_bytes  # the same bytes in either layout
     units = [StepUnit("qkv", 0, "q4_0", 1000), StepUnit("gate", 0, "q4_0", 400, in_place=True),
              StepUnit("up", 0, "q4_0", 400, in_place=True), StepUnit("down_t", 0, "f16", 800)]
-    assert modeled_reads(units, None, relu=True) == {("q4_0", "dense"): 1000, ("q4_0", "rows"): 800, ("f16", "axpy"): 800}
+    assert modeled_reads(units, None, relu=True) == {("q4_0", "dense"): 1000, ("q4_0", "rows_gu"): 800, ("f16", "axpy"): 800}
     exact = modeled_reads(units, [LayerFractions(1.0, 0.25, 0.25)], relu=True)  # the gate cut: gate whole, up gathered
     assert exact == {("q4_0", "dense"): 1000, ("q4_0", "rows"): 400, ("q4_0", "gather"): 100, ("f16", "axpy"): 200}
     ungated = modeled_reads([u for u in units if u.role != "gate"], [LayerFractions(1.0, 0.25, 0.25)], relu=True)
@@ -256,7 +299,7 @@ def test_matrix_passes_are_counted_and_priced(tmp_path):
     units = [StepUnit("qkv", 0, "q4_1", 100), StepUnit("o", 0, "q4_1", 50), StepUnit("gate", 0, "q4_1", 80),
              StepUnit("up", 0, "q4_1", 80), StepUnit("down_t", 0, "f16", 160), StepUnit("pred", 0, "q8_0", 10),
              StepUnit("head", -1, "q8_0", 300), StepUnit("embed_row", -1, "f32", 4)]
-    assert modeled_passes(units, None, relu=False) == 6  # every matrix but the predictor; the embedding row is a copy
+    assert modeled_passes(units, None, relu=False) == 5  # every matrix but the predictor (gate + up: one slice loop)
     predicted = [LayerFractions(0.2, 0.1, 0.1, predicted=True)]
     assert modeled_passes(units, predicted, relu=True) == 7  # the predictor's pass too
     assert modeled_passes(units, [LayerFractions(1.0, 0.0, 0.0)], relu=True) == 4  # no up or down row read: no pass
@@ -361,27 +404,67 @@ def test_timed_read_pass_reads_the_rows_and_times_only_its_region():
     assert fn(ctypes.addressof(down.desc), 2, picks.ctypes.data, len(picks), x.ctypes.data, h.ctypes.data, threads,
               out.ctypes.data, rows) > 0.0
     np.testing.assert_allclose(out[:, :cols].sum(0), summed, rtol=1e-5, atol=1e-5)  # two partial sums
+    # access 3: the first n rows (up) and the next n (gate) read together, each thread its run of 32-row slices
+    n, full = 48, np.zeros(rows, np.float32)
+    lib.tdm_dot_rows(ctypes.byref(ref.desc), 0, rows, x.ctypes.data, ctypes.c_double(2.0), full.ctypes.data)
+    out = np.full((threads, rows), np.nan, np.float32)
+    start = np.zeros(1, np.int32)
+    assert fn(ctypes.addressof(ref.desc), 3, start.ctypes.data, n, x.ctypes.data, h.ctypes.data, threads,
+              out.ctypes.data, rows) > 0.0
+    cut = 32  # two slices of 32 rows (the second of 16): one each
+    for t, (lo, hi) in enumerate(((0, cut), (cut, n))):
+        assert np.array_equal(out[t, lo:hi], full[lo:hi]) and np.array_equal(out[t, n + lo:n + hi], full[n + lo:n + hi])
+
+
+def test_attend_pass_computes_attention_and_the_probe_times_it(monkeypatch):
+    """tdm_attend_pass_timed: every query head's softmax(q K^T / 8) V over its KV head's rows (float16 or float32
+    cache) against numpy; the probe's attend rates, one per group size, with the cache's bytes."""
+    from online import kind_probe
+    from online.kernels.native import load_native
+
+    lib, rng = load_native().lib, np.random.default_rng(9)
+    monkeypatch.setattr(kind_probe, "PROBE_BYTES", 64 * 1024)
+    monkeypatch.setattr(kind_probe, "REPEATS", 2)
+    for fmt, dtype in (("fp16", np.float16), ("fp32", np.float32)):
+        one = kind_probe.AttendPass(lib, fmt, 2, rng, group=3)
+        assert one() > 0.0
+        k, v, q = one.k.astype(np.float64), one.v.astype(np.float64), one.q.astype(np.float64)
+        for h in range(q.shape[0]):
+            s = k[h // 3] @ q[h] * 0.125
+            p = np.exp(s - s.max())
+            np.testing.assert_allclose(one.out[h], p @ v[h // 3] / p.sum(), rtol=2e-4, atol=2e-5)
+        assert one.nbytes == 2 * kind_probe.ATTEND_KV_HEADS * one.rows * kind_probe.ATTEND_HEAD_DIM * np.dtype(dtype).itemsize
+    rates = kind_probe.measure_kind_rates(2, 10e9, kind_probe.plan_for([("f16", "attend")]))
+    assert [(r.kind, r.access, r.fraction) for r in rates] == [("f16", "attend", 1 / g) for g in kind_probe.ATTEND_GROUPS]
+    assert all(r.share > 0 and r.bytes > 0 for r in rates)
 
 
 
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
 @pytest.mark.parametrize("windows", [(), (4, 0)])  # every layer global; a windowed layer beside a global one
-def test_kv_reads_are_the_cache_rows_attention_streams(wide_llama, windows):
-    """kv_read_bytes against the KV cache's own tensors: the keys and values of positions [0, n) of every
-    layer, a windowed layer's last ``window`` of them."""
+def test_kv_reads_are_the_cache_rows_attention_streams(wide_llama, windows, kv_type):
+    """kv_read_bytes against the KV cache's own tensors (float16 or float32): the keys and values of positions
+    [0, n) of every layer, a windowed layer's last ``window`` of them; priced as the attention kernel's reads
+    at the model's KV heads per query head."""
     import dataclasses
 
-    from placement.step_reads import KV_KIND, kv_read_bytes, kv_reads, with_kv
+    from placement.step_reads import kv_kind, kv_read_bytes, kv_reads, kv_shares, with_kv
     from tandem.core.kv_cache import KVCache
     from tandem.core.loading.hf_loader import load_hf_folder
 
     cfg = load_hf_folder(wide_llama).config
     cfg = dataclasses.replace(cfg, num_layers=2, layer_windows=windows)
-    cache = KVCache(cfg, 32)
+    cache = KVCache(cfg, 32, dtype={"f16": torch.float16, "f32": torch.float32}[kv_type])
     for n in (0, 1, 3, 9):
         spans = [min(n, w) if w else n for w in (windows or (0, 0))]
         expected = sum(cache.keys[i, :, :s].nbytes + cache.values[i, :, :s].nbytes for i, s in enumerate(spans))
-        assert kv_read_bytes(cfg, n) == expected
-    reads = with_kv({("q4_0", "dense"): 10.0, KV_KIND: 1.0}, kv_reads(cfg, 9))
-    assert reads == {("q4_0", "dense"): 10.0, KV_KIND: 1.0 + kv_read_bytes(cfg, 9)}
+        assert kv_read_bytes(cfg, n, kv_type) == expected
+    key = kv_kind(kv_type)
+    assert key == (kv_type, "attend")
+    reads = with_kv({("q4_0", "dense"): 10.0, key: 1.0}, kv_reads(cfg, 9, kv_type))
+    assert reads == {("q4_0", "dense"): 10.0, key: 1.0 + kv_read_bytes(cfg, 9, kv_type)}
+    assert kv_shares(cfg, kv_type) == {key: cfg.num_kv_heads / cfg.num_heads}
     with pytest.raises(TandemError):
         kv_read_bytes(cfg, -1)
+    with pytest.raises(TandemError, match="unknown KV cache type"):
+        kv_reads(cfg, 3, "bf16")

@@ -72,15 +72,18 @@ def counted_reads(engine, step, mode: str, rec: dict, context_tokens: float) -> 
     layer at the row shares the run counted, the KV cache at the run's mean context, and the matrix passes
     per token."""
     from online.step_inventory import step_units
-    from placement.step_reads import LayerFractions, kv_reads, modeled_passes, modeled_reads, read_fractions, with_kv
+    from placement.step_reads import (LayerFractions, kv_reads, kv_shares, modeled_passes, modeled_reads, read_fractions,
+                                      with_kv)
 
     total = rec["neurons"]
     down = rec["down_rows"] / total
     fractions = {"dense": None, "relu-exact": LayerFractions(1.0, down, down),
                  "predictor": LayerFractions(rec["predicted_rows"] / total, rec["computed_up_rows"] / total, down, True)}[mode]
     units, layers = step_units(step, engine.config), None if fractions is None else [fractions] * engine.config.num_layers
-    return (with_kv(modeled_reads(units, layers, relu=True), kv_reads(engine.config, context_tokens)),
-            read_fractions(units, layers, relu=True), modeled_passes(units, layers, relu=True))
+    kv = engine.kv_cache_type
+    return (with_kv(modeled_reads(units, layers, relu=True), kv_reads(engine.config, context_tokens, kv)),
+            with_kv(read_fractions(units, layers, relu=True), kv_shares(engine.config, kv)),
+            modeled_passes(units, layers, relu=True))
 
 
 def modeled(cal, engine, step, mode: str, rec: dict, context: float, read_bytes: float, bandwidth: float) -> dict:
@@ -130,7 +133,7 @@ def main() -> None:
                      for r in step._keep if hasattr(r, "predicted"))
     n_layers, n_ff = engine.config.num_layers, engine.executor.splits[0].cpu.n_neurons
     context = len(ids) + (args.decode_tokens + 1) / 2  # keys each decode step attends to, on average
-    kv = kv_read_bytes(engine.config, context)  # float32 keys and values: read by every mode alike
+    kv = kv_read_bytes(engine.config, context, engine.kv_cache_type)  # keys and values: read by every mode alike
     out = []
     for mode in ("dense", "relu-exact", "predictor"):
         rec = run_mode(engine, step, mode, ids, args.decode_tokens, args.runs, preds, lambda: measure_read_bandwidth("cpu"))

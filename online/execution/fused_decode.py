@@ -10,7 +10,7 @@ scheme); the modular path stays the reference and the prefill path.
 
 Layers with a predictor score their neurons first and read only the predicted gate/up/down rows
 (predict.h); ReLU-family layers skip the up rows their gate zeroes. Anything it does not cover
-(GPU-tier neurons or experts, float32 attention) makes ``FusedDecodeStep.build`` raise ``FusedDecodeUnavailable`` with the reason; the
+(GPU-tier neurons or experts, float32 attention weights) makes ``FusedDecodeStep.build`` raise ``FusedDecodeUnavailable`` with the reason; the
 engine then decodes through the modules.
 
 ``step_many`` (T tokens of one sequence: speculative verification) and ``step_batch`` (tokens of
@@ -45,7 +45,7 @@ from ..kernels.native.structs import TdmLayer, TdmModel, WeightRef, addr, descri
 from tandem.core.kv_cache import KVCache
 from .fused_arch import MoeRef, build_moe, check_moe, expert_width, layer_arrays, model_fields
 from .fused_predict import PredictorRef, build_predictor
-from .multi_token import int_list, kv_key, pack_tables, step_batch_by_token
+from .multi_token import int_list, kv_arrays, kv_key, pack_tables, step_batch_by_token
 from .quantized_linear import describe_qkv
 
 
@@ -239,7 +239,7 @@ class FusedDecodeStep:
 
     def _bind(self, cache: KVCache) -> None:
         """Point the layers at this cache's buffers and size the scratch for its capacity."""
-        self._calls.bind(_np(cache.keys), _np(cache.values), cache.capacity_tokens)  # [L, KV, C, hd] each
+        self._calls.bind(*kv_arrays(cache.keys, cache.values), cache.capacity_tokens)  # [L, KV, C, hd] each
         self._bound_cache = weakref.ref(cache)
         self._kv_key = kv_key(cache.keys, cache.values)
 
@@ -353,7 +353,7 @@ class FusedDecodeStep:
             raise TandemError(f"KV pool shape {tuple(keys.shape)} does not fit this model "
                               f"({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim})")
         if self._kv_key != kv_key(keys, values):  # point the layers at this pool (unless they already do)
-            self._calls.point_layers(_np(keys), _np(values))  # [L, KV, rows, hd] each
+            self._calls.point_layers(*kv_arrays(keys, values))  # [L, KV, rows, hd] each
             self._kv_key = kv_key(keys, values)
             self._bound_cache = None  # the single-token step rebinds its cache next time
         out = torch.empty(sum(want), self._desc.vocab, dtype=torch.float32)  # [sum(want), vocab]

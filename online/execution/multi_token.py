@@ -32,6 +32,15 @@ def kv_key(keys: torch.Tensor, values: torch.Tensor) -> tuple:
     return keys.data_ptr(), values.data_ptr(), tuple(keys.shape), keys.stride(), values.stride(), keys.dtype
 
 
+def kv_arrays(keys: torch.Tensor, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """A KV cache's or pool's tensors as the numpy arrays the step reads: contiguous CPU float16 or float32."""
+    for t in (keys, values):
+        if t.device.type != "cpu" or t.dtype not in (torch.float16, torch.float32) or not t.is_contiguous():
+            raise TandemError(f"the fused step reads a contiguous float16 or float32 CPU KV cache, not {t.dtype} "
+                              f"on {t.device.type}")
+    return keys.detach().numpy(), values.detach().numpy()
+
+
 def pack_tables(tables, positions: list[int], block_tokens: int, pool_rows: int) -> np.ndarray:
     """int32 [T, width] block tables (zero-padded) after checking that every position lies inside its
     table, every block it uses inside the pool, and that no two tokens write the same KV row."""
@@ -61,7 +70,7 @@ def step_batch_by_token(step, token_ids, positions, tables: np.ndarray, pool, wa
     rows, bt = [], int(pool.block_tokens)
     for token, pos, table, wanted in zip(token_ids, positions, tables, want):
         index = torch.from_numpy(table[np.arange(pos + 1) // bt].astype(np.int64) * bt + np.arange(pos + 1) % bt)
-        scratch = KVCache(step.cfg, pos + 1)
+        scratch = KVCache(step.cfg, pos + 1, dtype=pool.keys.dtype)
         scratch.keys.copy_(pool.keys.index_select(2, index))  # [L, KV, pos+1, hd]
         scratch.values.copy_(pool.values.index_select(2, index))
         logits = step(token, pos, scratch)

@@ -30,11 +30,11 @@ from .step_cache import RUNTIME_POINTERS, StepCacheError
 
 
 class ArrayKVCache:
-    """One sequence's keys/values, float32 [L, KV, C, hd] numpy arrays (the KVCache layout)."""
+    """One sequence's keys/values, float16 (or float32) [L, KV, C, hd] numpy arrays (the KVCache layout)."""
 
-    def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity_tokens: int) -> None:
+    def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity_tokens: int, dtype=np.float16) -> None:
         self.capacity_tokens = capacity_tokens
-        self.keys = np.zeros((n_layers, n_kv, capacity_tokens, head_dim), dtype=np.float32)  # [L, KV, C, hd]
+        self.keys = np.zeros((n_layers, n_kv, capacity_tokens, head_dim), dtype=dtype)  # [L, KV, C, hd]
         self.values = np.zeros_like(self.keys)
 
     @property

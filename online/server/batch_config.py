@@ -64,11 +64,11 @@ class BatchConfig:
         """The pool for ``engine``: the budget given, else ``max_batch_seqs`` full contexts capped at
         DEFAULT_KV_BUDGET_BYTES but at least one full context, and never more than a quarter of the
         memory available now (requests that cannot fit are answered 400, never an out-of-memory crash)."""
-        budget = self.kv_budget_bytes
+        budget, kv_type = self.kv_budget_bytes, engine.kv_cache_type
         if budget is None:
             import psutil
-            context_bytes = (int(engine.max_context) + self.block_tokens) * kv_bytes_per_token(engine.config)
+            context_bytes = (int(engine.max_context) + self.block_tokens) * kv_bytes_per_token(engine.config, kv_type)
             budget = max(context_bytes, min(DEFAULT_KV_BUDGET_BYTES, self.max_batch_seqs * context_bytes))
             budget = min(budget, max(psutil.virtual_memory().available // 4,
-                                     self.block_tokens * kv_bytes_per_token(engine.config)))
-        return KVPool.create(engine.config, budget, self.block_tokens)
+                                     self.block_tokens * kv_bytes_per_token(engine.config, kv_type)))
+        return KVPool.create(engine.config, budget, self.block_tokens, kv_type)

@@ -50,12 +50,13 @@ class PagedSequenceCache:
                                 + positions % self.block_tokens)  # [end-begin]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [T, KV, hd] at positions start.. and return keys/values of 0..start+T [KV, S, hd]."""
+        """Store k, v [T, KV, hd] at positions start.. and return keys/values of 0..start+T [KV, S, hd] in k's
+        dtype (a float16 pool is widened for the module graph's attention)."""
         end = start + k.shape[0]
         index = self.rows(0, end)  # [S]
-        self.pool.keys[layer][:, index[start:]] = k.transpose(0, 1)
-        self.pool.values[layer][:, index[start:]] = v.transpose(0, 1)
-        return self.pool.keys[layer][:, index], self.pool.values[layer][:, index]  # [KV, S, hd]
+        self.pool.keys[layer][:, index[start:]] = k.transpose(0, 1).to(self.pool.keys.dtype)
+        self.pool.values[layer][:, index[start:]] = v.transpose(0, 1).to(self.pool.values.dtype)
+        return self.pool.keys[layer][:, index].to(k.dtype), self.pool.values[layer][:, index].to(v.dtype)  # [KV, S, hd]
 
 
 def private_kv(engine: Any) -> bool:

@@ -38,8 +38,9 @@ class KVCache:
         return 2 * self.keys.numel() * self.keys.element_size()
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [T, KV, hd] at positions start.. and return all keys/values so far [KV, S, hd]."""
+        """Store k, v [T, KV, hd] at positions start.. and return all keys/values so far [KV, S, hd], in k's
+        dtype (a float16 cache is widened for the caller's attention)."""
         end = start + k.shape[0]
         self.keys[layer, :, start:end] = k.transpose(0, 1)
         self.values[layer, :, start:end] = v.transpose(0, 1)
-        return self.keys[layer, :, :end], self.values[layer, :, :end]
+        return self.keys[layer, :, :end].to(k.dtype), self.values[layer, :, :end].to(v.dtype)

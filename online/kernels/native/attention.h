@@ -80,16 +80,62 @@ static float softmax_exp(float *scores, int64_t start, int64_t pos) {
 /* Query heads attended together: the heads of one KV group that one thread takes, up to TDM_MAX_GROUP */
 #define TDM_MAX_GROUP 16
 
+/* KV rows are float32, or float16 where the model says so (tdm_model.kv_half: half the bytes a token's
+ * attention reads; F16C widens them on load, stores round to nearest even as numpy's float16 does) */
+static inline uint16_t f16_bits(float f) {
+#ifdef TDM_SIMD
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return (uint16_t)(sign | 0x7E00u);  /* NaN */
+    if (ax >= 0x47800000u) return (uint16_t)(sign | 0x7C00u); /* >= 65536 (and inf): inf */
+    if (ax < 0x38800000u)                                      /* below 2^-14: a subnormal half (or 0) */
+        return (uint16_t)(sign | (uint32_t)nearbyintf(fabsf(f) * 16777216.0f));
+    uint32_t r = ax - 0x38000000u; /* exponent rebiased 127 -> 15; the carry of rounding may reach inf */
+    return (uint16_t)(sign | ((r + 0xFFFu + ((r >> 13) & 1u)) >> 13));
+#endif
+}
+
 /* the K (or V) row of position s: rows[s] in a paged pool (batch.h), s in a contiguous cache (rows NULL) */
-static inline const float *kv_row(const float *X, const int32_t *rows, int64_t s, int64_t hd) {
-    return X + (rows ? (int64_t)rows[s] : s) * hd;
+static inline const char *kv_row(const void *X, const int32_t *rows, int64_t s, int64_t hd, int half) {
+    return (const char *)X + (rows ? (int64_t)rows[s] : s) * hd * (half ? 2 : 4);
+}
+
+/* row ``row`` of a KV cache block X (float16 where ``half``) */
+static inline void *kv_at(void *X, int64_t row, int64_t hd, int half) { return (char *)X + row * hd * (half ? 2 : 4); }
+
+static inline float kv_value(const char *row, int64_t c, int half) {
+    return half ? f16_value(((const uint16_t *)row)[c]) : ((const float *)row)[c];
+}
+
+/* one head's k or v row v [hd] into the cache at dst */
+static inline void kv_store(void *dst, const float *v, int64_t hd, int half) {
+    if (!half) {
+        memcpy(dst, v, 4 * hd);
+        return;
+    }
+    uint16_t *o = (uint16_t *)dst;
+    int64_t c = 0;
+#ifdef TDM_SIMD
+    for (; c + 8 <= hd; c += 8)
+        _mm_storeu_si128((__m128i *)(o + c), _mm256_cvtps_ph(_mm256_loadu_ps(v + c), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; c < hd; c++) o[c] = f16_bits(v[c]);
 }
 
 #ifdef TDM_SIMD
+static inline __m256 kv_load8(const char *row, int64_t c, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + c)))
+                : _mm256_loadu_ps((const float *)row + c);
+}
+
 /* the rows of positions [s, e) of X on their way to L2 */
-static inline void fetch_rows(const float *X, const int32_t *rows, int64_t s, int64_t e, int64_t hd) {
+static inline void fetch_rows(const void *X, const int32_t *rows, int64_t s, int64_t e, int64_t hd, int half) {
+    int64_t row_bytes = hd * (half ? 2 : 4);
     for (; s < e; s++)
-        for (int64_t c = 0; c < hd; c += 16) _mm_prefetch((const char *)(kv_row(X, rows, s, hd) + c), _MM_HINT_T1);
+        for (int64_t c = 0; c < row_bytes; c += 64) _mm_prefetch(kv_row(X, rows, s, hd, half) + c, _MM_HINT_T1);
 }
 #endif
 
@@ -97,24 +143,25 @@ static inline void fetch_rows(const float *X, const int32_t *rows, int64_t s, in
  * a time for every head while they are in L1. Meanwhile the V rows of each block go toward L2 (the value
  * pass then finds them there), and paged K rows a block ahead (their 4 KiB blocks are scattered, so the
  * hardware's stream prefetchers restart at each one; a contiguous cache streams by itself). */
-static void key_scores(const float *q, int64_t n_q, const float *K, const float *V, const int32_t *rows,
-                       int64_t start, int64_t end, int64_t hd, float scale, float *scores, int64_t span) {
+static inline __attribute__((always_inline)) void key_scores_of(
+    const float *q, int64_t n_q, const void *K, const void *V, const int32_t *rows, int64_t start, int64_t end,
+    int64_t hd, float scale, float *scores, int64_t span, const int half) {
     int64_t s = start;
 #ifdef TDM_SIMD
     if (hd % 8 == 0) {
         __m256 vs = _mm256_set1_ps(scale);
-        if (rows) fetch_rows(K, rows, s, s + 8 < end ? s + 8 : end, hd); /* all lines of the first block at once */
+        if (rows) fetch_rows(K, rows, s, s + 8 < end ? s + 8 : end, hd, half); /* all lines of the first block at once */
         for (; s + 8 <= end; s += 8) {
-            const float *k[8];
-            for (int j = 0; j < 8; j++) k[j] = kv_row(K, rows, s + j, hd);
-            if (rows) fetch_rows(K, rows, s + 8, s + 16 < end ? s + 16 : end, hd);
-            fetch_rows(V, rows, s, s + 8, hd);
+            const char *k[8];
+            for (int j = 0; j < 8; j++) k[j] = kv_row(K, rows, s + j, hd, half);
+            if (rows) fetch_rows(K, rows, s + 8, s + 16 < end ? s + 16 : end, hd, half);
+            fetch_rows(V, rows, s, s + 8, hd, half);
             for (int64_t h = 0; h < n_q; h++) {
                 __m256 acc[8];
                 for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
                 for (int64_t c = 0; c < hd; c += 8) {
                     __m256 qc = _mm256_loadu_ps(q + h * hd + c);
-                    for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[j] + c), acc[j]);
+                    for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qc, kv_load8(k[j], c, half), acc[j]);
                 }
                 _mm256_storeu_ps(scores + h * span + s, _mm256_mul_ps(hsum8x8(acc), vs));
             }
@@ -124,32 +171,39 @@ static void key_scores(const float *q, int64_t n_q, const float *K, const float 
     (void)V;
 #endif
     for (; s < end; s++)
-        for (int64_t h = 0; h < n_q; h++) scores[h * span + s] = dot_f32(q + h * hd, kv_row(K, rows, s, hd), hd) * scale;
+        for (int64_t h = 0; h < n_q; h++) {
+            const char *k = kv_row(K, rows, s, hd, half);
+            float acc = 0.0f;
+            if (!half) acc = dot_f32(q + h * hd, (const float *)k, hd);
+            else
+                for (int64_t c = 0; c < hd; c++) acc += q[h * hd + c] * kv_value(k, c, half);
+            scores[h * span + s] = acc * scale;
+        }
+}
+
+static void key_scores(const float *q, int64_t n_q, const void *K, const void *V, const int32_t *rows,
+                       int64_t start, int64_t end, int64_t hd, float scale, float *scores, int64_t span, int half) {
+    if (half) key_scores_of(q, n_q, K, V, rows, start, end, hd, scale, scores, span, 1);
+    else key_scores_of(q, n_q, K, V, rows, start, end, hd, scale, scores, span, 0);
 }
 
 /* out + j * hd = softmax(scale * q_j . K[start..pos]) @ V[start..pos] for the n_q <= TDM_MAX_GROUP query heads
  * q_j = q + j * hd of one KV group (K, V: that group's rows; rows: see kv_row; scores: [n_q, span] scratch).
  * Each head's arithmetic is the same whatever n_q (the decode step's and batch.h's tokens are bit-identical);
  * the heads share each K and V row while it is in L1. */
-static void attend_group(const float *K, const float *V, const int32_t *rows, int64_t start, int64_t pos,
-                         int64_t hd, float scale, const float *q, int64_t n_q, float *out, float *scores,
-                         int64_t span) {
-    float inv[TDM_MAX_GROUP];
-    key_scores(q, n_q, K, V, rows, start, pos + 1, hd, scale, scores, span);
-    for (int64_t h = 0; h < n_q; h++) {
-        inv[h] = 1.0f / softmax_exp(scores + h * span, start, pos);
-        for (int64_t k = 0; k < hd; k++) out[h * hd + k] = 0.0f;
-    }
+static inline __attribute__((always_inline)) void values_of(
+    const void *V, const int32_t *rows, int64_t start, int64_t pos, int64_t hd, int64_t n_q, float *out,
+    const float *scores, int64_t span, const int half) {
     for (int64_t s = start; s <= pos; s++) { /* the outputs stay in L1; four values per pass over them */
-        const float *restrict v0 = kv_row(V, rows, s, hd);
+        const char *v0 = kv_row(V, rows, s, hd, half);
         if (s + 3 <= pos) {
-            const float *restrict v1 = kv_row(V, rows, s + 1, hd), *restrict v2 = kv_row(V, rows, s + 2, hd);
-            const float *restrict v3 = kv_row(V, rows, s + 3, hd);
+            const char *v1 = kv_row(V, rows, s + 1, hd, half), *v2 = kv_row(V, rows, s + 2, hd, half);
+            const char *v3 = kv_row(V, rows, s + 3, hd, half);
             int64_t k0 = 0;
 #ifdef TDM_SIMD
             for (; k0 + 8 <= hd; k0 += 8) {
-                __m256 a = _mm256_loadu_ps(v0 + k0), b = _mm256_loadu_ps(v1 + k0);
-                __m256 c = _mm256_loadu_ps(v2 + k0), e = _mm256_loadu_ps(v3 + k0);
+                __m256 a = kv_load8(v0, k0, half), b = kv_load8(v1, k0, half);
+                __m256 c = kv_load8(v2, k0, half), e = kv_load8(v3, k0, half);
                 for (int64_t h = 0; h < n_q; h++) { /* (p v0 + p1 v1) + (p2 v2 + p3 v3), rounded as below */
                     const float *p = scores + h * span + s;
                     __m256 lo = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(p[0]), a), _mm256_mul_ps(_mm256_set1_ps(p[1]), b));
@@ -162,16 +216,35 @@ static void attend_group(const float *K, const float *V, const int32_t *rows, in
             for (int64_t h = 0; h < n_q; h++) {
                 const float *p = scores + h * span + s;
                 float *o = out + h * hd;
-                for (int64_t k = k0; k < hd; k++) o[k] += (p[0] * v0[k] + p[1] * v1[k]) + (p[2] * v2[k] + p[3] * v3[k]);
+                for (int64_t k = k0; k < hd; k++)
+                    o[k] += (p[0] * kv_value(v0, k, half) + p[1] * kv_value(v1, k, half)) +
+                            (p[2] * kv_value(v2, k, half) + p[3] * kv_value(v3, k, half));
             }
             s += 3;
         } else {
             for (int64_t h = 0; h < n_q; h++) {
                 float p = scores[h * span + s], *o = out + h * hd;
-                for (int64_t k = 0; k < hd; k++) o[k] += p * v0[k];
+                for (int64_t k = 0; k < hd; k++) o[k] += p * kv_value(v0, k, half);
             }
         }
     }
+}
+
+/* out + j * hd = softmax(scale * q_j . K[start..pos]) @ V[start..pos] for the n_q <= TDM_MAX_GROUP query heads
+ * q_j = q + j * hd of one KV group (K, V: that group's rows, float16 where ``half``; rows: see kv_row;
+ * scores: [n_q, span] scratch). Each head's arithmetic is the same whatever n_q (the decode step's and
+ * batch.h's tokens are bit-identical); the heads share each K and V row while it is in L1. */
+static void attend_group(const void *K, const void *V, const int32_t *rows, int64_t start, int64_t pos,
+                         int64_t hd, float scale, const float *q, int64_t n_q, float *out, float *scores,
+                         int64_t span, int half) {
+    float inv[TDM_MAX_GROUP];
+    key_scores(q, n_q, K, V, rows, start, pos + 1, hd, scale, scores, span, half);
+    for (int64_t h = 0; h < n_q; h++) {
+        inv[h] = 1.0f / softmax_exp(scores + h * span, start, pos);
+        for (int64_t k = 0; k < hd; k++) out[h * hd + k] = 0.0f;
+    }
+    if (half) values_of(V, rows, start, pos, hd, n_q, out, scores, span, 1);
+    else values_of(V, rows, start, pos, hd, n_q, out, scores, span, 0);
     for (int64_t h = 0; h < n_q; h++)
         for (int64_t k = 0; k < hd; k++) out[h * hd + k] *= inv[h];
 }

@@ -107,7 +107,7 @@ static void batch_norm_quantize(const tdm_model *m, const float *x, const float 
 static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_batch *B, batch_shared *sb,
                             batch_thread *tb, int t, int nt) {
     int64_t T = B->n_tokens, hd = m->head_dim, qn = m->n_heads * hd, width = qn + 2 * m->n_kv * hd, lo, hi;
-    int64_t n = max_in(m), span = B->span;
+    int64_t n = max_in(m), span = B->span, half = m->kv_half != 0;
     for (int64_t i = 0; i < T; i++) batch_norm_quantize(m, tb->res + i * m->d, L->attn_norm, L->attn_norm_bias, tb->xn + i * n, tb->x + i);
     chunk(m->n_heads + 2 * m->n_kv, t, nt, &lo, &hi);
     for (int64_t u = lo; u < hi; u++) { /* q heads, then k heads, then v heads */
@@ -121,9 +121,9 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
                 for (int64_t k = 0; k < hd; k++) v[k] += L->qkv_bias[u * hd + k];
             qk_head(m, L, u, pos, v);
             if (u >= m->n_heads + m->n_kv)
-                memcpy(L->v_cache + ((u - m->n_heads - m->n_kv) * B->kv_rows + row) * hd, v, 4 * hd);
+                kv_store(kv_at(L->v_cache, (u - m->n_heads - m->n_kv) * B->kv_rows + row, hd, half), v, hd, half);
             else if (u >= m->n_heads)
-                memcpy(L->k_cache + ((u - m->n_heads) * B->kv_rows + row) * hd, v, 4 * hd);
+                kv_store(kv_at(L->k_cache, (u - m->n_heads) * B->kv_rows + row, hd, half), v, hd, half);
         }
     }
 #pragma omp barrier
@@ -134,9 +134,9 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
         int64_t j = e % rep, i = (e / rep) % T, g = e / (rep * T), h = g * rep + j, pos = B->pos[i];
         int64_t end = e - j + rep < hi ? e - j + rep : hi;
         n_q = end - e < per ? end - e : per;
-        attend_group(L->k_cache + g * B->kv_rows * hd, L->v_cache + g * B->kv_rows * hd, sb->rowmap + i * span,
-                     window_start(m, L, pos), pos, hd, (float)m->attn_scale, sb->qkv + i * width + h * hd, n_q,
-                     sb->attn + i * qn + h * hd, tb->scores, span);
+        attend_group(kv_at(L->k_cache, g * B->kv_rows, hd, half), kv_at(L->v_cache, g * B->kv_rows, hd, half),
+                     sb->rowmap + i * span, window_start(m, L, pos), pos, hd, (float)m->attn_scale,
+                     sb->qkv + i * width + h * hd, n_q, sb->attn + i * qn + h * hd, tb->scores, span, half);
     }
 #pragma omp barrier
     for (int64_t i = 0; i < T; i++) {

@@ -16,7 +16,7 @@
  * Threads: one OpenMP parallel region per call; every matrix is split by rows over the threads,
  * with a barrier where a phase needs the whole previous result (four per layer). Small vectors
  * (the residual stream, norms, activation quantization) are recomputed by every thread instead of
- * shared: cheaper than a barrier. Row kernels live in rows.h, attention in attention.h.
+ * shared: cheaper than a barrier. Row kernels in rows.h, attention (float32 or float16 KV) in attention.h.
  *
  * The multi-token step (tdm_decode_batch: T tokens of one or several sequences over a paged KV
  * layout, each weight row read once for all T) is batch.h with its row kernels in rows_multi.h;
@@ -73,7 +73,7 @@ enum { ACT_SILU = 0, ACT_RELU = 1, ACT_FATRELU = 2, ACT_DRELU = 3, ACT_GELU = 4,
 typedef struct {
     const float *attn_norm, *ffn_norm;          /* [d] */
     const float *qkv_bias, *o_bias, *down_bias; /* NULL when absent */
-    float *k_cache, *v_cache;                   /* [n_kv, capacity, head_dim] */
+    void *k_cache, *v_cache;                    /* [n_kv, capacity, head_dim]: float32, float16 with kv_half */
     tdm_weight qkv, o, gate, up, down_t;        /* down_t: [n_ff, d], rows = neurons */
     double threshold;                           /* |h| > threshold is computed; < 0: all */
     const tdm_predictor *pred;                  /* NULL: no predictor (predict.h) */
@@ -109,6 +109,7 @@ typedef struct {
     int64_t norm_kind;                  /* NORM_RMS / NORM_LAYER */
     const float *final_norm_bias;       /* [d] */
     const float *pos_embed;             /* [rope_positions, d]: position p's row (OPT's offset applied) */
+    int64_t kv_half;                    /* 1: the layers' k_cache / v_cache hold float16 (attention.h), 0: float32 */
 } tdm_model;
 
 /* ---------------------------------------------------------------------------------------------
@@ -267,7 +268,7 @@ static const tdm_weight *qkv_unit(const tdm_model *m, const tdm_layer *L, int64_
  * heads into the cache without waiting for the others. */
 static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos, shared_bufs *sb,
                             thread_bufs *tb, int t, int nt) {
-    int64_t hd = m->head_dim, qn = m->n_heads * hd, lo, hi;
+    int64_t hd = m->head_dim, qn = m->n_heads * hd, lo, hi, half = m->kv_half != 0;
     norm_and_quantize(m, tb->res, L->attn_norm, L->attn_norm_bias, tb);
     chunk(m->n_heads + 2 * m->n_kv, t, nt, &lo, &hi);
     for (int64_t u = lo; u < hi; u++) { /* q heads, then k heads, then v heads */
@@ -279,9 +280,9 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
             for (int64_t k = 0; k < hd; k++) v[k] += L->qkv_bias[u * hd + k];
         qk_head(m, L, u, pos, v);
         if (u >= m->n_heads + m->n_kv)
-            memcpy(L->v_cache + ((u - m->n_heads - m->n_kv) * m->capacity + pos) * hd, v, 4 * hd);
+            kv_store(kv_at(L->v_cache, (u - m->n_heads - m->n_kv) * m->capacity + pos, hd, half), v, hd, half);
         else if (u >= m->n_heads)
-            memcpy(L->k_cache + ((u - m->n_heads) * m->capacity + pos) * hd, v, 4 * hd);
+            kv_store(kv_at(L->k_cache, (u - m->n_heads) * m->capacity + pos, hd, half), v, hd, half);
     }
 #pragma omp barrier
     chunk(m->n_heads, t, nt, &lo, &hi);
@@ -289,8 +290,9 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
     for (int64_t h = lo, n_q; h < hi; h += n_q) { /* this thread's heads of one KV group together */
         int64_t g = h / rep, end = (g + 1) * rep < hi ? (g + 1) * rep : hi;
         n_q = end - h < per ? end - h : per;
-        attend_group(L->k_cache + g * m->capacity * hd, L->v_cache + g * m->capacity * hd, NULL, start, pos, hd,
-                     (float)m->attn_scale, sb->qkv + h * hd, n_q, sb->attn + h * hd, tb->scores, m->capacity);
+        attend_group(kv_at(L->k_cache, g * m->capacity, hd, half), kv_at(L->v_cache, g * m->capacity, hd, half), NULL,
+                     start, pos, hd, (float)m->attn_scale, sb->qkv + h * hd, n_q, sb->attn + h * hd, tb->scores,
+                     m->capacity, half);
     }
 #pragma omp barrier
     tb->x.f = sb->attn;
@@ -304,6 +306,7 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
 }
 
 #include "ffn.h" /* one layer's FFN: rows, down rows or dense down, MoE dispatch */
+#include "probe.h" /* benchmark entries: the row kernels timed as the step reads (online/kind_probe.py) */
 
 int64_t tdm_decode_range(const tdm_model *m, int64_t first, int64_t last, int64_t pos, float *res, float *logits);
 
@@ -393,6 +396,5 @@ static int64_t decode_parts(const tdm_model *m, int64_t first, int64_t last, int
 
 #include "moe.h" /* MoE layers: router, top-k, experts through ffn_rows, shared expert */
 
-/* The multi-token step (T tokens of one or several sequences, one region): batch.h */
-#include "batch.h"
+#include "batch.h" /* the multi-token step (T tokens of one or several sequences, one region) */
 #include "module.h" /* the module path's float-activation kernels (online/kernels/cpu_kernels.py) */

@@ -9,7 +9,7 @@ the ``TdmBatch`` of a multi-token call. Inputs are checked by the callers; this 
 Example::
 
     calls = StepCalls(desc, layers, load_native())
-    calls.bind(keys, values, capacity_tokens=256)          # float32 [L, KV, C, hd] each
+    calls.bind(keys, values, capacity_tokens=256)          # float16 (or float32) [L, KV, C, hd] each
     active = calls.decode(token_id, pos, logits_address)    # one token; returns active FFN rows
     active = calls.decode_batches([5, 9], [0, 1], np.zeros((2, 1), np.int32), 256, 256, [False, True], logits_address)
 """
@@ -22,6 +22,7 @@ import numpy as np
 from .structs import TdmBatch, addr
 
 SCRATCH_ALIGN_BYTES = 64
+KV_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))  # the KV caches the step reads (attention.h)
 MAX_BATCH_TOKENS = 64  # tokens per tdm_decode_batch call (longer runs are split, in order)
 
 
@@ -34,7 +35,11 @@ class StepCalls:
         self._batch_work: np.ndarray | None = None  # the multi-token step's scratch (batch.h)
 
     def point_layers(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """Layer i reads and writes keys[i] / values[i] (float32 [KV, rows, hd], C-contiguous)."""
+        """Layer i reads and writes keys[i] / values[i] ([KV, rows, hd], C-contiguous, both float16 or both
+        float32: KV_DTYPES)."""
+        if keys.dtype != values.dtype or keys.dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache of {keys.dtype} keys and {values.dtype} values: the step reads float16 or float32")
+        self.desc.kv_half = int(keys.dtype == np.float16)
         for i in range(self.desc.n_layers):
             self.layers[i].k_cache = addr(keys[i])
             self.layers[i].v_cache = addr(values[i])

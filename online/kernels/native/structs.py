@@ -66,7 +66,8 @@ class TdmModel(ctypes.Structure):
         ("embed", _P), ("final_norm", _P), ("rope_cos", _P), ("rope_sin", _P), ("rope_positions", _I),
         ("head", TdmWeight), ("layers", ctypes.POINTER(TdmLayer)), ("work", _P),
         ("embed_scale", ctypes.c_double), ("logit_softcap", ctypes.c_double),  # 0: none (Gemma: sqrt(d), cap)
-        ("norm_kind", _I), ("final_norm_bias", _P), ("pos_embed", _P)]  # OPT: 1 = LayerNorm; [positions, d]
+        ("norm_kind", _I), ("final_norm_bias", _P), ("pos_embed", _P),  # OPT: 1 = LayerNorm; [positions, d]
+        ("kv_half", _I)]  # 1: the KV caches the layers point at hold float16 (set by StepCalls.point_layers)
 
 
 class TdmBatch(ctypes.Structure):  # batch.h: the multi-token step's tokens, positions and block tables

@@ -1,0 +1,61 @@
+"""The engine's KV caches: their element type (float16 where the C step decodes) and the cache it reuses.
+
+Example::
+
+    engine.kv_cache_type                  # "f16": the fused step's caches hold float16 keys and values
+    cache = engine.new_kv_cache(256)      # a KVCache of that type
+"""
+from __future__ import annotations
+
+import math
+
+KV_CAPACITY_ROUND_TOKENS = 256
+C_STEP_PATHS = ("fused", "layer-offload")  # decode paths whose CPU layers attend in C over the cache passed in
+
+
+def _is_half(cache) -> bool:
+    return "float16" in str(cache.keys.dtype)
+
+
+class KVCaches:
+    """Mixed into Engine: needs ``args``, ``decode_path``, ``config``, ``max_context`` and ``_cache``."""
+
+    @property
+    def kv_cache_type(self) -> str:
+        """The element type of this engine's KV caches: ``f16`` where the fused C step decodes
+        (EngineArgs.kv_cache_type, f16 by default: attention reads half the bytes), else ``f32``."""
+        wanted = self.args.kv_cache_type if self.args is not None else "f16"
+        return wanted if self.decode_path in C_STEP_PATHS else "f32"
+
+    def new_kv_cache(self, capacity_tokens: int):
+        """A fresh torch KVCache of ``capacity_tokens`` in this engine's kv_cache_type (what its own
+        requests decode on).
+
+        Example::
+
+            cache = engine.new_kv_cache(256)
+            logits = engine.compiled_decode(token_id, 0, cache)
+        """
+        import torch
+        from tandem.core.kv_cache import KVCache
+        return KVCache(self.config, capacity_tokens, dtype=torch.float16 if self.kv_cache_type == "f16" else torch.float32)
+
+    def _kv_cache(self, n_tokens: int, arrays: bool = False):
+        """A KVCache (torch, the module graph) or with ``arrays`` an ArrayKVCache (the cached step) of
+        at least ``n_tokens`` rows in kv_cache_type, reused while it is big enough and of that kind."""
+        needed = min(self.max_context, math.ceil(n_tokens / KV_CAPACITY_ROUND_TOKENS) * KV_CAPACITY_ROUND_TOKENS)
+        from .execution.native_step import ArrayKVCache
+        half = self.kv_cache_type == "f16"
+        if (self._cache is None or self._cache.capacity_tokens < needed
+                or isinstance(self._cache, ArrayKVCache) != arrays or _is_half(self._cache) != half):
+            self._cache = None
+            cfg = self.config
+            if arrays:
+                import numpy as np
+                self._cache = ArrayKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, needed,
+                                           dtype=np.float16 if half else np.float32)
+            else:
+                import torch
+                from tandem.core.kv_cache import KVCache
+                self._cache = KVCache(cfg, needed, dtype=torch.float16 if half else torch.float32)
+        return self._cache
