@@ -18,7 +18,7 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 PEER_PYTHON = BENCH_DIR / "peers" / "venv" / "bin" / "python"
-PARTS = ["dense.md", "synthetic.md", "hybrid.md", "fused.md", "kernels.md", "moe.md", "modeled_powerinfer.md", "modeled_moe.md",
+PARTS = ["dense.md", "synthetic.md", "long_context.md", "hybrid.md", "fused.md", "kernels.md", "moe.md", "modeled_powerinfer.md", "modeled_moe.md",
          "costfit.md"]
 
 

@@ -112,17 +112,18 @@ def run_load(url: str, n_clients: int, requests_per_client: int, max_tokens: int
 
 def systems(args) -> list[tuple[str, list[str], dict, int]]:
     out = []
-    for prefill in args.prefill:
+    for prefill, kv in ((p, k) for p in args.prefill for k in args.kv_cache_types):
         port = free_port()
         cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", args.model, "--threads", str(args.threads),
                "--port", str(port), "--log-level", "warning", "--max-batch", str(max(args.clients)),
-               "--prefill-chunk-tokens", str(args.prefill_chunk_tokens), "--prefill", prefill]
+               "--prefill-chunk-tokens", str(args.prefill_chunk_tokens), "--prefill", prefill, "--kv-cache-type", kv]
         if args.plan:
             cmd += ["--plan", args.plan]
         if args.weight_format:
             cmd += ["--weight-format", args.weight_format]
         label = "plan" if args.plan else args.weight_format or "dense"
-        out.append((f"tandem ({label}, prefill {prefill})", cmd, {"ignore_eos": True}, port))
+        kv_label = f", {kv} KV" if len(args.kv_cache_types) > 1 else ""
+        out.append((f"tandem ({label}, prefill {prefill}{kv_label})", cmd, {"ignore_eos": True}, port))
     if args.peer and PEER_PYTHON.exists():
         check = subprocess.run([str(PEER_PYTHON), "-c", "import llama_cpp.server.app, uvicorn"], capture_output=True)
         if check.returncode == 0:
@@ -134,7 +135,7 @@ def systems(args) -> list[tuple[str, list[str], dict, int]]:
                                                     "--interrupt_requests", "False"], {}, port))  # queue, not cancel
         else:
             print("peer skipped: bench/peers/venv has no llama_cpp.server (run bench/build_peers.sh)", file=sys.stderr)
-    else:
+    elif args.peer:
         print("peer skipped: bench/peers/venv absent (run bench/build_peers.sh)", file=sys.stderr)
     return out
 
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk-tokens", type=int, default=128)
     p.add_argument("--prefill", nargs="+", default=["modules", "step"], choices=("modules", "step"),
                    help="tandem prefill modes to run side by side (serve --prefill)")
+    p.add_argument("--kv-cache-types", nargs="+", default=["f16"], choices=("f16", "f32"),
+                   help="tandem KV cache types to run side by side (serve --kv-cache-type)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-peer", dest="peer", action="store_false")

@@ -207,7 +207,6 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
     gpu_enabled = hardware.has_gpu and gpu_budget_bytes > 0
     chunk_size = effective_chunk_size(config, settings.neurons_per_chunk, max_total_chunks)
     q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    attention_weights = d * q_dim * 2 + d * kv_dim * 2
     fmt = settings.format_of  # each tensor (role, layer) in the plan's format for it (GGUF blocks as they are)
     kv_cache_bytes = math.ceil(2 * kv_dim * settings.context_tokens * settings.kv_bytes_per_element)
     attention_bias_bytes = BIAS_BYTES * ((q_dim + 2 * kv_dim if config.attention_bias else 0)

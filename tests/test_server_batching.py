@@ -106,6 +106,7 @@ def test_n_choices_through_the_openai_client(tiny_dir, ref_engine):
                                                             seed=8 + i).text for i in range(2)]
         health = wait_idle(srv)["batching"]  # the dense model has no fused step: /health says so
         assert health["path"] == "modules" and "module path" in health["note"] and health["kv_blocks_used"] == 0
+        assert health["kv_cache_type"] == "f32"  # module decoding keeps float32 keys and values
 
 
 def test_prefix_reuse_is_reported_and_changes_nothing(tiny_dir):
@@ -115,6 +116,10 @@ def test_prefix_reuse_is_reported_and_changes_nothing(tiny_dir):
     with LiveServer(app) as srv, srv.http() as http:
         health = http.get("/health").json()["batching"]
         assert health["path"] == "fused" and health["prefix_caching"] is True
+        assert health["kv_cache_type"] == "f16"  # float16 where the C step decodes: half the pool bytes per token
+        cfg = engine.config  # keys and values, two bytes each, of every layer's KV heads per token
+        assert health["kv_pool_bytes"] == health["kv_pool_blocks"] * health["kv_block_tokens"] * (
+            cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2)
         bodies = [{"messages": [system, {"role": "user", "content": q}], "max_tokens": 6, "temperature": 0}
                   for q in ("Hello", "Numbers: 1 2 3", "Numbers: 1 2 3")]
         answers = [http.post("/v1/chat/completions", json=b).json() for b in bodies]

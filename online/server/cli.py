@@ -136,7 +136,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"serving {engine.model_id} at http://{shown_host}:{args.port}/v1 (Ctrl+C to stop)", file=sys.stderr)
         b = app.state.scheduler.describe()
         print(f"batching: {b['path']} decode path, prefill {b['prefill']}, up to {b['max_batch_seqs']} sequences, "
-              f"{b['schedule']}; KV pool {b['kv_pool_bytes'] / 2**20:.0f} MiB "
+              f"{b['schedule']}; KV pool {b['kv_pool_bytes'] / 2**20:.0f} MiB of {b['kv_cache_type']} "
               f"({b['kv_pool_blocks'] * b['kv_block_tokens']} tokens)" + (f"; {b['note']}" if "note" in b else ""),
               file=sys.stderr)
         spec = b["speculation"]

@@ -103,6 +103,7 @@ class Scheduler:
                 "prefill_chunk_tokens": self.batch.prefill_chunk_tokens, "prefix_caching": step.prefix_caching,
                 "kv_pool_blocks": self.pool.n_blocks, "kv_block_tokens": self.pool.block_tokens,
                 "kv_pool_bytes": self.pool.nbytes, "kv_blocks_used": self.pool.n_used,
+                "kv_cache_type": self.pool.kv_cache_type,
                 "speculation": self.loop.spec.describe(),
                 **({} if step.path == "fused" else
                    {"note": "no fused batched step for this model/plan: sequences step one by one through the "
