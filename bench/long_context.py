@@ -31,11 +31,14 @@ def prompt_of(tokenizer, n_tokens: int) -> list[int]:
     return (base * (n_tokens // len(base) + 1))[:n_tokens]
 
 
-def tandem_rates(args, prompts: list[list[int]]) -> dict:
-    """{kv type: [[decode tok/s per round] per prompt]}, the two engines alternating within each round."""
+def tandem_rates(args) -> tuple[list[list[int]], dict]:
+    """(the prompts, {kv type: [[decode tok/s per round] per prompt]}), the two engines alternating within each round."""
     from online import Engine
 
-    engines = {kv: Engine.load(args.model, threads=args.threads, plan=args.plan, kv_cache_type=kv) for kv in ("f16", "f32")}
+    fmt = None if args.plan else "int4"
+    engines = {kv: Engine.load(args.model, threads=args.threads, plan=args.plan, weight_format=fmt, kv_cache_type=kv)
+               for kv in ("f16", "f32")}
+    prompts = [prompt_of(engines["f16"].tokenizer, n) for n in args.contexts]
     for engine in engines.values():
         if engine.decode_path != "fused":
             raise TandemError(f"{args.model} does not decode through the fused step ({engine.decode_path_reason})")
@@ -47,7 +50,7 @@ def tandem_rates(args, prompts: list[list[int]]) -> dict:
                 out = engine.generate(ids, max_new_tokens=args.decode_tokens, ignore_eos=True)
                 rates[kv][i].append(float(out.stats["decode_tokens_per_s"]))
         print(f"round {r + 1}/{args.runs} ({time.strftime('%H:%M:%S')})", flush=True)
-    return rates
+    return prompts, rates
 
 
 def llama_cpp_rates(args, gguf: str, prompts: list[list[int]]) -> list[list[float]] | None:
@@ -71,7 +74,9 @@ def table(args, prompts, rates: dict, peer) -> list[str]:
              f"- Command: `python -m bench.long_context --plan {args.plan} --contexts {' '.join(map(str, args.contexts))} "
              f"--runs {args.runs} --decode-tokens {args.decode_tokens}`; decode tok/s = median of {args.runs} runs of "
              f"{args.decode_tokens} greedy tokens after the prompt (the benchmark prompt repeated); Tandem's two caches "
-             "alternate in one process, llama.cpp (float16 cache, its default) runs right after in its own.",
+             "alternate in one process, llama.cpp (float16 cache, its default) runs right after in its own. The ratio "
+             "column is the median of each run's f16 / f32 pair (runs minutes apart drift by more than the pairs do), "
+             "not the ratio of the two medians.",
              "", "| context tokens | Tandem f16 KV | Tandem f32 KV | f16 / f32 (median of per-run ratios) | llama.cpp | "
              "Tandem f16 / llama.cpp |", "|---|---|---|---|---|---|"]
     for i, ids in enumerate(prompts):
@@ -97,12 +102,9 @@ def main() -> None:
         raise TandemError(f"contexts must lie in 1..{LLAMA_CPP_CONTEXT - args.decode_tokens - 1} "
                           f"(llama.cpp runs with n_ctx {LLAMA_CPP_CONTEXT})")
     from tandem.core.loading.resolve import resolve_model_path
-    from online import Engine
 
     gguf = str(resolve_model_path(args.model))
-    tokenizer = Engine.load(args.model, threads=args.threads, plan=args.plan).tokenizer
-    prompts = [prompt_of(tokenizer, n) for n in args.contexts]
-    rates = tandem_rates(args, prompts)
+    prompts, rates = tandem_rates(args)
     peer = llama_cpp_rates(args, gguf, prompts)
     lines = table(args, prompts, rates, peer)
     Path(args.out).write_text("\n".join(lines) + "\n")

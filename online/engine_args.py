@@ -61,8 +61,9 @@ class EngineArgs:
     layer_offload: bool = field(default=False, metadata=_flag(
         "--layer-offload", "llama.cpp -ngl policy: whole layers on the GPU tier in order until --gpu-budget is spent"))
     kv_cache_type: str = field(default="f16", metadata=_flag(
-        "--kv-cache-type", "keys and values of the fused C step's KV cache: f16 (half the bytes per attended token, "
-        "llama.cpp's default) or f32 (module-graph decoding always keeps float32)", choices=KV_CACHE_TYPES))
+        "--kv-cache-type", "keys and values of the KV cache where the C step decodes (fused, layer offload): f16 (half "
+        "the bytes per attended token, llama.cpp's default) or f32; engines decoding through the module graph or a "
+        "GPU step keep float32", choices=KV_CACHE_TYPES))
     step_cache: bool = field(default=True, metadata=_flag(
         "--no-step-cache", "load the model and pack it at every start instead of using (and writing) the plan's "
         "prepared-step cache (plans on the fused CPU step; TANDEM_STEP_CACHE=0 does the same)"))

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 
 KV_CAPACITY_ROUND_TOKENS = 256
-C_STEP_PATHS = ("fused", "layer-offload")  # decode paths whose CPU layers attend in C over the cache passed in
+# decode paths whose caches take kv_cache_type: the C step attends over them on the CPU (the GPU steps' CPU layers
+# do too, but keep float32 until a float16 cache is measured on CUDA)
+C_STEP_PATHS = ("fused", "layer-offload")
 
 
 def _is_half(cache) -> bool:

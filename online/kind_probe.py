@@ -7,7 +7,8 @@ the step reads it (placement.step_reads): ``dense`` (every row dotted, tdm_dot_r
 predictor layer's paired gate / up copy), ``axpy`` (as many down rows added, tdm_axpy_rows), ``dense_gu`` /
 ``rows_gu`` (the matrix's two halves as a layer's up and gate, read whole together 32 rows at a time as the step's
 dense slice loop reads them) and ``attend`` (AttendPass: the attention kernel over a KV cache of ``PROBE_BYTES``,
-float16 or float32, at one and four query heads per KV head). ``threads``
+float16 or float32, 2,048 positions of as many KV heads as that takes, at 1, 4 and 8 query heads per KV head).
+``threads``
 OpenMP threads split the rows as the step's do, timed inside one OpenMP region with every thread awake
 (tdm_read_pass_timed: the step reads its matrices in a live region; timed from outside, a pass also paid
 the workers' wake-up, and gathered / added rows were rated 10-30% slow until 2026-11-28). Before every timed pass a
@@ -45,8 +46,8 @@ PROBE_BYTES = 48 * 2**20
 EVICT_BYTES = 96 * 2**20  # read before each timed pass: three times a 32 MB last-level cache
 COLS = 2048
 SPARSE_SHARES = (0.1, 0.4, 1.0)  # shares of the rows a gather / axpy pass reads (rates interpolate between)
-ATTEND_GROUPS = (4, 1)  # query heads per KV head an attend pass serves (its KindRate fraction: 1 / group)
-ATTEND_KV_HEADS, ATTEND_HEAD_DIM = 8, 64
+ATTEND_GROUPS = (8, 4, 1)  # query heads per KV head an attend pass serves (its KindRate fraction: 1 / group)
+ATTEND_CONTEXT_TOKENS, ATTEND_HEAD_DIM = 2048, 64  # the pass's cached positions; PROBE_BYTES sets its KV heads
 REPEATS = 7
 # GGUF block layouts: (weights per block, bytes per block, offsets of the f16 fields) -- ggml-common.h
 GGUF_BLOCKS = {"Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q8_0": (32, 34, (0,)), "Q5_0": (32, 22, (0,)),
@@ -169,7 +170,7 @@ class ReadPass:
         self.calls += 1
         _evict_buffer().sum()  # the matrix out of the last-level cache, as after a step's other reads
         read_pass, timed = self._read_pass
-        if read_pass is None:
+        if read_pass is None or (not timed and self.access == "gu"):  # an older entry: no two-matrix access
             return _parallel(self.threads, self._work)
         idx, out = self._idx, self.out
         t0 = time.perf_counter()
@@ -259,14 +260,18 @@ def read_pass(lib, fmt: str, access: str, threads: int, rng: np.random.Generator
 
 
 class AttendPass:
-    """One timed attention pass (tdm_attend_pass_timed, probe.h) of one token over a KV cache of about
-    PROBE_BYTES in ``fmt`` (fp16 / fp32) with ATTEND_KV_HEADS heads of ATTEND_HEAD_DIM, ``group`` query heads
-    per KV head, on ``threads`` OpenMP threads as the step splits heads; calling it returns the seconds."""
+    """One timed attention pass (tdm_attend_pass_timed, probe.h) of one token over ATTEND_CONTEXT_TOKENS cached
+    positions in ``fmt`` (fp16 / fp32) of as many KV heads of ATTEND_HEAD_DIM as fill about PROBE_BYTES (the same
+    context for either type, so the two differ only in their element), ``group`` query heads per KV head, on
+    ``threads`` OpenMP threads as the step splits heads; calling it returns the seconds."""
 
     def __init__(self, lib, fmt: str, threads: int, rng: np.random.Generator, group: int) -> None:
+        fn = getattr(lib, "tdm_attend_pass_timed", None)
+        if fn is None:
+            raise TandemError("these kernels predate the attention probe (tdm_attend_pass_timed)")
         dtype = {"fp16": np.float16, "fp32": np.float32}[fmt]
-        n_kv, hd, size = ATTEND_KV_HEADS, ATTEND_HEAD_DIM, np.dtype(dtype).itemsize
-        self.rows = PROBE_BYTES // (2 * n_kv * hd * size)
+        hd, size, self.rows = ATTEND_HEAD_DIM, np.dtype(dtype).itemsize, ATTEND_CONTEXT_TOKENS
+        self.n_kv = n_kv = max(1, PROBE_BYTES // (2 * self.rows * hd * size))
         self.k = rng.standard_normal((n_kv, self.rows, hd), dtype=np.float32).astype(dtype)  # [KV, rows, hd]
         self.v = rng.standard_normal((n_kv, self.rows, hd), dtype=np.float32).astype(dtype)  # [KV, rows, hd]
         self.q = rng.standard_normal((n_kv * group, hd), dtype=np.float32)  # [H, hd]
@@ -274,13 +279,12 @@ class AttendPass:
         self.scores = np.zeros(threads * min(group, 16) * self.rows, np.float32)
         self.lib, self.threads, self.group, self.half = lib, threads, group, int(size == 2)
         self.kind, self.nbytes = {"fp16": "f16", "fp32": "f32"}[fmt], self.k.nbytes + self.v.nbytes
-        fn = lib.tdm_attend_pass_timed
         fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 3
         fn.restype = ctypes.c_double
 
     def __call__(self) -> float:
         _evict_buffer().sum()  # the cache out of the last-level cache, as after a step's weight reads
-        return self.lib.tdm_attend_pass_timed(self.k.ctypes.data, self.v.ctypes.data, ATTEND_KV_HEADS, self.rows,
+        return self.lib.tdm_attend_pass_timed(self.k.ctypes.data, self.v.ctypes.data, self.n_kv, self.rows,
                                               ATTEND_HEAD_DIM, self.group, self.half, self.threads,
                                               self.q.ctypes.data, self.out.ctypes.data, self.scores.ctypes.data)
 

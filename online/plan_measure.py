@@ -151,7 +151,7 @@ def measure_fused_calibration(threads: int, formats: tuple[str, ...] = FORMATS, 
         bandwidth = measure_read_bandwidth("cpu")
     finally:
         torch.set_num_threads(previous)
-    fixed_reads = [("q4_1", "dense"), ("int8", "dense"), ("f16", "axpy"), ("f32", "dense")]  # the tiny models'
+    fixed_reads = [("q4_1", "dense"), ("q4_1", "dense_gu"), ("int8", "dense"), ("f16", "axpy"), ("f32", "dense")]  # the tiny models'
     rates = measure_kind_rates(threads, bandwidth, DEFAULT_PLAN if reads is None else plan_for([*fixed_reads, *reads]))
     pass_s = measure_pass_cost(threads)
     partial = FusedCalibration(threads=threads, read_bandwidth_bytes_per_s=bandwidth, terms=(), rates=rates, pass_s=pass_s)

@@ -105,13 +105,15 @@ class FusedCalibration:
         """The measured rate of (kind, access), at ``fraction`` of the rows (for ``attend``: KV heads per query
         head) linearly between the fractions timed (clamped at the ends; None: the densest). An access not
         timed falls back to its nearest timed one (FALLBACK: paired rows as gathered ones, gate and up read
-        together as one matrix read whole, in-place rows as dense ones); a calibration from before the
-        attention pass prices the KV cache at its float32 dense rate, as it did then."""
+        together as one matrix read whole, in-place rows as dense ones); a KV type whose attention was not
+        timed takes the other type's, and a calibration from before the attention pass prices the KV cache at
+        its float32 dense rate, as it did then."""
         for want in (access,) + FALLBACK.get(access, ()) + ("dense",):
             found = sorted((r for r in self.rates if r.kind == kind and r.access == want), key=lambda r: r.fraction)
             if not found:
-                if access == "attend" and want == "attend" and not any(r.access == "attend" for r in self.rates):
-                    return self.rate("f32", "dense")
+                if access == "attend" and want == "attend":  # the other element type's attention, else f32 dense
+                    other = [r.kind for r in self.rates if r.access == "attend"]
+                    return self.rate(other[0], "attend", fraction) if other else self.rate("f32", "dense")
                 continue
             if fraction is None or fraction >= found[-1].fraction:
                 return found[-1]

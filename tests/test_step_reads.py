@@ -149,6 +149,8 @@ def test_kv_reads_are_priced_at_the_attention_rate_of_their_group():
         1e6 / ((0.4 + (0.5 - 0.25) / 0.75 * 0.4) * 10e9))
     old = _cal((KindRate("f32", "dense", 0.3),))
     assert old.reads_seconds(0, reads, fixed=False) == pytest.approx(1e6 / 3e9)
+    f32_only = _cal((KindRate("f32", "attend", 0.5, fraction=1.0), KindRate("f32", "dense", 0.3)))
+    assert f32_only.reads_seconds(0, reads, fixed=False) == pytest.approx(1e6 / 5e9)  # the other type's attention
 
 
 def test_layer_fractions_count_the_rows_read():
@@ -433,7 +435,8 @@ def test_attend_pass_computes_attention_and_the_probe_times_it(monkeypatch):
             s = k[h // 3] @ q[h] * 0.125
             p = np.exp(s - s.max())
             np.testing.assert_allclose(one.out[h], p @ v[h // 3] / p.sum(), rtol=2e-4, atol=2e-5)
-        assert one.nbytes == 2 * kind_probe.ATTEND_KV_HEADS * one.rows * kind_probe.ATTEND_HEAD_DIM * np.dtype(dtype).itemsize
+        assert one.rows == kind_probe.ATTEND_CONTEXT_TOKENS and one.k.shape == (one.n_kv, one.rows, kind_probe.ATTEND_HEAD_DIM)
+        assert one.nbytes == 2 * one.n_kv * one.rows * kind_probe.ATTEND_HEAD_DIM * np.dtype(dtype).itemsize
     rates = kind_probe.measure_kind_rates(2, 10e9, kind_probe.plan_for([("f16", "attend")]))
     assert [(r.kind, r.access, r.fraction) for r in rates] == [("f16", "attend", 1 / g) for g in kind_probe.ATTEND_GROUPS]
     assert all(r.share > 0 and r.bytes > 0 for r in rates)

@@ -278,7 +278,7 @@ class FusedDecodeStep:
     def step_batch(self, token_ids, positions, tables, pool, logits_for=None) -> torch.Tensor:
         """Several tokens of several sequences in one step (continuous batching, chunked prefill).
 
-        ``pool``: anything with ``keys``/``values`` float32 [L, KV, n_blocks * block_tokens, hd] and
+        ``pool``: anything with ``keys``/``values`` float16 or float32 [L, KV, n_blocks * block_tokens, hd] and
         ``block_tokens`` (a KVCache is one block, table ``[0]``); ``tables[i]``: int32 block ids of
         token i's sequence; ``positions[i]``: its position. Tokens of one sequence come in position
         order; token i sees its sequence's rows ``0..positions[i]`` (earlier tokens of the same call

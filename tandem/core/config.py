@@ -190,5 +190,5 @@ def freeze_mapping(m: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 def kv_row_bytes(cfg: ModelConfig, bytes_per_element: float = 4.0) -> float:
     """Bytes of one position's keys and values in one layer, every KV head: what the KV cache stores per layer
-    and token, and what attention reads per layer and attended token (float32 by default)."""
+    and token, and what attention reads per layer and attended token (``bytes_per_element`` 4: float32, 2: float16)."""
     return 2 * cfg.num_kv_heads * cfg.head_dim * bytes_per_element

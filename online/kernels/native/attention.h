@@ -195,10 +195,10 @@ static inline __attribute__((always_inline)) void values_of(
     const void *V, const int32_t *rows, int64_t start, int64_t pos, int64_t hd, int64_t n_q, float *out,
     const float *scores, int64_t span, const int half) {
     for (int64_t s = start; s <= pos; s++) { /* the outputs stay in L1; four values per pass over them */
-        const char *v0 = kv_row(V, rows, s, hd, half);
+        const char *restrict v0 = kv_row(V, rows, s, hd, half);
         if (s + 3 <= pos) {
-            const char *v1 = kv_row(V, rows, s + 1, hd, half), *v2 = kv_row(V, rows, s + 2, hd, half);
-            const char *v3 = kv_row(V, rows, s + 3, hd, half);
+            const char *restrict v1 = kv_row(V, rows, s + 1, hd, half), *restrict v2 = kv_row(V, rows, s + 2, hd, half);
+            const char *restrict v3 = kv_row(V, rows, s + 3, hd, half);
             int64_t k0 = 0;
 #ifdef TDM_SIMD
             for (; k0 + 8 <= hd; k0 += 8) {
