@@ -38,9 +38,9 @@ class KVCaches:
             cache = engine.new_kv_cache(256)
             logits = engine.compiled_decode(token_id, 0, cache)
         """
-        import torch
         from tandem.core.kv_cache import KVCache
-        return KVCache(self.config, capacity_tokens, dtype=torch.float16 if self.kv_cache_type == "f16" else torch.float32)
+        from .kv_pool import kv_dtype
+        return KVCache(self.config, capacity_tokens, dtype=kv_dtype(self.kv_cache_type))
 
     def _kv_cache(self, n_tokens: int, arrays: bool = False):
         """A KVCache (torch, the module graph) or with ``arrays`` an ArrayKVCache (the cached step) of
@@ -57,7 +57,5 @@ class KVCaches:
                 self._cache = ArrayKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, needed,
                                            dtype=np.float16 if half else np.float32)
             else:
-                import torch
-                from tandem.core.kv_cache import KVCache
-                self._cache = KVCache(cfg, needed, dtype=torch.float16 if half else torch.float32)
+                self._cache = self.new_kv_cache(needed)
         return self._cache

@@ -49,9 +49,16 @@ class PoolCounters:
 KV_TYPES = {"f16": torch.float16, "f32": torch.float32}  # EngineArgs.kv_cache_type -> the storage's dtype
 
 
+def kv_dtype(kv_cache_type: str) -> torch.dtype:
+    """The torch dtype of a KV cache type (EngineArgs.kv_cache_type: f16 / f32)."""
+    if kv_cache_type not in KV_TYPES:
+        raise TandemError(f"kv_cache_type must be one of {', '.join(KV_TYPES)}, got {kv_cache_type!r}")
+    return KV_TYPES[kv_cache_type]
+
+
 def kv_bytes_per_token(cfg, kv_cache_type: str = "f16") -> int:
     """Keys + values of one token over all layers, in ``kv_cache_type`` (f16 / f32)."""
-    return int(cfg.num_layers * kv_row_bytes(cfg, KV_TYPES[kv_cache_type].itemsize))
+    return int(cfg.num_layers * kv_row_bytes(cfg, kv_dtype(kv_cache_type).itemsize))
 
 
 class KVPool:
@@ -60,15 +67,13 @@ class KVPool:
     def __init__(self, cfg, n_blocks: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, kv_cache_type: str = "f16") -> None:
         if n_blocks < 1 or block_tokens < 1:
             raise TandemError(f"a KV pool needs >= 1 block of >= 1 token, got {n_blocks} x {block_tokens}")
-        if kv_cache_type not in KV_TYPES:
-            raise TandemError(f"kv_cache_type must be one of {', '.join(KV_TYPES)}, got {kv_cache_type!r}")
         self.cfg = cfg
         self.n_blocks = n_blocks
         self.block_tokens = block_tokens
         shape = (cfg.num_layers, cfg.num_kv_heads, n_blocks * block_tokens, cfg.head_dim)
         self.kv_cache_type = kv_cache_type
-        self.keys = torch.zeros(shape, dtype=KV_TYPES[kv_cache_type])  # [L, KV, n_blocks*bt, hd]
-        self.values = torch.zeros(shape, dtype=KV_TYPES[kv_cache_type])  # [L, KV, n_blocks*bt, hd]
+        self.keys = torch.zeros(shape, dtype=kv_dtype(kv_cache_type))  # [L, KV, n_blocks*bt, hd]
+        self.values = torch.zeros(shape, dtype=kv_dtype(kv_cache_type))  # [L, KV, n_blocks*bt, hd]
         self.refs = [0] * n_blocks
         self._free: collections.deque[int] = collections.deque(range(n_blocks))  # never-hashed free blocks
         self._cached_free: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU order: oldest first
@@ -80,8 +85,6 @@ class KVPool:
     def create(cls, cfg, kv_budget_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                kv_cache_type: str = "f16") -> "KVPool":
         """As many blocks as ``kv_budget_bytes`` holds (at least one)."""
-        if kv_cache_type not in KV_TYPES:
-            raise TandemError(f"kv_cache_type must be one of {', '.join(KV_TYPES)}, got {kv_cache_type!r}")
         block_bytes = kv_bytes_per_token(cfg, kv_cache_type) * block_tokens
         n_blocks = kv_budget_bytes // block_bytes
         if n_blocks < 1:

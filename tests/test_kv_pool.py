@@ -112,3 +112,16 @@ def test_block_hashes_chain_the_prefix():
         pool.free([0])
     with pytest.raises(TandemError, match="smaller than one KV block"):
         KVPool.create(CFG, kv_budget_bytes=8, block_tokens=BT)
+
+
+@pytest.mark.parametrize("kv_type,element_bytes", [("f16", 2), ("f32", 4)])
+def test_pool_budget_counts_the_cache_type_and_rejects_unknown_types(kv_type, element_bytes):
+    """A budget buys blocks of keys + values of every layer's KV heads at the type's element size (float16: twice
+    the tokens of float32 in the same bytes); an unknown type is a one-line error."""
+    cfg = SimpleNamespace(num_layers=3, num_kv_heads=2, head_dim=8)
+    block_bytes = BT * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element_bytes
+    pool = KVPool.create(cfg, kv_budget_bytes=5 * block_bytes + 1, block_tokens=BT, kv_cache_type=kv_type)
+    assert pool.n_blocks == 5 and pool.nbytes == 5 * block_bytes and pool.kv_cache_type == kv_type
+    for make in (lambda: KVPool(cfg, 2, BT, kv_cache_type="bf16"), lambda: KVPool.create(cfg, 1 << 20, BT, "q8")):
+        with pytest.raises(TandemError, match="kv_cache_type must be one of f16, f32"):
+            make()
