@@ -28,7 +28,6 @@ from .engine_scoring import Scoring
 from .results import GenerationResult, TextStream
 
 
-
 class Engine(LazyModules, Scoring, KVCaches):
     def __init__(self, model, executor, tokenizer, cfg: ModelConfig, model_path: Path, model_id: str,
                  model_fingerprint: str, threads: int | None, context_length: int | None = None) -> None:
@@ -200,7 +199,6 @@ class Engine(LazyModules, Scoring, KVCaches):
         if self.tokenizer is None:
             raise TandemError(f"model {self.model_id} has no tokenizer; pass token ids instead of text")
         return self.tokenizer
-
 
     # --- generation ------------------------------------------------------------------------
     def generate(self, prompt: str | list, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,

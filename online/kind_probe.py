@@ -151,6 +151,7 @@ class ReadPass:
         self.out = np.zeros((threads, max(rows, cols)), np.float32)
         self.h = rng.standard_normal(len(self.picks[0]), dtype=np.float32)
         self.nbytes = int(len(self.picks[0]) * weight_bytes(d) / rows)
+        self.kind = kind_name(d)  # the step inventory's name of the probed format
         self._idx = self.picks[0]
         self._read_pass = _read_pass(lib)  # None for kernels from before it (bench/native_ab.py's baselines)
 
@@ -311,7 +312,6 @@ def measure_kind_rates(threads: int, bandwidth: float, plan=DEFAULT_PLAN, seed: 
             for share in shares:
                 one = read_pass(lib, fmt, access, threads, rng, share)
                 read, seconds = time_reads(one)
-                kind = one.kind if access == "attend" else kind_name(one.ref.desc)
-                out.append(KindRate(kind=kind, access=access, share=read / seconds / bandwidth,
+                out.append(KindRate(kind=one.kind, access=access, share=read / seconds / bandwidth,
                                     bytes=read, seconds=seconds, fraction=share))
     return tuple(out)

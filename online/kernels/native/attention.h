@@ -98,13 +98,13 @@ static inline uint16_t f16_bits(float f) {
 #endif
 }
 
-/* the K (or V) row of position s: rows[s] in a paged pool (batch.h), s in a contiguous cache (rows NULL) */
-static inline const char *kv_row(const void *X, const int32_t *rows, int64_t s, int64_t hd, int half) {
-    return (const char *)X + (rows ? (int64_t)rows[s] : s) * hd * (half ? 2 : 4);
-}
-
 /* row ``row`` of a KV cache block X (float16 where ``half``) */
 static inline void *kv_at(void *X, int64_t row, int64_t hd, int half) { return (char *)X + row * hd * (half ? 2 : 4); }
+
+/* the K (or V) row of position s: rows[s] in a paged pool (batch.h), s in a contiguous cache (rows NULL) */
+static inline const char *kv_row(const void *X, const int32_t *rows, int64_t s, int64_t hd, int half) {
+    return kv_at((void *)X, rows ? (int64_t)rows[s] : s, hd, half);
+}
 
 static inline float kv_value(const char *row, int64_t c, int half) {
     return half ? f16_value(((const uint16_t *)row)[c]) : ((const float *)row)[c];
@@ -247,6 +247,20 @@ static void attend_group(const void *K, const void *V, const int32_t *rows, int6
     else values_of(V, rows, start, pos, hd, n_q, out, scores, span, 0);
     for (int64_t h = 0; h < n_q; h++)
         for (int64_t k = 0; k < hd; k++) out[h * hd + k] *= inv[h];
+}
+
+/* One token's query heads [lo, hi) (q, out: [heads, hd]; K, V: [n_kv, kv_rows, hd] in a contiguous cache) over
+ * positions [start, pos]: each run of heads of one KV group (rep per group, at most per together) through
+ * attend_group, as attention_block splits them between threads (scores: this thread's [per, span]). */
+static void attend_heads(void *K, void *V, int64_t kv_rows, int64_t lo, int64_t hi, int64_t rep, int64_t per,
+                         int64_t start, int64_t pos, int64_t hd, float scale, const float *q, float *out, float *scores,
+                         int64_t span, int half) {
+    for (int64_t h = lo, n_q; h < hi; h += n_q) {
+        int64_t g = h / rep, end = (g + 1) * rep < hi ? (g + 1) * rep : hi;
+        n_q = end - h < per ? end - h : per;
+        attend_group(kv_at(K, g * kv_rows, hd, half), kv_at(V, g * kv_rows, hd, half), NULL, start, pos, hd, scale,
+                     q + h * hd, n_q, out + h * hd, scores, span, half);
+    }
 }
 
 #endif

@@ -287,13 +287,8 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
 #pragma omp barrier
     chunk(m->n_heads, t, nt, &lo, &hi);
     int64_t start = window_start(m, L, pos), rep = m->n_heads / m->n_kv, per = group_heads(m);
-    for (int64_t h = lo, n_q; h < hi; h += n_q) { /* this thread's heads of one KV group together */
-        int64_t g = h / rep, end = (g + 1) * rep < hi ? (g + 1) * rep : hi;
-        n_q = end - h < per ? end - h : per;
-        attend_group(kv_at(L->k_cache, g * m->capacity, hd, half), kv_at(L->v_cache, g * m->capacity, hd, half), NULL,
-                     start, pos, hd, (float)m->attn_scale, sb->qkv + h * hd, n_q, sb->attn + h * hd, tb->scores,
-                     m->capacity, half);
-    }
+    attend_heads(L->k_cache, L->v_cache, m->capacity, lo, hi, rep, per, start, pos, hd, (float)m->attn_scale, sb->qkv,
+                 sb->attn, tb->scores, m->capacity, half); /* this thread's heads, a KV group's together */
 #pragma omp barrier
     tb->x.f = sb->attn;
     quantize_q8(sb->attn, qn, &tb->x, (float)m->residual_ratio);

@@ -84,8 +84,7 @@ void tdm_read_passes(const tdm_weight *w, int64_t pass_rows, int64_t n_passes, c
 
 /* Benchmark entry (online/kind_probe.py AttendPass): the attention of one token over `rows` cached positions
  * of n_kv KV heads (K, V: [n_kv, rows, hd], float16 where `half`) for n_kv * rep query heads q [n_kv * rep, hd],
- * the heads split between `threads` OpenMP threads and a thread's heads of one KV group attended together,
- * as attention_block does (out: [n_kv * rep, hd]; scores: [threads, min(rep, TDM_MAX_GROUP), rows] scratch).
+ * the heads split between `threads` OpenMP threads and attended by attend_heads, as attention_block does (out: [n_kv * rep, hd]; scores: [threads, min(rep, TDM_MAX_GROUP), rows] scratch).
  * Timed inside the region like tdm_read_pass_timed. */
 double tdm_attend_pass_timed(const void *K, const void *V, int64_t n_kv, int64_t rows, int64_t hd, int64_t rep,
                              int64_t half, int64_t threads, const float *q, float *out, float *scores) {
@@ -99,12 +98,8 @@ double tdm_attend_pass_timed(const void *K, const void *V, int64_t n_kv, int64_t
 #pragma omp barrier
 #pragma omp master
         t0 = omp_get_wtime();
-        for (int64_t h = lo, n_q; h < hi; h += n_q) {
-            int64_t g = h / rep, end = (g + 1) * rep < hi ? (g + 1) * rep : hi;
-            n_q = end - h < per ? end - h : per;
-            attend_group(kv_at((void *)K, g * rows, hd, (int)half), kv_at((void *)V, g * rows, hd, (int)half), NULL, 0,
-                         rows - 1, hd, 0.125f, q + h * hd, n_q, out + h * hd, scores + t * per * rows, rows, (int)half);
-        }
+        attend_heads((void *)K, (void *)V, rows, lo, hi, rep, per, 0, rows - 1, hd, 0.125f, q, out,
+                     scores + t * per * rows, rows, (int)half);
 #pragma omp barrier
 #pragma omp master
         t1 = omp_get_wtime();
