@@ -39,8 +39,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd: list[str], url: str, timeout_s: float = 300.0) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_WAIT_POLICY": "PASSIVE"}
+# OpenMP barrier waits of the tandem server: "cli" leaves the CLI's own setting (a 30,000-spin barrier, then sleep:
+# tandem/cli.py), what `tandem serve` runs with; "passive" sleeps at every barrier (this benchmark's setting before
+# the seventeenth session, so that its rows stay comparable).
+WAIT_POLICIES = {"cli": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+
+
+def start(cmd: list[str], url: str, timeout_s: float = 300.0, env_extra: dict | None = None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update({"PYTHONPATH": str(REPO), **(env_extra or {})})
     log = tempfile.TemporaryFile(mode="w+")  # not a pipe: llama.cpp's server logs more than a pipe buffers and would block
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
     deadline = time.monotonic() + timeout_s
@@ -110,9 +117,9 @@ def run_load(url: str, n_clients: int, requests_per_client: int, max_tokens: int
             "itl_p50": percentile(gaps, 0.5), "itl_p95": percentile(gaps, 0.95), "tokens": tokens, "wall_s": wall_s}
 
 
-def systems(args) -> list[tuple[str, list[str], dict, int]]:
+def systems(args) -> list[tuple[str, list[str], dict, int, dict]]:
     out = []
-    for prefill, kv in ((p, k) for p in args.prefill for k in args.kv_cache_types):
+    for prefill, kv, wait in ((p, k, w) for p in args.prefill for k in args.kv_cache_types for w in args.wait_policies):
         port = free_port()
         cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", args.model, "--threads", str(args.threads),
                "--port", str(port), "--log-level", "warning", "--max-batch", str(max(args.clients)),
@@ -123,7 +130,9 @@ def systems(args) -> list[tuple[str, list[str], dict, int]]:
             cmd += ["--weight-format", args.weight_format]
         label = "plan" if args.plan else args.weight_format or "dense"
         kv_label = f", {kv} KV" if len(args.kv_cache_types) > 1 else ""
-        out.append((f"tandem ({label}, prefill {prefill}{kv_label})", cmd, {"ignore_eos": True}, port))
+        wait_label = f", {wait} barrier waits" if len(args.wait_policies) > 1 else ""
+        out.append((f"tandem ({label}, prefill {prefill}{kv_label}{wait_label})", cmd, {"ignore_eos": True}, port,
+                    WAIT_POLICIES[wait]))
     if args.peer and PEER_PYTHON.exists():
         check = subprocess.run([str(PEER_PYTHON), "-c", "import llama_cpp.server.app, uvicorn"], capture_output=True)
         if check.returncode == 0:
@@ -132,7 +141,7 @@ def systems(args) -> list[tuple[str, list[str], dict, int]]:
             out.append(("llama-cpp-python server", [str(PEER_PYTHON), "-m", "llama_cpp.server", "--model", gguf,
                                                     "--n_threads", str(args.threads), "--n_ctx", "4096",
                                                     "--port", str(port), "--host", "127.0.0.1",
-                                                    "--interrupt_requests", "False"], {}, port))  # queue, not cancel
+                                                    "--interrupt_requests", "False"], {}, port, {}))  # queue, not cancel
         else:
             print("peer skipped: bench/peers/venv has no llama_cpp.server (run bench/build_peers.sh)", file=sys.stderr)
     elif args.peer:
@@ -161,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="tandem prefill modes to run side by side (serve --prefill)")
     p.add_argument("--kv-cache-types", nargs="+", default=["f16"], choices=("f16", "f32"),
                    help="tandem KV cache types to run side by side (serve --kv-cache-type)")
+    p.add_argument("--wait-policies", nargs="+", default=["cli"], choices=tuple(WAIT_POLICIES),
+                   help="tandem servers' OpenMP barrier waits, side by side: cli (tandem serve's own 30,000-spin "
+                        "setting, the default) or passive (sleep at every barrier)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-peer", dest="peer", action="store_false")
@@ -168,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     load = os.getloadavg()[0]
     rows = []
-    for name, cmd, extra, port in systems(args):
+    for name, cmd, extra, port, env_extra in systems(args):
         url = f"http://127.0.0.1:{port}"
-        proc = start(cmd, url)
+        proc = start(cmd, url, env_extra=env_extra)
         try:
             extra = {**extra, "model": httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]}
             stream_chat(url, "Warm up.", 8, extra)

@@ -264,7 +264,7 @@ class AttendPass:
     """One timed attention pass (tdm_attend_pass_timed, probe.h) of one token over ATTEND_CONTEXT_TOKENS cached
     positions in ``fmt`` (fp16 / fp32) of as many KV heads of ATTEND_HEAD_DIM as fill about PROBE_BYTES (the same
     context for either type, so the two differ only in their element), ``group`` query heads per KV head, on
-    ``threads`` OpenMP threads as the step splits heads; calling it returns the seconds."""
+    ``threads`` OpenMP threads as the step splits its (group, part, head) units; calling it returns the seconds."""
 
     def __init__(self, lib, fmt: str, threads: int, rng: np.random.Generator, group: int) -> None:
         fn = getattr(lib, "tdm_attend_pass_timed", None)
@@ -285,9 +285,12 @@ class AttendPass:
 
     def __call__(self) -> float:
         _evict_buffer().sum()  # the cache out of the last-level cache, as after a step's weight reads
-        return self.lib.tdm_attend_pass_timed(self.k.ctypes.data, self.v.ctypes.data, self.n_kv, self.rows,
-                                              ATTEND_HEAD_DIM, self.group, self.half, self.threads,
-                                              self.q.ctypes.data, self.out.ctypes.data, self.scores.ctypes.data)
+        seconds = self.lib.tdm_attend_pass_timed(self.k.ctypes.data, self.v.ctypes.data, self.n_kv, self.rows,
+                                                 ATTEND_HEAD_DIM, self.group, self.half, self.threads,
+                                                 self.q.ctypes.data, self.out.ctypes.data, self.scores.ctypes.data)
+        if seconds < 0:
+            raise TandemError("the attention probe could not allocate its scratch")
+        return seconds
 
 
 def time_reads(one: ReadPass) -> tuple[int, float]:

@@ -36,6 +36,7 @@ typedef struct {
 
 typedef struct {
     float *res, *xn, *h, *scores; /* [T, d], [T, max_in], [T, n_ff], [group_heads, span] */
+    float *parts;                 /* [group_heads, segments of span, hd + 2] attention parts (attention.h) */
     int32_t *idx;                 /* [T, n_ff] */
     int64_t *n_act;               /* [T] */
     qvec *x;                      /* [T] */
@@ -51,7 +52,7 @@ static int64_t batch_shared_bytes(const tdm_model *m, int64_t T, int64_t span) {
 static int64_t batch_thread_bytes(const tdm_model *m, int64_t T, int64_t span) {
     int64_t n = max_in(m), nb = n / QB + 1;
     return align64(4 * T * m->d) + align64(4 * T * n) + 2 * align64(4 * T * m->n_ff) + align64(4 * span * group_heads(m))
-           + align64(8 * T) + align64((int64_t)sizeof(qvec) * T) + T * (2 * align64(n) + 4 * align64(4 * nb));
+           + align64(4 * group_heads(m) * max_segments(span) * PART_FLOATS(m->head_dim)) + align64(8 * T) + align64((int64_t)sizeof(qvec) * T) + T * (2 * align64(n) + 4 * align64(4 * nb));
 }
 
 int64_t tdm_batch_work_bytes(const tdm_model *m, int64_t T, int64_t span) {
@@ -81,6 +82,7 @@ static batch_thread batch_get_thread(const tdm_model *m, int64_t T, int64_t span
     b.h = (float *)p; p += align64(4 * T * m->n_ff);
     b.idx = (int32_t *)p; p += align64(4 * T * m->n_ff);
     b.scores = (float *)p; p += align64(4 * span * group_heads(m));
+    b.parts = (float *)p; p += align64(4 * group_heads(m) * max_segments(span) * PART_FLOATS(m->head_dim));
     b.n_act = (int64_t *)p; p += align64(8 * T);
     b.x = (qvec *)p; p += align64((int64_t)sizeof(qvec) * T);
     for (int64_t i = 0; i < T; i++) {
@@ -136,7 +138,7 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
         n_q = end - e < per ? end - e : per;
         attend_group(kv_at(L->k_cache, g * B->kv_rows, hd, half), kv_at(L->v_cache, g * B->kv_rows, hd, half),
                      sb->rowmap + i * span, window_start(m, L, pos), pos, hd, (float)m->attn_scale,
-                     sb->qkv + i * width + h * hd, n_q, sb->attn + i * qn + h * hd, tb->scores, span, half);
+                     sb->qkv + i * width + h * hd, n_q, sb->attn + i * qn + h * hd, tb->scores, span, half, tb->parts);
     }
 #pragma omp barrier
     for (int64_t i = 0; i < T; i++) {

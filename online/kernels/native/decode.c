@@ -119,6 +119,7 @@ typedef struct {
     float *delta, *qkv, *attn, *partial; /* shared: o-proj output [d], [q+2kv], [q], [threads, d] */
     int64_t *counts;                     /* [threads] */
     float *hfull;                        /* [n_ff] the dense down's input (zero between layers) */
+    float *parts;                        /* [n_heads, segments, hd + 2] attention parts (attention.h) */
 } shared_bufs;
 
 /* Every thread keeps its own copy of the residual stream, updated from the shared pieces in the
@@ -139,7 +140,8 @@ static int64_t max_in(const tdm_model *m) {
 static int64_t shared_bytes(const tdm_model *m) {
     int64_t q = m->n_heads * m->head_dim, kv = m->n_kv * m->head_dim;
     return align64(4 * m->d) + align64(4 * (q + 2 * kv)) + align64(4 * q) + align64(4 * m->threads * m->d)
-           + align64(8 * m->threads) + align64(4 * m->n_ff);
+           + align64(8 * m->threads) + align64(4 * m->n_ff)
+           + align64(4 * m->n_heads * max_segments(m->capacity) * PART_FLOATS(m->head_dim));
 }
 
 /* query heads one attend_group call may take: a whole KV group, at most TDM_MAX_GROUP of them */
@@ -167,7 +169,8 @@ static shared_bufs get_shared(const tdm_model *m) {
     s.attn = (float *)p; p += align64(4 * q);
     s.partial = (float *)p; p += align64(4 * m->threads * m->d);
     s.counts = (int64_t *)p; p += align64(8 * m->threads);
-    s.hfull = (float *)p;
+    s.hfull = (float *)p; p += align64(4 * m->n_ff);
+    s.parts = (float *)p; /* last: the layout before it is the same as without parts */
     return s;
 }
 
@@ -285,13 +288,13 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
             kv_store(kv_at(L->k_cache, (u - m->n_heads) * m->capacity + pos, hd, half), v, hd, half);
     }
 #pragma omp barrier
-    chunk(m->n_heads, t, nt, &lo, &hi);
     int64_t start = window_start(m, L, pos), rep = m->n_heads / m->n_kv, per = group_heads(m);
-    attend_heads(L->k_cache, L->v_cache, m->capacity, lo, hi, rep, per, start, pos, hd, (float)m->attn_scale, sb->qkv,
-                 sb->attn, tb->scores, m->capacity, half); /* this thread's heads, a KV group's together */
+    chunk(m->n_heads * attend_segments(start, pos), t, nt, &lo, &hi); /* (group, part, head) units, attention.h */
+    attend_units(L->k_cache, L->v_cache, m->capacity, lo, hi, rep, per, start, pos, hd, (float)m->attn_scale, sb->qkv,
+                 sb->attn, sb->parts, tb->scores, m->capacity, half);
 #pragma omp barrier
-    tb->x.f = sb->attn;
-    quantize_q8(sb->attn, qn, &tb->x, (float)m->residual_ratio);
+    tb->x.f = (float *)merge_heads(sb->attn, sb->parts, m->n_heads, start, pos, hd, tb->xn);
+    quantize_q8(tb->x.f, qn, &tb->x, (float)m->residual_ratio);
     row_chunk(m->d, t, nt, &lo, &hi);
     dot_rows(&L->o, lo, hi - lo, &tb->x, sb->delta + lo);
     if (L->o_bias)
@@ -333,7 +336,7 @@ void tdm_dot_rows(const tdm_weight *w, int64_t r0, int64_t n, const float *x, do
 }
 
 /* Self-check for the tests: scores[0..n) = e^(scores - max) as attention's softmax forms them; returns the sum */
-double tdm_softmax_exp(float *scores, int64_t n) { return n > 0 ? softmax_exp(scores, 0, n - 1) : 0.0; }
+double tdm_softmax_exp(float *scores, int64_t n) { return n > 0 ? softmax_exp(scores, 0, n - 1, NULL) : 0.0; }
 
 int64_t tdm_has_avx2(void) {
 #ifdef TDM_SIMD

@@ -84,26 +84,40 @@ void tdm_read_passes(const tdm_weight *w, int64_t pass_rows, int64_t n_passes, c
 
 /* Benchmark entry (online/kind_probe.py AttendPass): the attention of one token over `rows` cached positions
  * of n_kv KV heads (K, V: [n_kv, rows, hd], float16 where `half`) for n_kv * rep query heads q [n_kv * rep, hd],
- * the heads split between `threads` OpenMP threads and attended by attend_heads, as attention_block does (out: [n_kv * rep, hd]; scores: [threads, min(rep, TDM_MAX_GROUP), rows] scratch).
- * Timed inside the region like tdm_read_pass_timed. */
+ * as attention_block does it: the (group, part, head) units split between `threads` OpenMP threads by
+ * attend_units, then each thread's merge_heads (out: [n_kv * rep, hd]; scores: [threads, min(rep,
+ * TDM_MAX_GROUP), rows] scratch; the parts' records are allocated here). Timed inside the region like
+ * tdm_read_pass_timed; -1 when the records cannot be allocated. */
 double tdm_attend_pass_timed(const void *K, const void *V, int64_t n_kv, int64_t rows, int64_t hd, int64_t rep,
                              int64_t half, int64_t threads, const float *q, float *out, float *scores) {
     double t0 = 0.0, t1 = 0.0;
-    int64_t per = rep <= TDM_MAX_GROUP ? rep : TDM_MAX_GROUP;
+    int64_t per = rep <= TDM_MAX_GROUP ? rep : TDM_MAX_GROUP, n_heads = n_kv * rep;
+    float *parts = (float *)malloc((size_t)(n_heads * max_segments(rows) * PART_FLOATS(hd)) * sizeof(float));
+    float *merged = (float *)malloc((size_t)(threads * n_heads * hd) * sizeof(float));
+    if (!parts || !merged) {
+        free(parts), free(merged);
+        return -1.0;
+    }
 #pragma omp parallel num_threads((int)threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t lo, hi;
-        chunk(n_kv * rep, t, nt, &lo, &hi);
+        chunk(n_heads * attend_segments(0, rows - 1), t, nt, &lo, &hi);
 #pragma omp barrier
 #pragma omp master
         t0 = omp_get_wtime();
-        attend_heads((void *)K, (void *)V, rows, lo, hi, rep, per, 0, rows - 1, hd, 0.125f, q, out,
+        attend_units((void *)K, (void *)V, rows, lo, hi, rep, per, 0, rows - 1, hd, 0.125f, q, out, parts,
                      scores + t * per * rows, rows, (int)half);
 #pragma omp barrier
+        const float *o = merge_heads(out, parts, n_heads, 0, rows - 1, hd, merged + t * n_heads * hd);
+#pragma omp barrier
 #pragma omp master
-        t1 = omp_get_wtime();
+        {
+            t1 = omp_get_wtime();
+            if (o != out) memcpy(out, o, 4 * (size_t)(n_heads * hd));
+        }
     }
+    free(parts), free(merged);
     return t1 - t0;
 }
 
