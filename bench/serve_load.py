@@ -40,8 +40,9 @@ def free_port() -> int:
 
 
 # OpenMP barrier waits of the tandem server: "cli" leaves the CLI's own setting (a 30,000-spin barrier, then sleep:
-# tandem/cli.py), what `tandem serve` runs with; "passive" sleeps at every barrier (this benchmark's setting before
-# the seventeenth session, so that its rows stay comparable).
+# tandem/cli.py), what `tandem serve` runs with; "passive" sleeps at every barrier (this benchmark's setting for
+# every server before the seventeenth session). The peer server runs with its own default from then on (it was
+# passive too before): each system as its users run it.
 WAIT_POLICIES = {"cli": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 
 

@@ -278,7 +278,8 @@ static void attend_part(const void *K, const void *V, const int32_t *rows, int64
 }
 
 /* out [hd] = one head's attention from its n part records (rec + k * PART_FLOATS(hd)): each part weighted
- * by e^(its max - the largest), in part order */
+ * by e^(its max - the largest), in part order (libm's expf: n calls per head, not worth exp4_via_double's
+ * lanes; every path merges through here, so the paths agree whichever exp it is) */
 static void merge_parts(const float *rec, int64_t n, int64_t hd, float *out) {
     int64_t R = PART_FLOATS(hd), c = 0;
     float mx = -INFINITY, sum = 0.0f, w[TDM_MAX_SEGMENTS];
@@ -291,7 +292,8 @@ static void merge_parts(const float *rec, int64_t n, int64_t hd, float *out) {
 #ifdef TDM_SIMD
     for (; c + 8 <= hd; c += 8) { /* eight columns at a time, each summed over the parts in order */
         __m256 acc = _mm256_setzero_ps();
-        for (int64_t k = 0; k < n; k++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(rec + k * R + c), _mm256_set1_ps(w[k]), acc);
+        for (int64_t k = 0; k < n; k++)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(rec + k * R + c), _mm256_set1_ps(w[k]), acc);
         _mm256_storeu_ps(out + c, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
     }
 #endif

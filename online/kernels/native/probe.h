@@ -98,6 +98,8 @@ double tdm_attend_pass_timed(const void *K, const void *V, int64_t n_kv, int64_t
         free(parts), free(merged);
         return -1.0;
     }
+    memset(parts, 0, (size_t)(n_heads * max_segments(rows) * PART_FLOATS(hd)) * sizeof(float)); /* pages mapped */
+    memset(merged, 0, (size_t)(threads * n_heads * hd) * sizeof(float));                        /* before t0 */
 #pragma omp parallel num_threads((int)threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
