@@ -53,7 +53,8 @@ static int64_t batch_thread_bytes(const tdm_model *m, int64_t T, int64_t span) {
     int64_t n = max_in(m), nb = n / QB + 1;
     return align64(4 * T * m->d) + align64(4 * T * n) + 2 * align64(4 * T * m->n_ff)
            + align64(4 * span * group_heads(m))
-           + align64(4 * group_heads(m) * max_segments(span) * PART_FLOATS(m->head_dim)) + align64(8 * T) + align64((int64_t)sizeof(qvec) * T) + T * (2 * align64(n) + 4 * align64(4 * nb));
+           + align64(4 * group_heads(m) * max_segments(span) * PART_FLOATS(m->head_dim)) + align64(8 * T)
+           + align64((int64_t)sizeof(qvec) * T) + T * (2 * align64(n) + 4 * align64(4 * nb));
 }
 
 int64_t tdm_batch_work_bytes(const tdm_model *m, int64_t T, int64_t span) {
