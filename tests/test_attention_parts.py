@@ -18,7 +18,8 @@ import torch
 from online.execution.fused_decode import FusedDecodeStep
 from online.kernels import native
 from tandem.core.kv_cache import KVCache
-from test_fused_decode import packed, steps_match_reference
+from helpers_fused import reference_step
+from test_fused_decode import packed
 
 ATTENTION_H = (Path(native.__file__).parent / "attention.h").read_text()
 SEGMENT_POSITIONS = int(re.search(r"#define TDM_SEGMENT_POSITIONS (\d+)", ATTENTION_H)[1])
@@ -69,12 +70,22 @@ def _long_llama(tmp_path, heads: int, kv_heads: int):
 
 
 def test_long_context_steps_match_the_reference(tmp_path):
-    """1.1 parts' worth of positions (one part, then two) with 6 query heads on 2 KV heads: every step's logits
-    equal the torch statement of the step's arithmetic (whole-context softmax). Three parts and more: the
-    numpy test above, and the paths' test below."""
+    """Past one part, with 6 query heads on 2 KV heads: each step's logits equal the torch statement of the
+    step's arithmetic (whole-context softmax). The history up to just before the first split comes from the
+    step itself (its rows against the statement's: the short-context tests), copied into the statement's
+    cache; then both run the steps from one part into two. Three parts and more: the numpy test above, and
+    the paths' test below."""
     model, executor = packed(_long_llama(tmp_path, 6, 2), "int4")
-    tokens = [(37 * i + 11) % 128 for i in range(round(1.1 * SEGMENT_POSITIONS))]
-    steps_match_reference(model, executor, tol=1e-4, tokens=tokens)
+    step = FusedDecodeStep.build(model, executor, residual_ratio=0.0)
+    tokens = [(37 * i + 11) % 128 for i in range(SEGMENT_POSITIONS + 40)]
+    first = SEGMENT_POSITIONS - 24  # the last one-part steps, then the first two-part ones
+    cache, ref_cache = KVCache(model.cfg, len(tokens)), KVCache(model.cfg, len(tokens))
+    step.step_many(tokens[:first], 0, cache)
+    ref_cache.keys.copy_(cache.keys), ref_cache.values.copy_(cache.values)
+    for pos in range(first, len(tokens)):
+        got = step(tokens[pos], pos, cache)
+        ref, _ = reference_step(model, executor, ref_cache, tokens[pos], pos, residual_ratio=0.0)
+        torch.testing.assert_close(got, ref.float(), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
