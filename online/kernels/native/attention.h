@@ -54,15 +54,24 @@ static inline __m128 exp4_via_double(__m128 xf) {
 /* scores[start..pos] = e^(scores - their max), returning their sum (in order, as before) and the max
  * at *max_out (when not NULL). The exponentials go four at a time through exp4_via_double, the tail
  * padded (so a value never depends on its lane): a libm expf call per key cost about as much as the
- * key's q.k and value row together. */
+ * key's q.k and value row together. The max is taken eight at a time: exact whatever the order, and a NaN
+ * score is passed over as the scalar compare does (the key-by-key compare was a dependent chain). */
 static float softmax_exp(float *scores, int64_t start, int64_t pos, float *max_out) {
     float mx = -INFINITY, sum = 0.0f;
-    for (int64_t s = start; s <= pos; s++) mx = scores[s] > mx ? scores[s] : mx;
+    int64_t s = start;
+#ifdef TDM_SIMD
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    for (; s + 8 <= pos + 1; s += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(scores + s), m8); /* NaN: keeps m8 */
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+#endif
+    for (; s <= pos; s++) mx = scores[s] > mx ? scores[s] : mx;
     if (max_out) *max_out = mx;
 #ifdef TDM_SIMD
     __m128 vm = _mm_set1_ps(mx);
-    int64_t s = start;
-    for (; s + 4 <= pos + 1; s += 4) _mm_storeu_ps(scores + s, exp4_via_double(_mm_sub_ps(_mm_loadu_ps(scores + s), vm)));
+    for (s = start; s + 4 <= pos + 1; s += 4)
+        _mm_storeu_ps(scores + s, exp4_via_double(_mm_sub_ps(_mm_loadu_ps(scores + s), vm)));
     if (s <= pos) {
         float tail[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int64_t j = s; j <= pos; j++) tail[j - s] = scores[j];
@@ -71,7 +80,7 @@ static float softmax_exp(float *scores, int64_t start, int64_t pos, float *max_o
     }
     for (int64_t j = start; j <= pos; j++) sum += scores[j];
 #else
-    for (int64_t s = start; s <= pos; s++) {
+    for (s = start; s <= pos; s++) {
         scores[s] = expf(scores[s] - mx);
         sum += scores[s];
     }
