@@ -1,4 +1,4 @@
-"""Attention over a long context in parts (attention.h, flash-decoding's split-K): a head's context of more
+"""Attention over a long context in parts (attend_parts.h, flash-decoding's split-K): a head's context of more
 than TDM_SEGMENT_POSITIONS positions is attended in equal parts, each with its own maximum, and the parts
 merged by their maxima; the parts of one token go to different threads. Checked against numpy's softmax
 attention in float64, for any thread count (the split depends on the context alone, so the values are the
@@ -21,8 +21,8 @@ from tandem.core.kv_cache import KVCache
 from helpers_fused import reference_step
 from test_fused_decode import packed
 
-ATTENTION_H = (Path(native.__file__).parent / "attention.h").read_text()
-SEGMENT_POSITIONS = int(re.search(r"#define TDM_SEGMENT_POSITIONS (\d+)", ATTENTION_H)[1])
+ATTEND_PARTS_H = (Path(native.__file__).parent / "attend_parts.h").read_text()
+SEGMENT_POSITIONS = int(re.search(r"#define TDM_SEGMENT_POSITIONS (\d+)", ATTEND_PARTS_H)[1])
 
 
 def _attend(lib, k, v, q, rep: int, threads: int) -> np.ndarray:

@@ -33,7 +33,8 @@ SOURCE_DIR = Path(__file__).parent
 SOURCE = SOURCE_DIR / "decode.c"
 SOURCES = ("decode.c", "rows.h", "blocks.h", "attention.h", "dequant.h", "predict.h", "rows_multi.h", "batch.h",
            "arch.h", "moe.h", "kquants.h", "blocks_dot.h", "axpy.h", "module.h", "fdot.h", "ffn.h",
-           "batch_ffn.h", "kq_single.h", "blocks_multi.h", "blocks_x8.h", "blocks_x8_i8.h", "act_quant.h", "probe.h")  # everything the build reads (the cache key)
+           "batch_ffn.h", "kq_single.h", "blocks_multi.h", "blocks_x8.h", "blocks_x8_i8.h", "act_quant.h", "probe.h",
+           "attend_parts.h")  # everything the build reads (the cache key)
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
               "-ffp-contract=off")  # a * b + c rounds twice everywhere: no call site differs by inlining
 HOST_FLAGS = ("-march=native",)

@@ -36,7 +36,7 @@ typedef struct {
 
 typedef struct {
     float *res, *xn, *h, *scores; /* [T, d], [T, max_in], [T, n_ff], [group_heads, span] */
-    float *parts;                 /* [group_heads, segments of span, hd + 2] attention parts (attention.h) */
+    float *parts;                 /* [group_heads, segments of span, hd + 2] attention parts (attend_parts.h) */
     int32_t *idx;                 /* [T, n_ff] */
     int64_t *n_act;               /* [T] */
     qvec *x;                      /* [T] */

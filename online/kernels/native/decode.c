@@ -119,7 +119,7 @@ typedef struct {
     float *delta, *qkv, *attn, *partial; /* shared: o-proj output [d], [q+2kv], [q], [threads, d] */
     int64_t *counts;                     /* [threads] */
     float *hfull;                        /* [n_ff] the dense down's input (zero between layers) */
-    float *parts;                        /* [n_heads, segments, hd + 2] attention parts (attention.h) */
+    float *parts;                        /* [n_heads, segments, hd + 2] attention parts (attend_parts.h) */
 } shared_bufs;
 
 /* Every thread keeps its own copy of the residual stream, updated from the shared pieces in the
@@ -288,12 +288,9 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
             kv_store(kv_at(L->k_cache, (u - m->n_heads) * m->capacity + pos, hd, half), v, hd, half);
     }
 #pragma omp barrier
-    int64_t start = window_start(m, L, pos), rep = m->n_heads / m->n_kv, per = group_heads(m);
-    chunk(m->n_heads * attend_segments(start, pos), t, nt, &lo, &hi); /* (group, part, head) units, attention.h */
-    attend_units(L->k_cache, L->v_cache, m->capacity, lo, hi, rep, per, start, pos, hd, (float)m->attn_scale, sb->qkv,
-                 sb->attn, sb->parts, tb->scores, m->capacity, half);
-#pragma omp barrier
-    tb->x.f = (float *)merge_heads(sb->attn, sb->parts, m->n_heads, start, pos, hd, tb->xn);
+    tb->x.f = (float *)attend_token(L->k_cache, L->v_cache, m->capacity, m->n_heads, m->n_heads / m->n_kv,
+                                    group_heads(m), window_start(m, L, pos), pos, hd, (float)m->attn_scale, sb->qkv,
+                                    sb->attn, sb->parts, tb->scores, m->capacity, half, tb->xn, t, nt);
     quantize_q8(tb->x.f, qn, &tb->x, (float)m->residual_ratio);
     row_chunk(m->d, t, nt, &lo, &hi);
     dot_rows(&L->o, lo, hi - lo, &tb->x, sb->delta + lo);

@@ -84,10 +84,9 @@ void tdm_read_passes(const tdm_weight *w, int64_t pass_rows, int64_t n_passes, c
 
 /* Benchmark entry (online/kind_probe.py AttendPass): the attention of one token over `rows` cached positions
  * of n_kv KV heads (K, V: [n_kv, rows, hd], float16 where `half`) for n_kv * rep query heads q [n_kv * rep, hd],
- * as attention_block does it: the (group, part, head) units split between `threads` OpenMP threads by
- * attend_units, then each thread's merge_heads (out: [n_kv * rep, hd]; scores: [threads, min(rep,
- * TDM_MAX_GROUP), rows] scratch; the parts' records are allocated here). Timed inside the region like
- * tdm_read_pass_timed; -1 when the records cannot be allocated. */
+ * through attention_block's own attend_token on `threads` OpenMP threads (out: [n_kv * rep, hd]; scores:
+ * [threads, min(rep, TDM_MAX_GROUP), rows] scratch; the parts' records are allocated here). Timed inside the
+ * region like tdm_read_pass_timed; -1 when the records cannot be allocated. */
 double tdm_attend_pass_timed(const void *K, const void *V, int64_t n_kv, int64_t rows, int64_t hd, int64_t rep,
                              int64_t half, int64_t threads, const float *q, float *out, float *scores) {
     double t0 = 0.0, t1 = 0.0;
@@ -103,15 +102,11 @@ double tdm_attend_pass_timed(const void *K, const void *V, int64_t n_kv, int64_t
 #pragma omp parallel num_threads((int)threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t lo, hi;
-        chunk(n_heads * attend_segments(0, rows - 1), t, nt, &lo, &hi);
 #pragma omp barrier
 #pragma omp master
         t0 = omp_get_wtime();
-        attend_units((void *)K, (void *)V, rows, lo, hi, rep, per, 0, rows - 1, hd, 0.125f, q, out, parts,
-                     scores + t * per * rows, rows, (int)half);
-#pragma omp barrier
-        const float *o = merge_heads(out, parts, n_heads, 0, rows - 1, hd, merged + t * n_heads * hd);
+        const float *o = attend_token((void *)K, (void *)V, rows, n_heads, rep, per, 0, rows - 1, hd, 0.125f, q, out,
+                                      parts, scores + t * per * rows, rows, (int)half, merged + t * n_heads * hd, t, nt);
 #pragma omp barrier
 #pragma omp master
         {
