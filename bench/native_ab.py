@@ -46,7 +46,7 @@ def baseline_library(ref: str, repo: Path | None = None) -> NativeLibrary:
         if proc.returncode == 0:
             lib = ctypes.CDLL(str(out))
             bind_signatures(lib)
-            return NativeLibrary(lib=lib, path=out, has_avx2=bool(lib.tdm_has_avx2()))
+            return NativeLibrary.opened(lib, out)
         errors.append((proc.stderr or proc.stdout).strip().splitlines()[:1])
     raise TandemError(f"could not build the kernels of {ref!r}: {errors}")
 

@@ -9,7 +9,7 @@ with the reason in one line; callers then take the torch path.
 
 Example::
 
-    lib = load_native()            # NativeLibrary(lib=<CDLL>, path=..., has_avx2=True)
+    lib = load_native()            # NativeLibrary(lib=<CDLL>, path=..., has_avx2=True, has_vnni=False, has_amx=False)
     lib.lib.tdm_decode(...)
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ SOURCE = SOURCE_DIR / "decode.c"
 SOURCES = ("decode.c", "rows.h", "blocks.h", "attention.h", "dequant.h", "predict.h", "rows_multi.h", "batch.h",
            "arch.h", "moe.h", "kquants.h", "blocks_dot.h", "axpy.h", "module.h", "fdot.h", "ffn.h",
            "batch_ffn.h", "kq_single.h", "blocks_multi.h", "blocks_x8.h", "blocks_x8_i8.h", "act_quant.h", "probe.h",
-           "attend_parts.h")  # everything the build reads (the cache key)
+           "attend_parts.h", "blocks_amx.h")  # everything the build reads (the cache key)
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
               "-ffp-contract=off")  # a * b + c rounds twice everywhere: no call site differs by inlining
 HOST_FLAGS = ("-march=native",)
@@ -56,7 +56,14 @@ class NativeUnavailable(TandemError):
 class NativeLibrary:
     lib: ctypes.CDLL
     path: Path
-    has_avx2: bool
+    has_avx2: bool  # the vector kernels (AVX2, FMA, F16C)
+    has_vnni: bool = False  # and VNNI's vpdpbusd for the int8 block dots
+    has_amx: bool = False  # and AMX tiles for Q8_0's multi-token products (the process may use them)
+
+    @classmethod
+    def opened(cls, lib: ctypes.CDLL, path: Path) -> "NativeLibrary":
+        level = int(lib.tdm_simd_level() if hasattr(lib, "tdm_simd_level") else lib.tdm_has_avx2())
+        return cls(lib=lib, path=path, has_avx2=level >= 1, has_vnni=level >= 2, has_amx=level >= 3)
 
 
 def cache_dir() -> Path:
@@ -128,15 +135,16 @@ def _open_library(path: str) -> ctypes.CDLL:
     return lib
 
 
-def load_native() -> NativeLibrary:
-    """Build (once per machine and source version) and load the C kernels."""
+def load_native(extra_flags: tuple[str, ...] = ()) -> NativeLibrary:
+    """Build (once per machine, source version and flags) and load the C kernels. ``extra_flags`` go after
+    the defaults, e.g. ``("-mno-avx512vnni", "-mno-avxvnni")`` for the build a CPU without VNNI gets."""
     if os.environ.get("TANDEM_NATIVE", "1") == "0":
         raise NativeUnavailable("native kernels disabled by TANDEM_NATIVE=0")
     cc = _compiler()
     source = b"\0".join((SOURCE_DIR / name).read_bytes() for name in SOURCES)
     errors = []
     folder = _writable_native_dir()
-    for flags in (BASE_FLAGS + HOST_FLAGS, BASE_FLAGS):  # -march=native is not known everywhere
+    for flags in (BASE_FLAGS + HOST_FLAGS + extra_flags, BASE_FLAGS + extra_flags):  # -march=native: not everywhere
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), cc.encode(),
                                          _cpu_signature().encode()])).hexdigest()[:16]
         path = folder / f"tandem_decode-{key}.so"
@@ -150,5 +158,5 @@ def load_native() -> NativeLibrary:
         except OSError as exc:
             errors.append(str(exc))
             continue
-        return NativeLibrary(lib=lib, path=path, has_avx2=bool(lib.tdm_has_avx2()))
+        return NativeLibrary.opened(lib, path)
     raise NativeUnavailable("could not build the C decode kernels: " + "; ".join(errors))

@@ -15,7 +15,7 @@
  *   m = 0; for g: m = fma(min[g], xs[g], m);  out = acc + m
  * The block dot is summed in int16 (16 products of |code| <= 15 and |x| <= 127 per lane: < 2^15) and
  * widened once per block, so a block costs 8 vpmaddubsw per eight rows instead of 8 x (vpmaddubsw,
- * vpmaddwd, convert, FMA). The multi-token kernel unpacks a row group's nibbles once for all T tokens
+ * vpmaddwd, convert, FMA); with VNNI, 8 vpdpbusd summing straight into int32 (the same integers). The multi-token kernel unpacks a row group's nibbles once for all T tokens
  * and runs four tokens at a time; every token's result is bit-identical to the single-token kernel's
  * and to dot_row_x8's (tests: test_interleaved_rows.py). Included by rows.h only. */
 #ifndef TANDEM_BLOCKS_X8_H
@@ -26,7 +26,11 @@ enum { KIND_I4X8 = 11 };
 #define X8_BLOCK_BYTES 160
 
 /* Keeps a vector in a register (see blocks_multi.h's TDM_IN_REGISTER) */
+#ifdef __AVX512VL__ /* ("v": any of the 32 vector registers; "x": the first 16) */
+#define TDM_X8_IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
 #define TDM_X8_IN_REGISTER(v) __asm__("" : "+x"(v))
+#endif
 
 /* bytes per block of eight rows: 160 with minimums (Q4_1), 144 without (Q4_0) */
 static inline int64_t x8_block_bytes(const tdm_weight *w) { return w->row_bytes * X8_ROWS / (w->cols / 32); }
@@ -71,11 +75,24 @@ static inline __m256i x8_bcast(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
+/* A block's products of codes c (u8) and activations a (s8), summed per lane: x8_first, x8_more for the
+ * next four columns, x8_widen for the exact int32 sums. VNNI sums into int32 lanes; AVX2 into int16 lanes
+ * (pairs from vpmaddubsw, no overflow: < 2^15), widened once. Both are exact: the same bits. */
+#ifdef TDM_VNNI
+static inline __m256i x8_first(__m256i c, __m256i a) { return tdm_dpbusd(_mm256_setzero_si256(), c, a); }
+static inline __m256i x8_more(__m256i s, __m256i c, __m256i a) { return tdm_dpbusd(s, c, a); }
+static inline __m256i x8_widen(__m256i s) { return s; }
+#else
+static inline __m256i x8_first(__m256i c, __m256i a) { return _mm256_maddubs_epi16(c, a); }
+static inline __m256i x8_more(__m256i s, __m256i c, __m256i a) { return _mm256_add_epi16(s, _mm256_maddubs_epi16(c, a)); }
+static inline __m256i x8_widen(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
+#endif
+
 /* the exact int32 dot products of one unpacked block (c[8]) with a token's 32 codes q, eight rows */
 static inline __m256i x8_block_dot(const __m256i *c, const int8_t *q) {
-    __m256i s = _mm256_maddubs_epi16(c[0], x8_bcast(q));
-    for (int v = 1; v < 8; v++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(c[v], x8_bcast(q + 4 * v)));
-    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+    __m256i s = x8_first(c[0], x8_bcast(q));
+    for (int v = 1; v < 8; v++) s = x8_more(s, c[v], x8_bcast(q + 4 * v));
+    return x8_widen(s);
 }
 
 /* the eight rows' minimums of block o (Q4_0: -8 d, exact) */
@@ -132,14 +149,14 @@ static inline __attribute__((always_inline)) void x8_tokens(const __m256i *cb, c
             __m256i c = _mm256_load_si256(cb + 8 * g + v);
             TDM_X8_IN_REGISTER(c);
             for (int e = 0; e < nt; e++) {
-                __m256i p = _mm256_maddubs_epi16(c, x8_bcast(x[e].q + 32 * g + 4 * v));
-                s[e] = v ? _mm256_add_epi16(s[e], p) : p;
+                __m256i a = x8_bcast(x[e].q + 32 * g + 4 * v);
+                s[e] = v ? x8_more(s[e], c, a) : x8_first(c, a);
                 TDM_X8_IN_REGISTER(s[e]); /* summed as it comes: no tree of 8 x nt live products */
             }
         }
         for (int e = 0; e < nt; e++)
             acc[e] = _mm256_fmadd_ps(_mm256_mul_ps(dk[g], _mm256_broadcast_ss(x[e].d + g)),
-                                     _mm256_cvtepi32_ps(_mm256_madd_epi16(s[e], _mm256_set1_epi16(1))), acc[e]);
+                                     _mm256_cvtepi32_ps(x8_widen(s[e])), acc[e]);
     }
     for (int e = 0; e < nt; e++) {
         const qvec *xe = x + e;
@@ -190,6 +207,7 @@ static void dot8_x8_multi(const tdm_weight *w, int64_t group, const qvec *x, int
 #endif
 
 #include "blocks_x8_i8.h" /* the Q8_0 twin (KIND_I8X8) */
+#include "blocks_amx.h"   /* its multi-token products on AMX tiles, where the CPU has them */
 
 static inline int is_x8(int64_t kind) { return kind == KIND_I4X8 || kind == KIND_I8X8; }
 
@@ -215,6 +233,10 @@ static void dot_rows_x8_multi(const tdm_weight *w, int64_t r0, int64_t n, const 
     int64_t i = 0;
     for (; i < n && (r0 + i) % X8_ROWS; i++)
         for (int64_t t = 0; t < T; t++) out[t * os + i] = dot_row_any_x8(w, r0 + i, x + t);
+#ifdef TDM_AMX
+    int64_t whole = (n - i) / X8_ROWS; /* blocks_amx.h: Q8_0 groups for 8 tokens and more */
+    if (dot_groups_amx(w, (r0 + i) / X8_ROWS, (r0 + i) / X8_ROWS + whole, x, T, out + i, os)) i += whole * X8_ROWS;
+#endif
 #ifdef TDM_SIMD
     for (; i + X8_ROWS <= n; i += X8_ROWS)
         if (w->kind == KIND_I8X8) dot8_x8_i8_multi(w, (r0 + i) / X8_ROWS, x, T, out + i, os);

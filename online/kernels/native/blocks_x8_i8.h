@@ -38,13 +38,22 @@ static float dot_row_x8_i8(const tdm_weight *w, int64_t r, const qvec *x) {
 }
 
 #ifdef TDM_SIMD
+/* s + the exact int32 sums of |w| (u8, <= 128) x sign(x, w) (s8) per lane: VNNI's vpdpbusd, or vpmaddubsw's
+ * int16 pairs (<= 2 x 128 x 127) widened by vpmaddwd; the same integers */
+static inline __m256i x8_i8_more(__m256i s, __m256i aw, __m256i sx) {
+#ifdef TDM_VNNI
+    return tdm_dpbusd(s, aw, sx);
+#else
+    return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
+#endif
+}
+
 /* the exact int32 dot products of one block (codes at o) with a token's 32 codes q, eight rows */
 static inline __m256i x8_i8_block_dot(const uint8_t *o, const int8_t *q) {
     __m256i s = _mm256_setzero_si256();
     for (int v = 0; v < 8; v++) {
         __m256i w = _mm256_loadu_si256((const __m256i *)(o + 32 * v));
-        __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x8_bcast(q + 4 * v), w));
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+        s = x8_i8_more(s, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x8_bcast(q + 4 * v), w));
     }
     return s;
 }
@@ -75,7 +84,6 @@ static inline __attribute__((always_inline)) void x8_i8_tokens(const tdm_weight 
                                                                 const __m256 *dk, int64_t ng, const qvec *x, int nt,
                                                                 float *out, int64_t os) {
     __m256 acc[4];
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int e = 0; e < nt; e++) acc[e] = _mm256_setzero_ps();
     const uint8_t *o = x8_i8_block(w, group, 0);
     for (int64_t g = 0; g < ng; g++, o += X8_I8_BLOCK_BYTES) {
@@ -86,8 +94,7 @@ static inline __attribute__((always_inline)) void x8_i8_tokens(const tdm_weight 
             TDM_X8_IN_REGISTER(wv);
             TDM_X8_IN_REGISTER(a);
             for (int e = 0; e < nt; e++) {
-                __m256i p = _mm256_maddubs_epi16(a, _mm256_sign_epi8(x8_bcast(x[e].q + 32 * g + 4 * v), wv));
-                s[e] = _mm256_add_epi32(s[e], _mm256_madd_epi16(p, ones));
+                s[e] = x8_i8_more(s[e], a, _mm256_sign_epi8(x8_bcast(x[e].q + 32 * g + 4 * v), wv));
                 TDM_X8_IN_REGISTER(s[e]);
             }
         }

@@ -10,6 +10,16 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define TDM_SIMD 1
 #include <immintrin.h>
+/* VNNI's vpdpbusd (AVX512-VNNI with VL, or AVX-VNNI): four u8 x s8 products summed straight into each int32
+ * lane. The int8 block dots use it where the CPU has it: their sums are exact integers either way, so both
+ * builds give the same bits (tests/test_vnni.py builds the other one and compares). */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TDM_VNNI 1
+#define tdm_dpbusd(acc, u8, s8) _mm256_dpbusd_epi32(acc, u8, s8)
+#elif defined(__AVXVNNI__)
+#define TDM_VNNI 1
+#define tdm_dpbusd(acc, u8, s8) _mm256_dpbusd_avx_epi32(acc, u8, s8)
+#endif
 #endif
 
 enum { KIND_F32 = 0, KIND_I8 = 1, KIND_I8B = 2, KIND_I4 = 3, KIND_F16 = 4 };
@@ -67,8 +77,12 @@ static inline float hsum8(__m256 v) {
 
 /* sum of the 32 products u8 a * s8 b, as 8 int32 lanes converted to float */
 static inline __m256 dot32_u8s8(__m256i a, __m256i b) {
+#ifdef TDM_VNNI /* (every caller's u8 codes are <= 128: vpmaddubsw's int16 pairs never saturate, so both are exact) */
+    return _mm256_cvtepi32_ps(tdm_dpbusd(_mm256_setzero_si256(), a, b));
+#else
     __m256i p16 = _mm256_maddubs_epi16(a, b);
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+#endif
 }
 
 static inline __m256 dot32_s8s8(__m256i w, __m256i y) {

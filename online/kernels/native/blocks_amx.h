@@ -1,0 +1,164 @@
+/* AMX (Intel's tile unit, Sapphire Rapids on): the multi-token products of Q8_0 rows interleaved eight at
+ * a time (KIND_I8X8, blocks_x8_i8.h), one tile product per block of 32 columns x 8 rows x up to 16 tokens,
+ * where the vector kernel spends 8 x (vpsignb + vpdpbusd) per token.
+ *
+ * Per block g: A = the tokens' 32 activation codes (s8, one tile row per token, read in place: the qvecs sit
+ * at one stride), B = the block's codes as stored (lane j's four bytes: row j's codes of four columns, which
+ * is the VNNI order the tile product reads), C = the exact int32 dots of every token and row. The sums are
+ * stored, then scaled in x8_i8_tokens' order: acc = fma(d[g] * xd[g], (float)s, acc) over g, then the
+ * flagged residual blocks (the vector code). Integer sums are exact on every unit, so each token's result is
+ * the vector kernel's bit for bit (tests/test_vnni.py builds without AMX and compares).
+ *
+ * Measured on a 2-core Sapphire Rapids VM (bench/RESULTS.md, eighteenth session), one thread, 8,192 x 576:
+ * 64 / 82 / 103 GMAC/s at 8 / 16 / 64 tokens against the VNNI kernel's 48 / 56 / 63; a tile product took
+ * ~15 ns whatever its token count, so fewer than AMX_MIN_TOKENS tokens stay on the vector kernel. For Q4 rows
+ * (nibbles unpacked into B, 16 rows a product) the tiles were no faster there (57 against 69 GMAC/s at 8
+ * tokens), and the vector kernel is kept.
+ *
+ * Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM), once per process; where it
+ * refuses, or TANDEM_AMX=0 is set, the vector kernel runs. Included by blocks_x8.h only. */
+#ifndef TANDEM_BLOCKS_AMX_H
+#define TANDEM_BLOCKS_AMX_H
+#if defined(TDM_SIMD) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define TDM_AMX 1
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TOKENS 16    /* rows of the A and C tiles */
+#define AMX_BATCH 32     /* blocks whose sums are stored before they are scaled */
+#define AMX_MIN_TOKENS 8 /* fewer: the vector kernel (measured break-even between 4 and 8 tokens) */
+
+typedef struct __attribute__((aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* 1 where this process may use the tiles (asked once; TANDEM_AMX=0: never) */
+static int amx_ready(void) {
+    static int state; /* 0: not asked yet, 1: granted, -1: refused (a capability, settled once per process) */
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (s == 0) {
+        const char *env = getenv("TANDEM_AMX");
+        int granted = !(env && env[0] == '0') &&
+                      syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+        s = granted ? 1 : -1;
+        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    }
+    return s > 0;
+}
+
+/* tiles 0, 1: A [tokens, 32 bytes]; 2, 3: B [8, 32 bytes]; 4, 5: C [tokens, 8 int32] */
+static void amx_configure(int tokens) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 6; t++) c.colsb[t] = 32, c.rows[t] = (uint8_t)((t == 2 || t == 3) ? 8 : tokens);
+    _tile_loadconfig(&c);
+}
+
+/* the byte stride between the tokens' codes, or 0 where they do not sit at one stride */
+static int64_t amx_stride(const qvec *x, int64_t T) {
+    int64_t stride = x[1].q - x[0].q;
+    for (int64_t e = 2; e < T; e++)
+        if (x[e].q - x[0].q != e * stride) return 0;
+    return stride;
+}
+
+/* sums [g - g0][e][8] = block g's exact dots (blocks at w8, 272 bytes apart), tokens e < the configured rows */
+static void amx_sums(const uint8_t *w8, const int8_t *q, int64_t stride, int64_t g0, int64_t g1, int32_t *sums) {
+    int64_t g = g0;
+    for (; g + 2 <= g1; g += 2) { /* two tile sets: one block's loads overlap the other's product */
+        _tile_loadd(0, q + 32 * g, stride);
+        _tile_loadd(2, w8 + g * X8_I8_BLOCK_BYTES, 32);
+        _tile_zero(4);
+        _tile_dpbssd(4, 0, 2);
+        _tile_loadd(1, q + 32 * (g + 1), stride);
+        _tile_loadd(3, w8 + (g + 1) * X8_I8_BLOCK_BYTES, 32);
+        _tile_zero(5);
+        _tile_dpbssd(5, 1, 3);
+        _tile_stored(4, sums + (g - g0) * AMX_TOKENS * 8, 32);
+        _tile_stored(5, sums + (g + 1 - g0) * AMX_TOKENS * 8, 32);
+    }
+    if (g < g1) {
+        _tile_loadd(0, q + 32 * g, stride);
+        _tile_loadd(2, w8 + g * X8_I8_BLOCK_BYTES, 32);
+        _tile_zero(4);
+        _tile_dpbssd(4, 0, 2);
+        _tile_stored(4, sums + (g - g0) * AMX_TOKENS * 8, 32);
+    }
+}
+
+/* NT (1, 2 or 4) tokens from e0: accs[e] += the blocks [g0, g1), scaled as x8_i8_tokens does */
+static inline __attribute__((always_inline)) void amx_scale(const int32_t *sums, const __m256 *dk, const qvec *x, int nt,
+                                                            int64_t e0, int64_t g0, int64_t g1, __m256 *accs) {
+    __m256 acc[4];
+    for (int e = 0; e < nt; e++) acc[e] = accs[e0 + e];
+    for (int64_t g = g0; g < g1; g++)
+        for (int e = 0; e < nt; e++) {
+            __m256i s = _mm256_load_si256((const __m256i *)(sums + ((g - g0) * AMX_TOKENS + e0 + e) * 8));
+            acc[e] = _mm256_fmadd_ps(_mm256_mul_ps(dk[g], _mm256_broadcast_ss(x[e0 + e].d + g)), _mm256_cvtepi32_ps(s),
+                                     acc[e]);
+        }
+    for (int e = 0; e < nt; e++) accs[e0 + e] = acc[e];
+}
+
+/* out[e * os + j] = row j . token e for tokens [first, rows) of the configured tile rows: the blocks through
+ * the tiles, then each token's flagged residual blocks by the vector code */
+static void amx_tokens(const uint8_t *w8, const __m256 *dk, int64_t ng, const qvec *x, int64_t stride, int64_t rows,
+                       int64_t first, float *out, int64_t os) {
+    __m256 accs[AMX_TOKENS];
+    int32_t sums[AMX_BATCH * AMX_TOKENS * 8] __attribute__((aligned(64)));
+    for (int64_t e = 0; e < rows; e++) accs[e] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < ng; g0 += AMX_BATCH) {
+        int64_t g1 = g0 + AMX_BATCH < ng ? g0 + AMX_BATCH : ng, e = first;
+        amx_sums(w8, x[0].q, stride, g0, g1, sums);
+        for (; e + 4 <= rows; e += 4) amx_scale(sums, dk, x, 4, e, g0, g1, accs);
+        if (e + 2 <= rows) amx_scale(sums, dk, x, 2, e, g0, g1, accs), e += 2;
+        if (e < rows) amx_scale(sums, dk, x, 1, e, g0, g1, accs);
+    }
+    for (int64_t e = first; e < rows; e++) {
+        const qvec *xe = x + e;
+        __m256 acc = accs[e];
+        for (int64_t f = 0; f < xe->n_flagged; f++) {
+            int64_t g = xe->flagged[f];
+            __m256i s = x8_i8_block_dot(w8 + g * X8_I8_BLOCK_BYTES, xe->r + 32 * g);
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(dk[g], _mm256_broadcast_ss(xe->dr + g)), _mm256_cvtepi32_ps(s), acc);
+        }
+        _mm256_storeu_ps(out + e * os, acc);
+    }
+}
+
+/* dot8_x8_i8_multi on the tiles, configured for `rows` tokens: T tokens in chunks of rows (T > rows: the
+ * last chunk ends at T and overlaps the one before; its first rows are computed again, not written) */
+static void dot8_x8_i8_multi_amx(const tdm_weight *w, int64_t group, const qvec *x, int64_t T, int64_t stride,
+                                 int64_t rows, float *out, int64_t os) {
+    int64_t ng = w->cols / 32;
+    __m256 dk[ng];
+    const uint8_t *o = x8_i8_block(w, group, 0);
+    for (int64_t g = 0; g < ng; g++, o += X8_I8_BLOCK_BYTES) {
+        for (int k = 0; k < 5; k++) _mm_prefetch((const char *)o + ng * X8_I8_BLOCK_BYTES + 64 * k, _MM_HINT_T0);
+        dk[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 256)));
+    }
+    for (int64_t c0 = 0; c0 < T; c0 += rows) {
+        int64_t start = c0 + rows <= T ? c0 : T - rows;
+        amx_tokens(x8_i8_block(w, group, 0), dk, ng, x + start, stride, rows, c0 - start, out + start * os, os);
+    }
+}
+
+/* the whole row groups [g0, g1) of a KIND_I8X8 weight for T tokens (out: group g0's first row) on the tiles;
+ * 0 where they cannot run here (then the vector kernel does) */
+static int dot_groups_amx(const tdm_weight *w, int64_t g0, int64_t g1, const qvec *x, int64_t T, float *out,
+                          int64_t os) {
+    int64_t stride;
+    if (w->kind != KIND_I8X8 || T < AMX_MIN_TOKENS || g1 <= g0 || !amx_ready() || (stride = amx_stride(x, T)) == 0)
+        return 0;
+    int64_t rows = T < AMX_TOKENS ? T : AMX_TOKENS;
+    amx_configure((int)rows);
+    for (int64_t g = g0; g < g1; g++) dot8_x8_i8_multi_amx(w, g, x, T, stride, rows, out + (g - g0) * X8_ROWS, os);
+    _tile_release();
+    return 1;
+}
+#endif
+#endif
