@@ -116,6 +116,21 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_int4_engine():
+    """SmolLM2 packed int4 on the fused step (2 threads); skipped when the model is not in models/. Tests that
+    switch its step's kernels (use_library) switch them back."""
+    from online import Engine
+    from tandem.core.loading.resolve import resolve_model_path
+    try:
+        resolve_model_path("smollm2")
+    except Exception:
+        pytest.skip("SmolLM2 is not in models/")
+    engine = Engine.load("smollm2", threads=2, weight_format="int4")
+    assert engine.compiled_decode is not None, engine.decode_path_reason
+    return engine
+
+
+@pytest.fixture(scope="session")
 def smollm2_engine(smollm2_path):
     from online import Engine
     return Engine.load(str(smollm2_path))

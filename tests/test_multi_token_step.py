@@ -199,16 +199,9 @@ def test_step_batch_splits_long_calls_in_order(tiny_model_dir):
 
 # --- the real model ---------------------------------------------------------------------------
 
-def test_smollm2_step_many_equals_single_steps():
-    from online import Engine
-    from tandem.core.loading.resolve import resolve_model_path
-    try:
-        resolve_model_path("smollm2")
-    except Exception:
-        pytest.skip("SmolLM2 is not in models/")
-    engine = Engine.load("smollm2", threads=2, weight_format="int4")
+def test_smollm2_step_many_equals_single_steps(smollm2_int4_engine):
+    engine = smollm2_int4_engine
     step = engine.compiled_decode
-    assert step is not None, engine.decode_path_reason
     _singles_and_many(step, engine.executor, engine.model.cfg, [1, 504, 3250, 28], [list(range(100, 108))], 16)
 
 

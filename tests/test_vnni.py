@@ -79,23 +79,19 @@ def test_decode_steps_equal_the_avx2_build(libs, tiny_model_dir, fmt, thresholds
     assert all(torch.equal(a, b) for a, b in zip(*got))
 
 
-def test_smollm2_steps_equal_the_avx2_build(libs):
+def test_smollm2_steps_equal_the_avx2_build(libs, smollm2_int4_engine):
     """SmolLM2's GGUF (Q4_1 rows, a Q8_0 output layer: AMX's tiles from 8 tokens where the CPU has them):
     a 12-token multi-token call and the single steps after it give the same logits as the AVX2 build."""
-    from online import Engine
-    from tandem.core.loading.resolve import resolve_model_path
-    try:
-        resolve_model_path("smollm2")
-    except Exception:
-        pytest.skip("SmolLM2 is not in models/")
-    engine = Engine.load("smollm2", threads=2, weight_format="int4")
-    step = engine.compiled_decode
-    assert step is not None, engine.decode_path_reason
+    engine = smollm2_int4_engine
+    step, original = engine.compiled_decode, engine.compiled_decode.native
     tokens = [1, 504, 3250, 28, 9, 2048, 77, 610, 12, 4001, 5, 33, 19000, 8]
     got = []
-    for lib in libs:
-        use_library(step, lib)
-        cache = KVCache(engine.model.cfg, len(tokens))
-        many = step.step_many(tokens[:12], 0, cache)  # [12, vocab]
-        got.append((many, step(tokens[12], 12, cache), step(tokens[13], 13, cache)))
+    try:
+        for lib in libs:
+            use_library(step, lib)
+            cache = KVCache(engine.model.cfg, len(tokens))
+            many = step.step_many(tokens[:12], 0, cache)  # [12, vocab]
+            got.append((many, step(tokens[12], 12, cache), step(tokens[13], 13, cache)))
+    finally:
+        use_library(step, original)
     assert all(torch.equal(a, b) for a, b in zip(*got))
