@@ -20,12 +20,26 @@ FILE_TYPE_Q8_0 = 7  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q8_0
 def requantize(src: Path, dst: Path) -> int:
     """Write ``dst``; returns the number of tensors re-quantized."""
     import gguf
-    from gguf.quants import dequantize, quantize
 
     reader = gguf.GGUFReader(str(src))
+    Q = gguf.GGMLQuantizationType
+    if not any(t.tensor_type in (Q.Q4_0, Q.Q4_1) for t in reader.tensors):
+        raise ValueError(f"{src} has no Q4_0 / Q4_1 tensors to re-quantize")
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
     tmp = dst.with_name(dst.name + ".partial")
-    writer = gguf.GGUFWriter(str(tmp), arch)
+    try:
+        changed = _write(reader, gguf.GGUFWriter(str(tmp), arch))
+        os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return changed
+
+
+def _write(reader, writer) -> int:
+    import gguf
+    from gguf.quants import dequantize, quantize
+
     for field in reader.fields.values():
         if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
             continue
@@ -49,7 +63,6 @@ def requantize(src: Path, dst: Path) -> int:
     for _, data, _ in tensors:
         writer.write_tensor_data(data, tensor_endianess=reader.endianess)
     writer.close()
-    os.replace(tmp, dst)
     return changed
 
 
@@ -58,10 +71,15 @@ def main() -> None:
     ap.add_argument("src", type=Path)
     ap.add_argument("dst", type=Path)
     args = ap.parse_args()
-    if not args.src.is_file():
-        print(f"error: {args.src} is not a file", file=sys.stderr)
-        raise SystemExit(2)
-    n = requantize(args.src, args.dst)
+    try:
+        if not args.src.is_file():
+            raise ValueError(f"{args.src} is not a file")
+        if not args.dst.parent.is_dir():
+            raise ValueError(f"{args.dst.parent} is not a folder")
+        n = requantize(args.src, args.dst)
+    except (OSError, ValueError, KeyError) as exc:  # not a GGUF, a truncated one, a disk error: one line
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"{args.dst}: {n} tensors re-quantized to Q8_0")
 
 

@@ -34,14 +34,17 @@ def _weight(qtype: str, rows: int, cols: int):
     rng = np.random.default_rng(3)
     w = rng.standard_normal((rows, cols)).astype(np.float32) * np.logspace(-3, 3, rows).astype(np.float32)[:, None]
     w[1, :32] = 0.0
-    w[4, 32:64] = -w[4, 32:64].max() * 4  # Q8_0's -128 codes: |w| = 128 as an unsigned byte
-    return weight_from_gguf(gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, qtype)), qtype, (rows, cols))
+    raw = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, qtype))  # uint8 [rows, blocks * bytes]
+    if qtype == "Q8_0":  # -128 codes (gguf's quantizer stops at -127): |w| = 128 as an unsigned byte
+        raw[4, 34 + 2:34 + 34:3] = 0x80
+    return weight_from_gguf(raw, qtype, (rows, cols))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("ratio", [-1.0, 0.0])  # 0: a residual on every block
-def test_rows_and_multi_token_products_equal_the_avx2_build(libs, qtype, ratio):
-    rows, cols = 27, 608
+@pytest.mark.parametrize("cols", [608, 1088])  # 19 and 34 blocks: one batch of AMX sums, and two
+def test_rows_and_multi_token_products_equal_the_avx2_build(libs, qtype, ratio, cols):
+    rows = 27
     w = _weight(qtype, rows, cols)
     for T in (1, 3, 8, 13, 16, 37):  # AMX (where the CPU has it) from 8: one tile chunk, two, three overlapping
         x = np.random.default_rng(T).standard_normal((T, cols)).astype(np.float32) * 3

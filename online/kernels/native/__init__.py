@@ -57,13 +57,13 @@ class NativeLibrary:
     lib: ctypes.CDLL
     path: Path
     has_avx2: bool  # the vector kernels (AVX2, FMA, F16C)
-    has_vnni: bool = False  # and VNNI's vpdpbusd for the int8 block dots
-    has_amx: bool = False  # and AMX tiles for Q8_0's multi-token products (the process may use them)
+    has_vnni: bool = False  # VNNI's vpdpbusd for the int8 block dots
+    has_amx: bool = False  # AMX tiles for Q8_0's multi-token products (where Linux grants them at first use)
 
     @classmethod
     def opened(cls, lib: ctypes.CDLL, path: Path) -> "NativeLibrary":
-        level = int(lib.tdm_simd_level() if hasattr(lib, "tdm_simd_level") else lib.tdm_has_avx2())
-        return cls(lib=lib, path=path, has_avx2=level >= 1, has_vnni=level >= 2, has_amx=level >= 3)
+        bits = int(lib.tdm_simd_features() if hasattr(lib, "tdm_simd_features") else lib.tdm_has_avx2())
+        return cls(lib=lib, path=path, has_avx2=bool(bits & 1), has_vnni=bool(bits & 2), has_amx=bool(bits & 4))
 
 
 def cache_dir() -> Path:
@@ -140,6 +140,10 @@ def load_native(extra_flags: tuple[str, ...] = ()) -> NativeLibrary:
     the defaults, e.g. ``("-mno-avx512vnni", "-mno-avxvnni")`` for the build a CPU without VNNI gets."""
     if os.environ.get("TANDEM_NATIVE", "1") == "0":
         raise NativeUnavailable("native kernels disabled by TANDEM_NATIVE=0")
+    extra_flags = tuple(extra_flags)
+    bad = next((f for f in extra_flags if not isinstance(f, str) or not f.startswith("-") or " " in f), None)
+    if bad is not None:
+        raise TandemError(f"extra_flags takes compiler options one by one, like '-mno-avxvnni'; got {bad!r}")
     cc = _compiler()
     source = b"\0".join((SOURCE_DIR / name).read_bytes() for name in SOURCES)
     errors = []

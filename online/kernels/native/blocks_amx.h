@@ -15,8 +15,11 @@
  * (nibbles unpacked into B, 16 rows a product) the tiles were no faster there (57 against 69 GMAC/s at 8
  * tokens), and the vector kernel is kept.
  *
- * Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM), once per process; where it
- * refuses, or TANDEM_AMX=0 is set, the vector kernel runs. Included by blocks_x8.h only. */
+ * Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM), once per process, asked at the
+ * first product that would use it (so processes whose models have no Q8_0 rows never ask: with the permission,
+ * the kernel refuses alternate signal stacks too small for the tile state). Where it refuses, or TANDEM_AMX=0
+ * is set when that first product runs (it is read once), the vector kernel runs. T = 17-23 tokens repeat up
+ * to 15 tokens' tile products in the overlapping last chunk (not their scaling). Included by blocks_x8.h only. */
 #ifndef TANDEM_BLOCKS_AMX_H
 #define TANDEM_BLOCKS_AMX_H
 #if defined(TDM_SIMD) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)

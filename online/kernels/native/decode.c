@@ -335,19 +335,6 @@ void tdm_dot_rows(const tdm_weight *w, int64_t r0, int64_t n, const float *x, do
 /* Self-check for the tests: scores[0..n) = e^(scores - max) as attention's softmax forms them; returns the sum */
 double tdm_softmax_exp(float *scores, int64_t n) { return n > 0 ? softmax_exp(scores, 0, n - 1, NULL) : 0.0; }
 
-/* 0: the portable C build; 1: AVX2 / FMA / F16C; 2: and VNNI's int8 dots; 3: and AMX tiles (blocks_amx.h) */
-int64_t tdm_simd_level(void) {
-#if defined(TDM_AMX)
-    if (amx_ready()) return 3;
-#endif
-#if defined(TDM_VNNI)
-    return 2;
-#elif defined(TDM_SIMD)
-    return 1;
-#endif
-    return 0;
-}
-
 /* Layer offload (llama.cpp -ngl): layers [first, last) of m->layers on the residual stream res [d]
  * (in/out, the tokens' stream after the layers run elsewhere); with logits != NULL also the final
  * norm and the output layer. Returns the FFN neurons computed. */
