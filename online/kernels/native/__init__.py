@@ -2,7 +2,8 @@
 
 ``decode.c`` (with ``rows.h``, ``attention.h``, ``arch.h`` (Qwen3 / Gemma 3 layer pieces), and ``batch.h`` / ``rows_multi.h`` for the multi-token step) holds the whole-model decode step (see online.execution.fused_decode);
 ``module.h`` / ``fdot.h`` the module path's float-activation kernels (online.kernels.cpu_kernels). It is compiled
-for this machine (``-march=native``: AVX2/FMA/F16C where the CPU has them, portable C otherwise)
+for this machine (``-march=native``: AVX2/FMA/F16C where the CPU has them, portable C otherwise; VNNI's int8
+dot products and AMX tiles for Q8_0 rows where it has those: rows.h, blocks_amx.h)
 into a cache folder keyed by the source, the flags, the compiler and the CPU, written atomically,
 so every later process only loads it. No compiler, or a failed build, raises ``NativeUnavailable``
 with the reason in one line; callers then take the torch path.
