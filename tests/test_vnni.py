@@ -53,12 +53,13 @@ def test_rows_and_multi_token_products_equal_the_avx2_build(libs, qtype, ratio, 
         outs = []
         for lib in libs:
             got = []
-            for ref in (describe(w), interleave(describe(w), lib.lib)):  # GGUF's blocks in place; eight rows interleaved
+            for ref in (describe(w), interleave(describe(w), lib.lib)):  # GGUF's blocks in place; 8 rows interleaved
+                d = ctypes.byref(ref.desc)
                 out = np.zeros(T * (rows - 1), np.float32)
-                lib.lib.tdm_dot_rows_multi(ctypes.byref(ref.desc), 1, rows - 1, T, x.ctypes.data, ratio, out.ctypes.data)
+                lib.lib.tdm_dot_rows_multi(d, 1, rows - 1, T, x.ctypes.data, ratio, out.ctypes.data)
                 single, gathered = np.zeros(rows, np.float32), np.zeros(picked.size, np.float32)
-                lib.lib.tdm_dot_rows(ctypes.byref(ref.desc), 0, rows, x[0].ctypes.data, ratio, single.ctypes.data)
-                lib.lib.tdm_dot_rows_idx(ctypes.byref(ref.desc), picked.ctypes.data, picked.size, x[0].ctypes.data, ratio,
+                lib.lib.tdm_dot_rows(d, 0, rows, x[0].ctypes.data, ratio, single.ctypes.data)
+                lib.lib.tdm_dot_rows_idx(d, picked.ctypes.data, picked.size, x[0].ctypes.data, ratio,
                                          gathered.ctypes.data)
                 got += [out, single, gathered]
             outs.append(got)

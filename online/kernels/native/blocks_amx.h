@@ -94,8 +94,8 @@ static void amx_sums(const uint8_t *w8, const int8_t *q, int64_t stride, int64_t
 }
 
 /* NT (1, 2 or 4) tokens from e0: accs[e] += the blocks [g0, g1), scaled as x8_i8_tokens does */
-static inline __attribute__((always_inline)) void amx_scale(const int32_t *sums, const __m256 *dk, const qvec *x, int nt,
-                                                            int64_t e0, int64_t g0, int64_t g1, __m256 *accs) {
+static inline __attribute__((always_inline)) void amx_scale(const int32_t *sums, const __m256 *dk, const qvec *x,
+                                                            int nt, int64_t e0, int64_t g0, int64_t g1, __m256 *accs) {
     __m256 acc[4];
     for (int e = 0; e < nt; e++) acc[e] = accs[e0 + e];
     for (int64_t g = g0; g < g1; g++)

@@ -15,7 +15,8 @@
  *   m = 0; for g: m = fma(min[g], xs[g], m);  out = acc + m
  * The block dot is summed in int16 (16 products of |code| <= 15 and |x| <= 127 per lane: < 2^15) and
  * widened once per block, so a block costs 8 vpmaddubsw per eight rows instead of 8 x (vpmaddubsw,
- * vpmaddwd, convert, FMA); with VNNI, 8 vpdpbusd summing straight into int32 (the same integers). The multi-token kernel unpacks a row group's nibbles once for all T tokens
+ * vpmaddwd, convert, FMA); with VNNI, 8 vpdpbusd summing straight into int32 (the same integers). The
+ * multi-token kernel unpacks a row group's nibbles once for all T tokens
  * and runs four tokens at a time; every token's result is bit-identical to the single-token kernel's
  * and to dot_row_x8's (tests: test_interleaved_rows.py). Included by rows.h only. */
 #ifndef TANDEM_BLOCKS_X8_H
@@ -84,7 +85,9 @@ static inline __m256i x8_more(__m256i s, __m256i c, __m256i a) { return tdm_dpbu
 static inline __m256i x8_widen(__m256i s) { return s; }
 #else
 static inline __m256i x8_first(__m256i c, __m256i a) { return _mm256_maddubs_epi16(c, a); }
-static inline __m256i x8_more(__m256i s, __m256i c, __m256i a) { return _mm256_add_epi16(s, _mm256_maddubs_epi16(c, a)); }
+static inline __m256i x8_more(__m256i s, __m256i c, __m256i a) {
+    return _mm256_add_epi16(s, _mm256_maddubs_epi16(c, a));
+}
 static inline __m256i x8_widen(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
 #endif
 
