@@ -126,3 +126,22 @@ def test_tiny_gemma3_packed_engine_close_to_dense(tmp_path, fmt):
     ref, ours = dense.logits(ids), packed.logits(ids)
     assert float((ours - ref).abs().max() / ref.abs().max()) < 0.05
     assert packed.generate(ids, max_new_tokens=4, ignore_eos=True).token_ids  # decode path runs
+
+
+def test_q8_0_ffn_blocks_kept_as_they_are_for_int8(tmp_path):
+    """An int8 engine on an all-Q8_0 GGUF keeps every FFN's gate / up blocks exactly (gguf's own decode of the
+    file's bytes), and decodes them through the fused step; before, they were re-packed with one scale per row."""
+    from online import Engine
+    from online.kernels.quantize import BlockInt8Weight
+    hf_model = tiny_model("qwen3")
+    write_gguf(tmp_path / "m.gguf", "qwen3", hf_model, ("Q8_0",))
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    stored = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
+    engine = Engine.load(str(tmp_path / "m.gguf"), weight_format="int8", sparse=False)
+    for i, split in enumerate(engine.executor.splits):
+        for name in ("gate", "up"):
+            w = getattr(split.cpu, name)
+            assert isinstance(w, BlockInt8Weight), (i, name, type(w).__name__)
+            assert np.array_equal(w.dequantize(), stored[f"blk.{i}.ffn_{name}.weight"]), (i, name)
+    assert engine.decode_path == "fused", engine.decode_path_reason
+    assert engine.generate([5, 9, 14], max_new_tokens=4, ignore_eos=True).token_ids

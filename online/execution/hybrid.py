@@ -33,7 +33,7 @@ from .gpu_tier import GpuTier
 from tandem.core.tier_format import TIER_FORMATS
 from .tier_matrix import TierMatrix
 from .tier_units import tier_ffn_kernel
-from .quantized_linear import EXACT_GGUF_TYPES, IN_PLACE_GGUF_TYPES, dense_down_wanted, predicted_active_share
+from .quantized_linear import EXACT_GGUF_TYPES, dense_down_wanted, predicted_active_share
 from tandem.core.ffn.weights import FFNWeights, MoELayerWeights
 
 PREDICTOR_MAX_TOKENS = 4  # longer batches (prefill) activate nearly every neuron: exact path there
@@ -365,7 +365,7 @@ def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor,
         prefix = f"model.layers.{layer}.mlp"
         up_raw, gate_raw, down_raw = (raw.get(f"{prefix}.{n}_proj.weight") for n in ("up", "gate", "down"))
         all_cold = cold.numel() == n_ff
-        exact = EXACT_GGUF_TYPES["int4"] if settings.weight_format == "int4" else IN_PLACE_GGUF_TYPES
+        exact = EXACT_GGUF_TYPES[settings.weight_format] if settings.weight_format in EXACT_GGUF_TYPES else ()
         if (all_cold and settings.weight_format in ("int4", "int8") and up_raw is not None and down_raw is not None
                 and up_raw.qtype in exact and w.up_bias is None and w.gate_bias is None
                 and (gate_raw is None or gate_raw.qtype in exact)):
