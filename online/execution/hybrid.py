@@ -365,7 +365,7 @@ def _split_layer(cfg: ModelConfig, layer: int, w: FFNWeights, hot: torch.Tensor,
         prefix = f"model.layers.{layer}.mlp"
         up_raw, gate_raw, down_raw = (raw.get(f"{prefix}.{n}_proj.weight") for n in ("up", "gate", "down"))
         all_cold = cold.numel() == n_ff
-        exact = EXACT_GGUF_TYPES[settings.weight_format] if settings.weight_format in EXACT_GGUF_TYPES else ()
+        exact = EXACT_GGUF_TYPES.get(settings.weight_format, ())  # int4 / int8: the GGUF kinds kept as they are
         if (all_cold and settings.weight_format in ("int4", "int8") and up_raw is not None and down_raw is not None
                 and up_raw.qtype in exact and w.up_bias is None and w.gate_bias is None
                 and (gate_raw is None or gate_raw.qtype in exact)):

@@ -70,28 +70,29 @@ static int64_t amx_stride(const qvec *x, int64_t T) {
 }
 
 /* sums [g - g0][e][8] = block g's exact dots (blocks at w8, 272 bytes apart), tokens e < the configured rows */
+/* block g's product into C tile c, from A tile a and B tile b (tile numbers are immediates: a macro) */
+#define AMX_BLOCK(a, b, c, g)                                                                                   \
+    do {                                                                                                        \
+        _tile_loadd(a, q + 32 * (g), stride);                                                                   \
+        _tile_loadd(b, w8 + (g) * X8_I8_BLOCK_BYTES, 32);                                                       \
+        _tile_zero(c);                                                                                          \
+        _tile_dpbssd(c, a, b);                                                                                  \
+    } while (0)
+
 static void amx_sums(const uint8_t *w8, const int8_t *q, int64_t stride, int64_t g0, int64_t g1, int32_t *sums) {
     int64_t g = g0;
     for (; g + 2 <= g1; g += 2) { /* two tile sets: one block's loads overlap the other's product */
-        _tile_loadd(0, q + 32 * g, stride);
-        _tile_loadd(2, w8 + g * X8_I8_BLOCK_BYTES, 32);
-        _tile_zero(4);
-        _tile_dpbssd(4, 0, 2);
-        _tile_loadd(1, q + 32 * (g + 1), stride);
-        _tile_loadd(3, w8 + (g + 1) * X8_I8_BLOCK_BYTES, 32);
-        _tile_zero(5);
-        _tile_dpbssd(5, 1, 3);
+        AMX_BLOCK(0, 2, 4, g);
+        AMX_BLOCK(1, 3, 5, g + 1);
         _tile_stored(4, sums + (g - g0) * AMX_TOKENS * 8, 32);
         _tile_stored(5, sums + (g + 1 - g0) * AMX_TOKENS * 8, 32);
     }
     if (g < g1) {
-        _tile_loadd(0, q + 32 * g, stride);
-        _tile_loadd(2, w8 + g * X8_I8_BLOCK_BYTES, 32);
-        _tile_zero(4);
-        _tile_dpbssd(4, 0, 2);
+        AMX_BLOCK(0, 2, 4, g);
         _tile_stored(4, sums + (g - g0) * AMX_TOKENS * 8, 32);
     }
 }
+#undef AMX_BLOCK
 
 /* NT (1, 2 or 4) tokens from e0: accs[e] += the blocks [g0, g1), scaled as x8_i8_tokens does */
 static inline __attribute__((always_inline)) void amx_scale(const int32_t *sums, const __m256 *dk, const qvec *x,
@@ -121,16 +122,7 @@ static void amx_tokens(const uint8_t *w8, const __m256 *dk, int64_t ng, const qv
         if (e + 2 <= rows) amx_scale(sums, dk, x, 2, e, g0, g1, accs), e += 2;
         if (e < rows) amx_scale(sums, dk, x, 1, e, g0, g1, accs);
     }
-    for (int64_t e = first; e < rows; e++) {
-        const qvec *xe = x + e;
-        __m256 acc = accs[e];
-        for (int64_t f = 0; f < xe->n_flagged; f++) {
-            int64_t g = xe->flagged[f];
-            __m256i s = x8_i8_block_dot(w8 + g * X8_I8_BLOCK_BYTES, xe->r + 32 * g);
-            acc = _mm256_fmadd_ps(_mm256_mul_ps(dk[g], _mm256_broadcast_ss(xe->dr + g)), _mm256_cvtepi32_ps(s), acc);
-        }
-        _mm256_storeu_ps(out + e * os, acc);
-    }
+    for (int64_t e = first; e < rows; e++) _mm256_storeu_ps(out + e * os, x8_i8_residuals(w8, dk, x + e, accs[e]));
 }
 
 /* dot8_x8_i8_multi on the tiles, configured for `rows` tokens: T tokens in chunks of rows (T > rows: the

@@ -58,6 +58,16 @@ static inline __m256i x8_i8_block_dot(const uint8_t *o, const int8_t *q) {
     return s;
 }
 
+/* acc + the token's flagged residual blocks in order (w8: the row group's first block; dk [ng]: its scales) */
+static inline __m256 x8_i8_residuals(const uint8_t *w8, const __m256 *dk, const qvec *xe, __m256 acc) {
+    for (int64_t f = 0; f < xe->n_flagged; f++) {
+        int64_t g = xe->flagged[f];
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(dk[g], _mm256_broadcast_ss(xe->dr + g)),
+                              _mm256_cvtepi32_ps(x8_i8_block_dot(w8 + g * X8_I8_BLOCK_BYTES, xe->r + 32 * g)), acc);
+    }
+    return acc;
+}
+
 /* out[0..8) = rows 8 group .. 8 group + 7 . x (one token) */
 static void dot8_x8_i8(const tdm_weight *w, int64_t group, const qvec *x, float *out) {
     int64_t ng = w->cols / 32;
@@ -101,15 +111,8 @@ static inline __attribute__((always_inline)) void x8_i8_tokens(const tdm_weight 
         for (int e = 0; e < nt; e++)
             acc[e] = _mm256_fmadd_ps(_mm256_mul_ps(dk[g], _mm256_broadcast_ss(x[e].d + g)), _mm256_cvtepi32_ps(s[e]), acc[e]);
     }
-    for (int e = 0; e < nt; e++) {
-        const qvec *xe = x + e;
-        for (int64_t f = 0; f < xe->n_flagged; f++) {
-            int64_t g = xe->flagged[f];
-            acc[e] = _mm256_fmadd_ps(_mm256_mul_ps(dk[g], _mm256_broadcast_ss(xe->dr + g)),
-                                     _mm256_cvtepi32_ps(x8_i8_block_dot(x8_i8_block(w, group, g), xe->r + 32 * g)), acc[e]);
-        }
-        _mm256_storeu_ps(out + e * os, acc[e]);
-    }
+    for (int e = 0; e < nt; e++)
+        _mm256_storeu_ps(out + e * os, x8_i8_residuals(x8_i8_block(w, group, 0), dk, x + e, acc[e]));
 }
 
 /* out[i * os + j] = row 8 group + j . x[i] for T tokens: |w| and the scales formed once per group */
