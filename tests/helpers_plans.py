@@ -76,9 +76,11 @@ def tiny_plan(folder: Path, out: Path, hardware: str, fraction: float, weight_fo
 
 
 def tier_units_model(folder: Path, attention, head: bool, embeddings: bool, weight_format: str = "fp32",
-                     tier_format: str = "fp32", kv_dtype=torch.float32, seed: int = 3, hot_neurons: int = 40):
-    """A tiny model split by hand (no plan): ``hot_neurons`` random neurons per layer on a CPU tier, attention per
-    layer where ``attention`` says, the output layer / embeddings there when asked. Returns (model, executor, tier).
+                     tier_format: str = "fp32", kv_dtype=torch.float32, seed: int = 3, hot_neurons: int = 40,
+                     hot_format: str = "fp32"):
+    """A tiny model split by hand (no plan): ``hot_neurons`` random neurons per layer on a CPU tier (stored in
+    ``hot_format``), attention per layer where ``attention`` says, the output layer / embeddings there when asked
+    (in ``tier_format``). Returns (model, executor, tier).
 
     Example::
 
@@ -93,7 +95,7 @@ def tier_units_model(folder: Path, attention, head: bool, embeddings: bool, weig
     tier = GpuTier.create(1 << 24, "cpu")
     gen = torch.Generator().manual_seed(seed)
     hot = [torch.randperm(model.cfg.intermediate_size, generator=gen)[:hot_neurons] for _ in range(model.cfg.num_layers)]
-    settings = ExecutionSettings(weight_format=weight_format, sparse=False, threads=1)
+    settings = ExecutionSettings(weight_format=weight_format, sparse=False, threads=1, tier_format=hot_format)
     executor = HybridExecutor.build(model.cfg, ffn, tier, settings, gpu_neurons=hot, head_weight=model.lm_head.weight)
     place_plan_units(model, executor, tier, attention_on_gpu=list(attention), output_head_on_gpu=head,
                      embeddings_on_gpu=embeddings, tier_format=tier_format, kv_dtype=kv_dtype, kv_capacity_tokens=16)

@@ -65,7 +65,12 @@ def _packed(rows, cols):
     return MatvecLaunch(rows_per_program=4, cols_per_tile=64, warps=2, rolled=True, packed=True)
 
 
-@pytest.mark.parametrize("launch", [None, _rolled, _packed], ids=["default", "rolled", "packed"])
+def _words(rows, cols):
+    from online.gpu.ops import MatvecLaunch
+    return MatvecLaunch(rows_per_program=4, cols_per_tile=64, warps=2, words=True)
+
+
+@pytest.mark.parametrize("launch", [None, _rolled, _packed, _words], ids=["default", "rolled", "packed", "words"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("cols", [96, 320])  # one column block, and three (the last partial)
 def test_matvec_every_format_with_norm_bias_residual(fmt, cols, launch):
@@ -84,7 +89,7 @@ def test_matvec_every_format_with_norm_bias_residual(fmt, cols, launch):
     torch.testing.assert_close(outs[1], dense, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("launch", [None, _rolled, _packed], ids=["default", "rolled", "packed"])
+@pytest.mark.parametrize("launch", [None, _rolled, _packed, _words], ids=["default", "rolled", "packed", "words"])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh", "relu", "gelu"])
 def test_gated_pair_in_mixed_formats(act, launch):
     tri, ref = Ops("triton", matvec_launch=launch), Ops("torch")
@@ -117,9 +122,56 @@ def test_packed_q4_reads_equal_the_twin(formats, cols):
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("cols", [80, 320, 544])  # a padded last block; 10 blocks; 17 blocks over 3 tiles
+@pytest.mark.parametrize("formats", [("q4", "q4"), ("q4_1", "q4"), ("q4_1", "q4_1"), ("q8", "q8")])
+@pytest.mark.parametrize("rolled", [False, True])
+def test_word_reads_equal_the_twin(formats, cols, rolled):
+    """Quantized rows read as 32-bit words (eight Q4 nibbles or four Q8_0 codes a load, gathered against their
+    columns) give the torch twin's result, alone and as a gated pair, with the norm, bias and residual; the kernel
+    took the word path (its launch asks for it and the formats allow it)."""
+    from online.gpu.ops import MatvecLaunch
+    tri = Ops("triton", matvec_launch=lambda r, c: MatvecLaunch(8, 256, 2, rolled=rolled, words=True))
+    ref = Ops("torch")
+    up, gate = _mat(45, cols, formats[0], 7), _mat(45, cols, formats[1], 8)
+    g = torch.Generator().manual_seed(cols)
+    x, norm = torch.randn(cols, generator=g).to(DEVICE), (torch.rand(cols, generator=g) + 0.5).to(DEVICE)
+    bias, res = torch.randn(45, generator=g).to(DEVICE), torch.randn(45, generator=g).to(DEVICE)
+    for w2 in (None, gate):
+        outs = []
+        for ops in (tri, ref):
+            y = res.clone()
+            ops.matvec(x, up, y, norm=norm, eps=1e-5, w2=w2, b1=bias, act="silu" if w2 is not None else "none",
+                       residual=y)
+            outs.append(y)
+        # float32 sums in another order: a gated pair's products reach thousands here
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-5 * float(outs[1].abs().max()))
+
+
+def test_word_reads_fall_back_for_mixed_pairs():
+    """A pair of a Q4 and a Q8_0 matrix (no common word layout) is read byte-wise under a words launch."""
+    from online.gpu.ops import MatvecLaunch
+    tri = Ops("triton", matvec_launch=lambda r, c: MatvecLaunch(4, 64, 2, words=True))
+    up, gate = _mat(20, 96, "q4", 2), _mat(20, 96, "q8", 3)
+    x = torch.randn(96, device=DEVICE)
+    outs = []
+    for ops in (tri, Ops("torch")):
+        y = torch.zeros(20, device=DEVICE)
+        ops.matvec(x, up, y, w2=gate, act="silu")
+        outs.append(y)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+def _words_t(rows, cols):
+    from online.gpu.ops import MatvecTLaunch
+    return MatvecTLaunch(cols_per_program=32, rows_per_step=16, max_rows_per_program=32, warps=2, words=True)
+
+
+@pytest.mark.parametrize("launch", [None, _words_t], ids=["default", "words"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_matvec_t_accumulates_down_rows(fmt):
-    tri, ref = _both()
+def test_matvec_t_accumulates_down_rows(fmt, launch):
+    """Down rows kept neuron-major, summed in row slices added atomically (with words: Q8_0 rows read as 32-bit
+    words, four columns a word: seven slices of 16 rows, the last partial, over three column blocks)."""
+    tri, ref = Ops("triton", matvec_t_launch=launch), Ops("torch")
     w = _mat(100, 96, fmt, 4)  # [neurons, d]
     h, bias, start = torch.randn(100, device=DEVICE), torch.randn(96, device=DEVICE), torch.randn(96, device=DEVICE)
     outs = []
@@ -189,3 +241,29 @@ def test_embed_row_and_add_and_norm(fmt):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outs[1][0], table.dequantize()[17] * 1.5 + 1, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs[0][2], outs[0][1] + 1, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU tier through Triton's interpreter (CUDA: "
+                    "bench.gpu_kernels_ab compares the tokens)")
+@pytest.mark.parametrize("tier_format,weight_format", [("q4_1", "int4"), ("q8", "int8")])
+def test_whole_program_on_word_reads_equals_the_torch_ops(tiny_model_dir, tier_format, weight_format):
+    """A tiny Llama's decode program (attention, hot rows beside cold rows on the host, output layer and embeddings
+    on the tier) through the Triton kernels with every quantized matrix read as words gives the torch ops' logits."""
+    from helpers_plans import tier_units_model
+    from online.gpu.graph_step import GpuDecodeStep
+    from online.gpu.ops import MatvecLaunch, MatvecTLaunch
+    from tandem.core.kv_cache import KVCache
+    folder, _ = tiny_model_dir("llama")
+    model, executor, _ = tier_units_model(folder, (True, True), head=True, embeddings=True, weight_format=weight_format,
+                                          tier_format=tier_format, hot_format=tier_format)
+    assert {executor.splits[0].gpu.up.fmt, executor.splits[0].gpu.down_t.fmt} == {tier_format}
+    logits = {}
+    for backend in ("torch", "triton"):
+        step = GpuDecodeStep.build(model, executor, capture=False, backend=backend)
+        ops = step.layers.ctx.ops
+        ops.matvec_launch = lambda r, c: MatvecLaunch(8, 64, 2, words=True)
+        ops.matvec_t_launch = lambda r, c: MatvecTLaunch(32, 16, 64, 2, words=True)
+        cache = KVCache(model.cfg, 16)
+        with torch.inference_mode():
+            logits[backend] = torch.stack([step(t, pos, cache) for pos, t in enumerate([5, 17, 42, 9, 77, 3])])
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-3, atol=1e-3)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .kernels_words import matvec_t_nibbles_kernel, matvec_t_words_kernel, words_tile  # noqa: F401 (launched here)
+
 FORMAT_IDS = {"fp32": 0, "fp16": 1, "q8": 2, "q4": 3, "q4_1": 4}
 ACT_IDS = {"none": 0, "silu": 1, "gelu_tanh": 2, "relu": 3, "gelu": 4}
 
@@ -74,8 +76,12 @@ def _q4_packed_part(data, scale, minimum, rows, row_ok, c0, xl, xh, sd, ss, C, F
 @triton.jit
 def _matvec_tile(acc1, acc2, c0, x_ptr, norm_ptr, inv, d1, s1, m1, d2, s2, m2, rows, row_ok, C, sd1, ss1, sd2, ss2,
                  NORM: tl.constexpr, PAIR: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, BC: tl.constexpr,
-                 PACKED: tl.constexpr = False):
-    """acc += W[rows, c0:c0+BC] * x'[c0:c0+BC] (and the pair's); PACKED (both Q4): the bytes read whole."""
+                 PACKED: tl.constexpr = False, WORDS: tl.constexpr = False):
+    """acc += W[rows, c0:c0+BC] * x'[c0:c0+BC] (and the pair's); PACKED (both Q4): the bytes read whole; WORDS
+    (both Q4, or both Q8_0): read as 32-bit words (``kernels_words``)."""
+    if WORDS:
+        return words_tile(acc1, acc2, c0, x_ptr, norm_ptr, inv, d1, s1, m1, d2, s2, m2, rows, row_ok, C, sd1, ss1,
+                          sd2, ss2, NORM, PAIR, FMT1, FMT2, BC)
     if PACKED:
         k = tl.arange(0, BC // 2)[None, :]  # [1, BC/2]
         il = c0 + (k // 16) * 32 + k % 16  # the low nibbles' columns; the high ones' are 16 on
@@ -106,10 +112,11 @@ def matvec_kernel(x_ptr, norm_ptr, eps, d1, s1, m1, b1, d2, s2, m2, b2, res_ptr,
                   sd1, ss1, sd2, ss2, NORM: tl.constexpr, PAIR: tl.constexpr, ACT: tl.constexpr,
                   RESIDUAL: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
                   FMT1: tl.constexpr, FMT2: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                  ROLLED: tl.constexpr = False, PACKED: tl.constexpr = False):
+                  ROLLED: tl.constexpr = False, PACKED: tl.constexpr = False, WORDS: tl.constexpr = False):
     """y[r] = act(W2 x')[r] * (W1 x')[r] (PAIR) or act(W1 x')[r], + res[r] (RESIDUAL); x' = rmsnorm(x) * norm
     (NORM) else x. W [R, C] in FMT; one program per BR rows; the column loop unrolled, or a loop (ROLLED); Q4
-    rows (both of a pair) read byte-wise whole with PACKED."""
+    rows (both of a pair) read byte-wise whole with PACKED, or quantized rows as 32-bit words with WORDS (the
+    data pointers then int32 views, strides in words)."""
     pid = tl.program_id(0)
     rows = pid * BR + tl.arange(0, BR)[:, None]  # [BR, 1]
     row_ok = rows < R
@@ -121,17 +128,17 @@ def matvec_kernel(x_ptr, norm_ptr, eps, d1, s1, m1, b1, d2, s2, m2, b2, res_ptr,
             v = tl.load(x_ptr + c, mask=c < C, other=0.0)
             sq += v * v
         inv = 1.0 / tl.sqrt(tl.sum(sq, 0) / C + eps)
-    WIDTH: tl.constexpr = BC // 2 if PACKED else BC
+    WIDTH: tl.constexpr = (BC // 4 if FMT1 == 2 else BC // 8) if WORDS else (BC // 2 if PACKED else BC)
     acc1 = tl.zeros([BR, WIDTH], dtype=tl.float32)
     acc2 = tl.zeros([BR, WIDTH], dtype=tl.float32)
     if ROLLED:
         for c0 in tl.range(0, C, BC):
             acc1, acc2 = _matvec_tile(acc1, acc2, c0, x_ptr, norm_ptr, inv, d1, s1, m1, d2, s2, m2, rows, row_ok, C,
-                                      sd1, ss1, sd2, ss2, NORM, PAIR, FMT1, FMT2, BC, PACKED)
+                                      sd1, ss1, sd2, ss2, NORM, PAIR, FMT1, FMT2, BC, PACKED, WORDS)
     else:
         for c0 in tl.static_range(0, C, BC):
             acc1, acc2 = _matvec_tile(acc1, acc2, c0, x_ptr, norm_ptr, inv, d1, s1, m1, d2, s2, m2, rows, row_ok, C,
-                                      sd1, ss1, sd2, ss2, NORM, PAIR, FMT1, FMT2, BC, PACKED)
+                                      sd1, ss1, sd2, ss2, NORM, PAIR, FMT1, FMT2, BC, PACKED, WORDS)
     r = pid * BR + tl.arange(0, BR)
     r_ok = r < R
     y = tl.sum(acc1, 1)  # [BR]

@@ -75,12 +75,15 @@ def _pow2(n: int) -> int:
 
 @dataclass(frozen=True)
 class MatvecLaunch:
-    """How ``matvec_kernel`` is launched: rows per program, columns per tile, warps, a rolled column loop."""
+    """How ``matvec_kernel`` is launched: rows per program, columns per tile, warps, a rolled column loop, and how
+    quantized rows are read: byte-wise whole (``packed``, Q4 only) or as 32-bit words (``words``: Q4 or Q8_0,
+    both matrices of a pair alike); other formats ignore both."""
     rows_per_program: int
     cols_per_tile: int
     warps: int = 4
     rolled: bool = False
-    packed: bool = False  # Q4_0 / Q4_1 matrices (both of a pair) read as whole bytes; others ignore it
+    packed: bool = False
+    words: bool = False
 
     def __post_init__(self) -> None:
         for name in ("rows_per_program", "cols_per_tile", "warps"):
@@ -89,19 +92,56 @@ class MatvecLaunch:
                 raise TandemError(f"MatvecLaunch.{name} must be a power of two, got {value!r}")
 
 
+@dataclass(frozen=True)
+class MatvecTLaunch:
+    """How the neuron-major down rows are launched (``matvec_t``): columns per program, rows per unrolled step,
+    the most rows a program sums, warps, and Q8_0 / Q4 rows read as 32-bit words (``words``; at least 32 columns
+    a program)."""
+    cols_per_program: int = 64
+    rows_per_step: int = 32
+    max_rows_per_program: int = 256
+    warps: int = 4
+    words: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("cols_per_program", "rows_per_step", "max_rows_per_program", "warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise TandemError(f"MatvecTLaunch.{name} must be a power of two, got {value!r}")
+
+
 def default_matvec_launch(rows: int, cols: int) -> MatvecLaunch:
+    """Rows per program by the matrix's height, 128-column tiles, a byte load per weight: the launches the step was
+    measured with on the H100 / H200. Word reads (``words=True``) are tested under Triton's interpreter and not yet
+    timed on a GPU (``bash bench/gpu_kernels.sh`` does that)."""
     return MatvecLaunch(4 if rows <= 1024 else (8 if rows <= 8192 else 16), 128 if cols >= 128 else _pow2(cols))
+
+
+def default_matvec_t_launch(rows: int, cols: int) -> MatvecTLaunch:
+    """64 columns per program, 32 rows a step, at most 256 rows a program, a byte load per weight."""
+    return MatvecTLaunch()
+
+
+def _words_view(m: Mat) -> torch.Tensor | None:
+    """``m``'s codes as int32 words [rows, row bytes / 4], or None where the row bytes do not divide."""
+    if m.fmt not in ("q8", "q4", "q4_1") or (m.data.shape[1] * m.data.element_size()) % 4:
+        return None
+    try:
+        return m.data.view(torch.int32)
+    except RuntimeError:  # a storage offset not a multiple of 4 bytes
+        return None
 
 
 class Ops:
     """The operations; ``backend`` is "triton" or "torch". ``matvec_launch(rows, cols) -> MatvecLaunch``
     replaces the default launch shapes (bench/gpu_kernel_rates.py tries others)."""
 
-    def __init__(self, backend: str, matvec_launch=None) -> None:
+    def __init__(self, backend: str, matvec_launch=None, matvec_t_launch=None) -> None:
         if backend not in ("triton", "torch"):
             raise TandemError(f"unknown GPU-step backend {backend!r}")
         self.backend = backend
         self.matvec_launch = matvec_launch or default_matvec_launch
+        self.matvec_t_launch = matvec_t_launch or default_matvec_t_launch
         self.launches = 0  # kernels (or op groups) issued, per step when read as a difference
         if backend == "triton":
             from . import kernels
@@ -140,17 +180,25 @@ class Ops:
         launch = self.matvec_launch(rows, cols)
         br, bc = launch.rows_per_program, min(launch.cols_per_tile, _pow2(cols))
         g = w2 if w2 is not None else w1
-        packed = launch.packed and bc >= 32 and w1.fmt in ("q4", "q4_1") and g.fmt in ("q4", "q4_1")
+        q4 = w1.fmt in ("q4", "q4_1") and g.fmt in ("q4", "q4_1")
+        d1, d2, sd1, sd2 = w1.data, g.data, w1.stride_data, g.stride_data
+        words = launch.words and bc >= 32 and (q4 or w1.fmt == g.fmt == "q8")
+        if words:
+            v1, v2 = _words_view(w1), _words_view(g)
+            words = v1 is not None and v2 is not None
+            if words:
+                d1, d2, sd1, sd2 = v1, v2, int(v1.shape[1]), int(v2.shape[1])
+        packed = not words and launch.packed and bc >= 32 and q4
         dummy = y
         self.k.matvec_kernel[(triton_cdiv(rows, br),)](
             x, norm if norm is not None else dummy, float(eps),
-            w1.data, _or(w1.scale, dummy), _or(w1.minimum, dummy), _or(b1, dummy),
-            g.data, _or(g.scale, dummy), _or(g.minimum, dummy), _or(b2, dummy),
+            d1, _or(w1.scale, dummy), _or(w1.minimum, dummy), _or(b1, dummy),
+            d2, _or(g.scale, dummy), _or(g.minimum, dummy), _or(b2, dummy),
             residual if residual is not None else dummy, y, rows, cols,
-            w1.stride_data, w1.stride_scale, g.stride_data, g.stride_scale,
+            sd1, w1.stride_scale, sd2, g.stride_scale,
             NORM=norm is not None, PAIR=w2 is not None, ACT=self.k.ACT_IDS[act], RESIDUAL=residual is not None,
             HAS_B1=b1 is not None, HAS_B2=b2 is not None, FMT1=_FORMAT_IDS[w1.fmt], FMT2=_FORMAT_IDS[g.fmt],
-            BR=br, BC=bc, ROLLED=launch.rolled, PACKED=packed, num_warps=launch.warps)
+            BR=br, BC=bc, ROLLED=launch.rolled, PACKED=packed, WORDS=words, num_warps=launch.warps)
 
     def matvec_t(self, h: torch.Tensor, w: Mat, y: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """y [C] += h [R] @ W [R, C] (+ bias): a down projection kept neuron-major, accumulated into ``y``."""
@@ -160,15 +208,29 @@ class Ops:
             y.add_(out + bias if bias is not None else out)
             return
         rows, cols = w.rows, w.cols
-        bc = 64
+        launch = self.matvec_t_launch(rows, cols)
+        view = _words_view(w) if launch.words and launch.cols_per_program >= 32 else None
+        bc, br = launch.cols_per_program, launch.rows_per_step
         col_blocks = triton_cdiv(cols, bc)
-        slices = max(1, triton_cdiv(rows, 256), min(triton_cdiv(rows, 32), 264 // col_blocks))  # <= 8 unrolled steps
-        rows_per_program = triton_cdiv(triton_cdiv(rows, slices), 32) * 32
+        steps = max(1, launch.max_rows_per_program // br)  # unrolled steps a program takes at most
+        slices = max(1, triton_cdiv(rows, br * steps), min(triton_cdiv(rows, br), 264 // col_blocks))
+        rows_per_program = triton_cdiv(triton_cdiv(rows, slices), br) * br
         slices = triton_cdiv(rows, rows_per_program)
+        if view is not None:
+            grid, sw = (col_blocks, slices), int(view.shape[1])
+            if w.fmt == "q8":
+                self.k.matvec_t_words_kernel[grid](h, view, w.scale, _or(bias, y), y, rows, cols, sw, w.stride_scale,
+                                                   rows_per_program, HAS_BIAS=bias is not None, BR=br, BW=bc // 4,
+                                                   num_warps=launch.warps)
+            else:
+                self.k.matvec_t_nibbles_kernel[grid](h, view, w.scale, _or(w.minimum, y), _or(bias, y), y, rows, cols,
+                                                     sw, w.stride_scale, rows_per_program, HAS_BIAS=bias is not None,
+                                                     FMT=_FORMAT_IDS[w.fmt], BR=br, BW=bc // 8, num_warps=launch.warps)
+            return
         self.k.matvec_t_kernel[(col_blocks, slices)](
             h, w.data, _or(w.scale, y), _or(w.minimum, y), _or(bias, y), y, rows, cols,
             w.stride_data, w.stride_scale, rows_per_program, HAS_BIAS=bias is not None,
-            FMT=_FORMAT_IDS[w.fmt], BR=32, BC=bc)
+            FMT=_FORMAT_IDS[w.fmt], BR=br, BC=bc, num_warps=launch.warps)
 
     # --- attention -------------------------------------------------------------------------------
     def rope_kv(self, qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
