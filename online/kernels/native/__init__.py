@@ -3,7 +3,7 @@
 ``decode.c`` (with ``rows.h``, ``attention.h``, ``arch.h`` (Qwen3 / Gemma 3 layer pieces), and ``batch.h`` / ``rows_multi.h`` for the multi-token step) holds the whole-model decode step (see online.execution.fused_decode);
 ``module.h`` / ``fdot.h`` the module path's float-activation kernels (online.kernels.cpu_kernels). It is compiled
 for this machine (``-march=native``: AVX2/FMA/F16C where the CPU has them, portable C otherwise; VNNI's int8
-dot products and AMX tiles for Q8_0 rows where it has those: rows.h, blocks_amx.h)
+dot products and AMX tiles for Q8_0 and Q4 rows where it has those: rows.h, blocks_amx.h)
 into a cache folder keyed by the source, the flags, the compiler and the CPU, written atomically,
 so every later process only loads it. No compiler, or a failed build, raises ``NativeUnavailable``
 with the reason in one line; callers then take the torch path.
@@ -59,7 +59,7 @@ class NativeLibrary:
     path: Path
     has_avx2: bool  # the vector kernels (AVX2, FMA, F16C)
     has_vnni: bool = False  # VNNI's vpdpbusd for the int8 block dots
-    has_amx: bool = False  # AMX tiles for Q8_0's multi-token products (where Linux grants them at first use)
+    has_amx: bool = False  # AMX tiles for Q8_0's and Q4's multi-token products (Linux grants them at first use)
 
     @classmethod
     def opened(cls, lib: ctypes.CDLL, path: Path) -> "NativeLibrary":

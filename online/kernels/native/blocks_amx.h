@@ -1,6 +1,7 @@
 /* AMX (Intel's tile unit, Sapphire Rapids on): the multi-token products of Q8_0 rows interleaved eight at
  * a time (KIND_I8X8, blocks_x8_i8.h), one tile product per block of 32 columns x 8 rows x up to 16 tokens,
- * where the vector kernel spends 8 x (vpsignb + vpdpbusd) per token.
+ * where the vector kernel spends 8 x (vpsignb + vpdpbusd) per token; and of Q4 rows (KIND_I4X8), two row
+ * groups a product (below, dot_groups_amx_q4).
  *
  * Per block g: A = the tokens' 32 activation codes (s8, one tile row per token, read in place: the qvecs sit
  * at one stride), B = the block's codes as stored (lane j's four bytes: row j's codes of four columns, which
@@ -11,15 +12,17 @@
  *
  * Measured on a 2-core Sapphire Rapids VM (bench/RESULTS.md, eighteenth session), one thread, 8,192 x 576:
  * 64 / 82 / 103 GMAC/s at 8 / 16 / 64 tokens against the VNNI kernel's 48 / 56 / 63; a tile product took
- * ~15 ns whatever its token count, so fewer than AMX_MIN_TOKENS tokens stay on the vector kernel. For Q4 rows
- * (nibbles unpacked into B, 16 rows a product) the tiles were no faster there (57 against 69 GMAC/s at 8
- * tokens), and the vector kernel is kept.
+ * ~15 ns whatever its token count, so fewer than AMX_MIN_TOKENS tokens stay on the vector kernel. Q4 rows,
+ * two groups a product with the sums scaled 16 lanes at a time (nineteenth session, same VM, 1,536 x 576,
+ * interleaved builds, same bits): 1.0-1.27x the VNNI kernel at 8 tokens, 1.3x at 16, 1.5x at 32, 1.6x at 64
+ * (one group a product, scaled 8 lanes at a time, had been 0.83x at 8 tokens).
  *
  * Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM), once per process, asked at the
- * first product that would use it (so processes whose models have no Q8_0 rows never ask: with the permission,
- * the kernel refuses alternate signal stacks too small for the tile state). Where it refuses, or TANDEM_AMX=0
- * is set when that first product runs (it is read once), the vector kernel runs. T = 17-23 tokens repeat up
- * to 15 tokens' tile products in the overlapping last chunk (not their scaling). Included by blocks_x8.h only. */
+ * first product that would use it (so processes that never multiply 8 tokens or more of Q8_0 or Q4 rows never
+ * ask: with the permission, the kernel refuses alternate signal stacks too small for the tile state). Where it
+ * refuses, or TANDEM_AMX=0 is set when that first product runs (it is read once), the vector kernel runs.
+ * T = 17-23 tokens repeat up to 15 tokens' tile products in the overlapping last chunk (not their scaling).
+ * Included by blocks_x8.h only. */
 #ifndef TANDEM_BLOCKS_AMX_H
 #define TANDEM_BLOCKS_AMX_H
 #if defined(TDM_SIMD) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
@@ -52,12 +55,15 @@ static int amx_ready(void) {
     return s > 0;
 }
 
-/* tiles 0, 1: A [tokens, 32 bytes]; 2, 3: B [8, 32 bytes]; 4, 5: C [tokens, 8 int32] */
-static void amx_configure(int tokens) {
+/* tiles 0, 1: A [tokens, 32 bytes]; 2, 3: B [8, bw bytes]; 4, 5: C [tokens, bw / 4 int32] (bw: 32 for Q8_0's
+ * eight rows a product, 64 for Q4's sixteen) */
+static void amx_configure(int tokens, int bw) {
     amx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 6; t++) c.colsb[t] = 32, c.rows[t] = (uint8_t)((t == 2 || t == 3) ? 8 : tokens);
+    for (int t = 0; t < 6; t++)
+        c.colsb[t] = (uint16_t)(t < 2 ? 32 : bw), c.rows[t] = (uint8_t)((t == 2 || t == 3) ? 8 : tokens);
+    __asm__ volatile("" : : "r"(&c) : "memory"); /* the fields are written before ldtilecfg reads them */
     _tile_loadconfig(&c);
 }
 
@@ -142,15 +148,158 @@ static void dot8_x8_i8_multi_amx(const tdm_weight *w, int64_t group, const qvec 
     }
 }
 
+#if defined(__AVX512F__) && !defined(TDM_NO_AMX_Q4) /* (-DTDM_NO_AMX_Q4: the vector kernel, for A/B runs) */
+/* Q4 rows (KIND_I4X8) two row groups at a time: the pair's nibbles are unpacked once for all tokens into
+ * B tiles of 8 K-quads x 64 bytes (group R's eight lanes, then R + 1's: x8_unpack's order), so one product
+ * covers 16 rows x 32 columns x up to 16 tokens (A: the tokens' codes, signed; B: the codes, unsigned) and C
+ * holds a token's 16 exact int32 dots in one zmm. The sums are scaled lane by lane in x8_tokens' order
+ * (acc = fma(d * xd, (float)s, acc) over the blocks, then the flagged residual blocks, then x8_minimums), so
+ * every token's result is the vector kernel's bit for bit. An odd last group runs on the vector kernel. */
+#define AMX_Q4_MIN_TOKENS 8
+#define AMX_Q4_BATCH 16 /* blocks whose sums are stored before they are scaled */
+
+static inline __m256 amx_half(__m512 v, int high) {
+    return high ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)) : _mm512_castps512_ps256(v);
+}
+
+/* NT (1, 2 or 4) tokens from e0: accs[e] += the blocks [g0, g1) of the stored sums, scaled as x8_tokens does */
+static inline __attribute__((always_inline)) void amx_q4_scale(const int32_t *sums, const __m512 *dk, const qvec *x,
+                                                               int nt, int64_t e0, int64_t g0, int64_t g1,
+                                                               __m512 *accs) {
+    __m512 acc[4];
+    for (int e = 0; e < nt; e++) acc[e] = accs[e0 + e];
+    for (int64_t g = g0; g < g1; g++)
+        for (int e = 0; e < nt; e++) {
+            __m512i s = _mm512_load_si512((const void *)(sums + ((g - g0) * AMX_TOKENS + e0 + e) * 16));
+            acc[e] = _mm512_fmadd_ps(_mm512_mul_ps(dk[g], _mm512_set1_ps(x[e0 + e].d[g])), _mm512_cvtepi32_ps(s),
+                                     acc[e]);
+        }
+    for (int e = 0; e < nt; e++) accs[e0 + e] = acc[e];
+}
+
+/* tokens [first, rows) of the configured tile rows (x: the chunk's first token): out[e * os + j] = acc of the
+ * pair's row j (j >= 8: group R + 1), the minimums not added */
+static void amx_q4_tokens(const __m512i *cb, const __m512 *dk, int64_t ng, const qvec *x, int64_t stride,
+                          int64_t rows, int64_t first, float *out, int64_t os) {
+    __m512 accs[AMX_TOKENS];
+    int32_t sums[AMX_Q4_BATCH * AMX_TOKENS * 16] __attribute__((aligned(64)));
+    const int8_t *q = x[0].q;
+    for (int64_t e = 0; e < rows; e++) accs[e] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < ng; g0 += AMX_Q4_BATCH) {
+        int64_t g1 = g0 + AMX_Q4_BATCH < ng ? g0 + AMX_Q4_BATCH : ng, g = g0, e = first;
+        for (; g + 2 <= g1; g += 2) { /* two tile sets: one block's loads overlap the other's product */
+            _tile_loadd(0, q + 32 * g, stride);
+            _tile_loadd(2, cb + 8 * g, 64);
+            _tile_zero(4);
+            _tile_dpbsud(4, 0, 2);
+            _tile_loadd(1, q + 32 * (g + 1), stride);
+            _tile_loadd(3, cb + 8 * (g + 1), 64);
+            _tile_zero(5);
+            _tile_dpbsud(5, 1, 3);
+            _tile_stored(4, sums + (g - g0) * AMX_TOKENS * 16, 64);
+            _tile_stored(5, sums + (g + 1 - g0) * AMX_TOKENS * 16, 64);
+        }
+        if (g < g1) {
+            _tile_loadd(0, q + 32 * g, stride);
+            _tile_loadd(2, cb + 8 * g, 64);
+            _tile_zero(4);
+            _tile_dpbsud(4, 0, 2);
+            _tile_stored(4, sums + (g - g0) * AMX_TOKENS * 16, 64);
+        }
+        for (; e + 4 <= rows; e += 4) amx_q4_scale(sums, dk, x, 4, e, g0, g1, accs);
+        if (e + 2 <= rows) amx_q4_scale(sums, dk, x, 2, e, g0, g1, accs), e += 2;
+        if (e < rows) amx_q4_scale(sums, dk, x, 1, e, g0, g1, accs);
+    }
+    for (int64_t e = first; e < rows; e++)
+        for (int h = 0; h < 2; h++) { /* each group's half: its flagged residual blocks by the vector code */
+            const qvec *xe = x + e;
+            __m256 acc = amx_half(accs[e], h);
+            for (int64_t f = 0; f < xe->n_flagged; f++) {
+                int64_t g = xe->flagged[f];
+                __m256i c[8];
+                for (int v = 0; v < 8; v++)
+                    c[v] = h ? _mm512_extracti64x4_epi64(cb[8 * g + v], 1) : _mm512_castsi512_si256(cb[8 * g + v]);
+                acc = _mm256_fmadd_ps(_mm256_mul_ps(amx_half(dk[g], h), _mm256_broadcast_ss(xe->dr + g)),
+                                      _mm256_cvtepi32_ps(x8_block_dot(c, xe->r + 32 * g)), acc);
+            }
+            _mm256_storeu_ps(out + e * os + 8 * h, acc);
+        }
+}
+
+/* rows 8 group .. 8 group + 15 (two groups) . x for T tokens (out[t * os + j]) on the tiles configured for
+ * `rows` tokens: T in chunks of rows (the last chunk ends at T and overlaps the one before; its first rows are
+ * computed again, not written), then each group's minimums */
+static void dot16_x8_multi_amx(const tdm_weight *w, int64_t group, const qvec *x, int64_t T, int64_t stride,
+                               int64_t rows, float *out, int64_t os) {
+    int64_t ng = w->cols / 32, bb = x8_block_bytes(w), i = 0;
+    __m512i cb[8 * ng] __attribute__((aligned(64)));
+    __m512 dk[ng];
+    __m256 mk0[ng], mk1[ng];
+    const uint8_t *o0 = x8_block(w, group, 0), *o1 = x8_block(w, group + 1, 0);
+    const __m512i lo = _mm512_set1_epi8(15);
+    for (int64_t g = 0; g < ng; g++, o0 += bb, o1 += bb) {
+        for (int k = 0; k < 3; k++) { /* the next pair, as far ahead */
+            _mm_prefetch((const char *)o0 + 2 * ng * bb + 64 * k, _MM_HINT_T0);
+            _mm_prefetch((const char *)o1 + 2 * ng * bb + 64 * k, _MM_HINT_T0);
+        }
+        for (int v = 0; v < 4; v++) {
+            __m512i p = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(o0 + 32 * v))),
+                                           _mm256_loadu_si256((const __m256i *)(o1 + 32 * v)), 1);
+            cb[8 * g + 2 * v] = _mm512_and_si512(p, lo);
+            cb[8 * g + 2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo);
+        }
+        __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o0 + 128)));
+        __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o1 + 128)));
+        dk[g] = _mm512_castpd_ps(
+            _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(d0)), _mm256_castps_pd(d1), 1));
+        mk0[g] = x8_minimum8(o0, bb);
+        mk1[g] = x8_minimum8(o1, bb);
+    }
+    for (int64_t c0 = 0; c0 < T; c0 += rows) {
+        int64_t start = c0 + rows <= T ? c0 : T - rows;
+        amx_q4_tokens(cb, dk, ng, x + start, stride, rows, c0 - start, out + start * os, os);
+    }
+    for (int h = 0; h < 2; h++) {
+        const __m256 *mk = h ? mk1 : mk0;
+        float *o = out + 8 * h;
+        for (i = 0; i + 8 <= T; i += 8) x8_minimums(mk, ng, x + i, 8, o + i * os, os);
+        if (i + 4 <= T) x8_minimums(mk, ng, x + i, 4, o + i * os, os), i += 4;
+        if (i + 2 <= T) x8_minimums(mk, ng, x + i, 2, o + i * os, os), i += 2;
+        if (i < T) x8_minimums(mk, ng, x + i, 1, o + i * os, os);
+    }
+}
+
+/* the whole row groups [g0, g1) of a KIND_I4X8 weight for T tokens, pairs on the tiles (an odd last group on
+ * the vector kernel); 0 where the tiles cannot run here */
+static int dot_groups_amx_q4(const tdm_weight *w, int64_t g0, int64_t g1, const qvec *x, int64_t T, float *out,
+                             int64_t os) {
+    int64_t stride, g = g0;
+    if (T < AMX_Q4_MIN_TOKENS || g1 - g0 < 2 || !amx_ready() || (stride = amx_stride(x, T)) == 0) return 0;
+    int64_t rows = T < AMX_TOKENS ? T : AMX_TOKENS;
+    amx_configure((int)rows, 64);
+    for (; g + 2 <= g1; g += 2) dot16_x8_multi_amx(w, g, x, T, stride, rows, out + (g - g0) * X8_ROWS, os);
+    _tile_release();
+    if (g < g1) dot8_x8_multi(w, g, x, T, out + (g - g0) * X8_ROWS, os);
+    return 1;
+}
+#else
+static int dot_groups_amx_q4(const tdm_weight *w, int64_t g0, int64_t g1, const qvec *x, int64_t T, float *out,
+                             int64_t os) {
+    (void)w, (void)g0, (void)g1, (void)x, (void)T, (void)out, (void)os;
+    return 0;
+}
+#endif
+
 /* the whole row groups [g0, g1) of a KIND_I8X8 weight for T tokens (out: group g0's first row) on the tiles;
  * 0 where they cannot run here (then the vector kernel does) */
 static int dot_groups_amx(const tdm_weight *w, int64_t g0, int64_t g1, const qvec *x, int64_t T, float *out,
                           int64_t os) {
     int64_t stride;
+    if (w->kind == KIND_I4X8) return dot_groups_amx_q4(w, g0, g1, x, T, out, os);
     if (w->kind != KIND_I8X8 || T < AMX_MIN_TOKENS || g1 <= g0 || !amx_ready() || (stride = amx_stride(x, T)) == 0)
         return 0;
     int64_t rows = T < AMX_TOKENS ? T : AMX_TOKENS;
-    amx_configure((int)rows);
+    amx_configure((int)rows, 32);
     for (int64_t g = g0; g < g1; g++) dot8_x8_i8_multi_amx(w, g, x, T, stride, rows, out + (g - g0) * X8_ROWS, os);
     _tile_release();
     return 1;

@@ -375,7 +375,7 @@ static void dot_rows(const tdm_weight *w, int64_t r0, int64_t n, const qvec *x, 
 #include "axpy.h"
 
 /* The instruction sets this build's kernels use, as bits: 1 AVX2 / FMA / F16C, 2 VNNI's int8 dots (vpdpbusd),
- * 4 AMX tiles for Q8_0's multi-token products (blocks_amx.h; Linux is asked for them at their first use) */
+ * 4 AMX tiles for Q8_0's and Q4's multi-token products (blocks_amx.h; Linux is asked for them at first use) */
 int64_t tdm_simd_features(void) {
     int64_t bits = 0;
 #ifdef TDM_SIMD
