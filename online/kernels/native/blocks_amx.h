@@ -153,8 +153,9 @@ static void dot8_x8_i8_multi_amx(const tdm_weight *w, int64_t group, const qvec 
  * B tiles of 8 K-quads x 64 bytes (group R's eight lanes, then R + 1's: x8_unpack's order), so one product
  * covers 16 rows x 32 columns x up to 16 tokens (A: the tokens' codes, signed; B: the codes, unsigned) and C
  * holds a token's 16 exact int32 dots in one zmm. The sums are scaled lane by lane in x8_tokens' order
- * (acc = fma(d * xd, (float)s, acc) over the blocks, then the flagged residual blocks, then x8_minimums), so
- * every token's result is the vector kernel's bit for bit. An odd last group runs on the vector kernel. */
+ * (acc = fma(d * xd, (float)s, acc) over the blocks, then the flagged residual blocks) beside x8_minimums'
+ * chain (m = fma(min, xs, m) over the blocks), and out = acc + m, so every token's result is the vector
+ * kernel's bit for bit. An odd last group runs on the vector kernel. */
 #define AMX_Q4_MIN_TOKENS 8
 #define AMX_Q4_BATCH 16 /* blocks whose sums are stored before they are scaled */
 
@@ -162,29 +163,31 @@ static inline __m256 amx_half(__m512 v, int high) {
     return high ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)) : _mm512_castps512_ps256(v);
 }
 
-/* NT (1, 2 or 4) tokens from e0: accs[e] += the blocks [g0, g1) of the stored sums, scaled as x8_tokens does */
-static inline __attribute__((always_inline)) void amx_q4_scale(const int32_t *sums, const __m512 *dk, const qvec *x,
-                                                               int nt, int64_t e0, int64_t g0, int64_t g1,
-                                                               __m512 *accs) {
-    __m512 acc[4];
-    for (int e = 0; e < nt; e++) acc[e] = accs[e0 + e];
+/* NT (1, 2 or 4) tokens from e0: accs[e] += the blocks [g0, g1) of the stored sums, scaled as x8_tokens does,
+ * and ms[e] += their minimums' terms (x8_minimums' chain: m = fma(min, xs, m) over the blocks) */
+static inline __attribute__((always_inline)) void amx_q4_scale(const int32_t *sums, const __m512 *dk, const __m512 *mk,
+                                                               const qvec *x, int nt, int64_t e0, int64_t g0,
+                                                               int64_t g1, __m512 *accs, __m512 *ms) {
+    __m512 acc[4], m[4];
+    for (int e = 0; e < nt; e++) acc[e] = accs[e0 + e], m[e] = ms[e0 + e];
     for (int64_t g = g0; g < g1; g++)
         for (int e = 0; e < nt; e++) {
             __m512i s = _mm512_load_si512((const void *)(sums + ((g - g0) * AMX_TOKENS + e0 + e) * 16));
             acc[e] = _mm512_fmadd_ps(_mm512_mul_ps(dk[g], _mm512_set1_ps(x[e0 + e].d[g])), _mm512_cvtepi32_ps(s),
                                      acc[e]);
+            m[e] = _mm512_fmadd_ps(mk[g], _mm512_set1_ps(x[e0 + e].s[g]), m[e]);
         }
-    for (int e = 0; e < nt; e++) accs[e0 + e] = acc[e];
+    for (int e = 0; e < nt; e++) accs[e0 + e] = acc[e], ms[e0 + e] = m[e];
 }
 
-/* tokens [first, rows) of the configured tile rows (x: the chunk's first token): out[e * os + j] = acc of the
- * pair's row j (j >= 8: group R + 1), the minimums not added */
-static void amx_q4_tokens(const __m512i *cb, const __m512 *dk, int64_t ng, const qvec *x, int64_t stride,
-                          int64_t rows, int64_t first, float *out, int64_t os) {
-    __m512 accs[AMX_TOKENS];
+/* tokens [first, rows) of the configured tile rows (x: the chunk's first token): out[e * os + j] = the pair's
+ * row j (j >= 8: group R + 1) . token e */
+static void amx_q4_tokens(const __m512i *cb, const __m512 *dk, const __m512 *mk, int64_t ng, const qvec *x,
+                          int64_t stride, int64_t rows, int64_t first, float *out, int64_t os) {
+    __m512 accs[AMX_TOKENS], ms[AMX_TOKENS];
     int32_t sums[AMX_Q4_BATCH * AMX_TOKENS * 16] __attribute__((aligned(64)));
     const int8_t *q = x[0].q;
-    for (int64_t e = 0; e < rows; e++) accs[e] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < rows; e++) accs[e] = ms[e] = _mm512_setzero_ps();
     for (int64_t g0 = 0; g0 < ng; g0 += AMX_Q4_BATCH) {
         int64_t g1 = g0 + AMX_Q4_BATCH < ng ? g0 + AMX_Q4_BATCH : ng, g = g0, e = first;
         for (; g + 2 <= g1; g += 2) { /* two tile sets: one block's loads overlap the other's product */
@@ -206,9 +209,9 @@ static void amx_q4_tokens(const __m512i *cb, const __m512 *dk, int64_t ng, const
             _tile_dpbsud(4, 0, 2);
             _tile_stored(4, sums + (g - g0) * AMX_TOKENS * 16, 64);
         }
-        for (; e + 4 <= rows; e += 4) amx_q4_scale(sums, dk, x, 4, e, g0, g1, accs);
-        if (e + 2 <= rows) amx_q4_scale(sums, dk, x, 2, e, g0, g1, accs), e += 2;
-        if (e < rows) amx_q4_scale(sums, dk, x, 1, e, g0, g1, accs);
+        for (; e + 4 <= rows; e += 4) amx_q4_scale(sums, dk, mk, x, 4, e, g0, g1, accs, ms);
+        if (e + 2 <= rows) amx_q4_scale(sums, dk, mk, x, 2, e, g0, g1, accs, ms), e += 2;
+        if (e < rows) amx_q4_scale(sums, dk, mk, x, 1, e, g0, g1, accs, ms);
     }
     for (int64_t e = first; e < rows; e++)
         for (int h = 0; h < 2; h++) { /* each group's half: its flagged residual blocks by the vector code */
@@ -222,19 +225,18 @@ static void amx_q4_tokens(const __m512i *cb, const __m512 *dk, int64_t ng, const
                 acc = _mm256_fmadd_ps(_mm256_mul_ps(amx_half(dk[g], h), _mm256_broadcast_ss(xe->dr + g)),
                                       _mm256_cvtepi32_ps(x8_block_dot(c, xe->r + 32 * g)), acc);
             }
-            _mm256_storeu_ps(out + e * os + 8 * h, acc);
+            _mm256_storeu_ps(out + e * os + 8 * h, _mm256_add_ps(acc, amx_half(ms[e], h)));
         }
 }
 
 /* rows 8 group .. 8 group + 15 (two groups) . x for T tokens (out[t * os + j]) on the tiles configured for
  * `rows` tokens: T in chunks of rows (the last chunk ends at T and overlaps the one before; its first rows are
- * computed again, not written), then each group's minimums */
+ * computed again, not written) */
 static void dot16_x8_multi_amx(const tdm_weight *w, int64_t group, const qvec *x, int64_t T, int64_t stride,
                                int64_t rows, float *out, int64_t os) {
-    int64_t ng = w->cols / 32, bb = x8_block_bytes(w), i = 0;
+    int64_t ng = w->cols / 32, bb = x8_block_bytes(w);
     __m512i cb[8 * ng] __attribute__((aligned(64)));
-    __m512 dk[ng];
-    __m256 mk0[ng], mk1[ng];
+    __m512 dk[ng], mk[ng];
     const uint8_t *o0 = x8_block(w, group, 0), *o1 = x8_block(w, group + 1, 0);
     const __m512i lo = _mm512_set1_epi8(15);
     for (int64_t g = 0; g < ng; g++, o0 += bb, o1 += bb) {
@@ -252,20 +254,12 @@ static void dot16_x8_multi_amx(const tdm_weight *w, int64_t group, const qvec *x
         __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o1 + 128)));
         dk[g] = _mm512_castpd_ps(
             _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(d0)), _mm256_castps_pd(d1), 1));
-        mk0[g] = x8_minimum8(o0, bb);
-        mk1[g] = x8_minimum8(o1, bb);
+        mk[g] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(x8_minimum8(o0, bb))),
+                                                    _mm256_castps_pd(x8_minimum8(o1, bb)), 1));
     }
     for (int64_t c0 = 0; c0 < T; c0 += rows) {
         int64_t start = c0 + rows <= T ? c0 : T - rows;
-        amx_q4_tokens(cb, dk, ng, x + start, stride, rows, c0 - start, out + start * os, os);
-    }
-    for (int h = 0; h < 2; h++) {
-        const __m256 *mk = h ? mk1 : mk0;
-        float *o = out + 8 * h;
-        for (i = 0; i + 8 <= T; i += 8) x8_minimums(mk, ng, x + i, 8, o + i * os, os);
-        if (i + 4 <= T) x8_minimums(mk, ng, x + i, 4, o + i * os, os), i += 4;
-        if (i + 2 <= T) x8_minimums(mk, ng, x + i, 2, o + i * os, os), i += 2;
-        if (i < T) x8_minimums(mk, ng, x + i, 1, o + i * os, os);
+        amx_q4_tokens(cb, dk, mk, ng, x + start, stride, rows, c0 - start, out + start * os, os);
     }
 }
 
