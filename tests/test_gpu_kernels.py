@@ -261,9 +261,9 @@ def test_whole_program_on_word_reads_equals_the_torch_ops(tiny_model_dir, tier_f
     for backend in ("torch", "triton"):
         step = GpuDecodeStep.build(model, executor, capture=False, backend=backend)
         ops = step.layers.ctx.ops
-        ops.matvec_launch = lambda r, c: MatvecLaunch(8, 64, 2, words=True)
+        ops.matvec_launch = lambda r, c: MatvecLaunch(32, 64, 2, words=True)  # (few programs: the interpreter's pace)
         ops.matvec_t_launch = lambda r, c: MatvecTLaunch(32, 16, 64, 2, words=True)
         cache = KVCache(model.cfg, 16)
         with torch.inference_mode():
-            logits[backend] = torch.stack([step(t, pos, cache) for pos, t in enumerate([5, 17, 42, 9, 77, 3])])
+            logits[backend] = torch.stack([step(t, pos, cache) for pos, t in enumerate([5, 17, 42])])
     torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-3, atol=1e-3)
