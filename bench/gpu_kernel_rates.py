@@ -19,11 +19,12 @@ LAUNCHES_PER_GRAPH = 20
 
 
 def word_launches():
-    """The candidate defaults: (matvec, matvec_t) policies reading quantized rows as 32-bit words, with the
-    default's rows per program, 256-column tiles and 128 columns per down program."""
+    """The candidate defaults: (matvec, matvec_t) policies reading quantized rows as 32-bit words: 16 rows x 512
+    columns a program for matrices over 1,024 rows (each thread's words then come as 16-byte loads, which
+    tests/test_gpu_compile.py checks in the sm_90 PTX), 8 x 256 below; 128 columns per down program."""
     from online.gpu.ops import MatvecLaunch, MatvecTLaunch, _pow2
-    return (lambda r, c: MatvecLaunch(4 if r <= 1024 else (8 if r <= 8192 else 16), 256 if c >= 256 else _pow2(c),
-                                      words=True),
+    return (lambda r, c: MatvecLaunch(16, 512, 4, words=True) if r > 1024 and c >= 512 else
+            MatvecLaunch(8, 256 if c >= 256 else _pow2(c), 4, words=True),
             lambda r, c: MatvecTLaunch(cols_per_program=128, words=True))
 
 

@@ -127,12 +127,14 @@ def test_packed_q4_reads_equal_the_twin(formats, cols):
 @pytest.mark.parametrize("rolled", [False, True])
 def test_word_reads_equal_the_twin(formats, cols, rolled):
     """Quantized rows read as 32-bit words (eight Q4 nibbles or four Q8_0 codes a load, gathered against their
-    columns) give the torch twin's result, alone and as a gated pair, with the norm, bias and residual; the kernel
-    took the word path (its launch asks for it and the formats allow it)."""
-    from online.gpu.ops import MatvecLaunch
-    tri = Ops("triton", matvec_launch=lambda r, c: MatvecLaunch(8, 256, 2, rolled=rolled, words=True))
+    columns) give the torch twin's result, alone and as a gated pair, with the norm, bias and residual; the launch
+    takes the word path for these formats (matvec_reads)."""
+    from online.gpu.ops import MatvecLaunch, matvec_reads
+    launch = MatvecLaunch(8, 256, 2, rolled=rolled, words=True)
+    tri = Ops("triton", matvec_launch=lambda r, c: launch)
     ref = Ops("torch")
     up, gate = _mat(45, cols, formats[0], 7), _mat(45, cols, formats[1], 8)
+    assert matvec_reads(launch, 256, up, gate)[0] == matvec_reads(launch, 256, up, up)[0] == "words"
     g = torch.Generator().manual_seed(cols)
     x, norm = torch.randn(cols, generator=g).to(DEVICE), (torch.rand(cols, generator=g) + 0.5).to(DEVICE)
     bias, res = torch.randn(45, generator=g).to(DEVICE), torch.randn(45, generator=g).to(DEVICE)
@@ -147,16 +149,37 @@ def test_word_reads_equal_the_twin(formats, cols, rolled):
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-5 * float(outs[1].abs().max()))
 
 
-def test_word_reads_fall_back_for_mixed_pairs():
-    """A pair of a Q4 and a Q8_0 matrix (no common word layout) is read byte-wise under a words launch."""
-    from online.gpu.ops import MatvecLaunch
-    tri = Ops("triton", matvec_launch=lambda r, c: MatvecLaunch(4, 64, 2, words=True))
-    up, gate = _mat(20, 96, "q4", 2), _mat(20, 96, "q8", 3)
+@pytest.mark.parametrize("formats", [("q4", "q8"), ("q8", "q4_1"), ("fp16", "q4")])
+def test_word_reads_fall_back_for_mixed_pairs(formats):
+    """A pair with no common word layout (Q4 and Q8_0, either way round; a float matrix) is read byte-wise under a
+    words launch, and gives the twin's result."""
+    from online.gpu.ops import MatvecLaunch, matvec_reads
+    launch = MatvecLaunch(4, 64, 2, words=True)
+    tri = Ops("triton", matvec_launch=lambda r, c: launch)
+    up, gate = _mat(20, 96, formats[0], 2), _mat(20, 96, formats[1], 3)
+    assert matvec_reads(launch, 64, up, gate)[0] == "bytes"
     x = torch.randn(96, device=DEVICE)
     outs = []
     for ops in (tri, Ops("torch")):
         y = torch.zeros(20, device=DEVICE)
         ops.matvec(x, up, y, w2=gate, act="silu")
+        outs.append(y)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4_1"])
+def test_word_down_rows_over_several_steps_a_program(fmt):
+    """300 neurons x 1,000 columns (a padded last block) with 64 columns and 16 rows a step a program: ten row
+    slices of 32 rows (the last partial), two unrolled steps each, over 16 column blocks, added atomically."""
+    from online.gpu.ops import MatvecTLaunch
+    tri = Ops("triton", matvec_t_launch=lambda r, c: MatvecTLaunch(64, 16, 64, 2, words=True))
+    w = _mat(300, 1000, fmt, 5)
+    g = torch.Generator().manual_seed(1)
+    h, start = torch.randn(300, generator=g).to(DEVICE), torch.randn(1000, generator=g).to(DEVICE)
+    outs = []
+    for ops in (tri, Ops("torch")):
+        y = start.clone()
+        ops.matvec_t(h, w, y)
         outs.append(y)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
 

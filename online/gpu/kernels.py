@@ -78,11 +78,13 @@ def _matvec_tile(acc1, acc2, c0, x_ptr, norm_ptr, inv, d1, s1, m1, d2, s2, m2, r
                  NORM: tl.constexpr, PAIR: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, BC: tl.constexpr,
                  PACKED: tl.constexpr = False, WORDS: tl.constexpr = False):
     """acc += W[rows, c0:c0+BC] * x'[c0:c0+BC] (and the pair's); PACKED (both Q4): the bytes read whole; WORDS
-    (both Q4, or both Q8_0): read as 32-bit words (``kernels_words``)."""
+    (both Q4, or both Q8_0): read as 32-bit words (``kernels_words``). One return after if / elif / else: Triton
+    type-checks the code after a return inside a constexpr branch, so an early return with another tile shape
+    does not compile for a GPU (the interpreter runs it; tests/test_gpu_compile.py compiles for sm_90)."""
     if WORDS:
-        return words_tile(acc1, acc2, c0, x_ptr, norm_ptr, inv, d1, s1, m1, d2, s2, m2, rows, row_ok, C, sd1, ss1,
-                          sd2, ss2, NORM, PAIR, FMT1, FMT2, BC)
-    if PACKED:
+        acc1, acc2 = words_tile(acc1, acc2, c0, x_ptr, norm_ptr, inv, d1, s1, m1, d2, s2, m2, rows, row_ok, C, sd1,
+                                ss1, sd2, ss2, NORM, PAIR, FMT1, FMT2, BC)
+    elif PACKED:
         k = tl.arange(0, BC // 2)[None, :]  # [1, BC/2]
         il = c0 + (k // 16) * 32 + k % 16  # the low nibbles' columns; the high ones' are 16 on
         ih = il + 16
@@ -94,16 +96,16 @@ def _matvec_tile(acc1, acc2, c0, x_ptr, norm_ptr, inv, d1, s1, m1, d2, s2, m2, r
         acc1 += _q4_packed_part(d1, s1, m1, rows, row_ok, c0, xl, xh, sd1, ss1, C, FMT1, BC)
         if PAIR:
             acc2 += _q4_packed_part(d2, s2, m2, rows, row_ok, c0, xl, xh, sd2, ss2, C, FMT2, BC)
-        return acc1, acc2
-    cols = c0 + tl.arange(0, BC)[None, :]  # [1, BC]
-    col_ok = cols < C
-    xv = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
-    if NORM:
-        xv = xv * inv * tl.load(norm_ptr + cols, mask=col_ok, other=0.0)
-    ok = row_ok & col_ok
-    acc1 += _load_w(d1, s1, m1, rows, cols, ok, sd1, ss1, FMT1) * xv
-    if PAIR:
-        acc2 += _load_w(d2, s2, m2, rows, cols, ok, sd2, ss2, FMT2) * xv
+    else:
+        cols = c0 + tl.arange(0, BC)[None, :]  # [1, BC]
+        col_ok = cols < C
+        xv = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
+        if NORM:
+            xv = xv * inv * tl.load(norm_ptr + cols, mask=col_ok, other=0.0)
+        ok = row_ok & col_ok
+        acc1 += _load_w(d1, s1, m1, rows, cols, ok, sd1, ss1, FMT1) * xv
+        if PAIR:
+            acc2 += _load_w(d2, s2, m2, rows, cols, ok, sd2, ss2, FMT2) * xv
     return acc1, acc2
 
 

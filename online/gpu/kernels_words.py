@@ -1,6 +1,8 @@
-"""Triton tiles that read quantized rows as 32-bit words: four Q8_0 codes or eight Q4 nibbles a load, so each
-thread issues 16-byte loads instead of one byte per weight (``kernels.matvec_kernel`` with WORDS, and
-``matvec_t_words_kernel`` for the neuron-major down rows).
+"""Triton tiles that read quantized rows as 32-bit words: four Q8_0 codes or eight Q4 nibbles a load instead of a
+byte per weight, and one block scale per word instead of one per weight (``kernels.matvec_kernel`` with WORDS, and
+``matvec_t_words_kernel`` / ``matvec_t_nibbles_kernel`` for the neuron-major down rows). Where a program's tile is
+wide enough (16 rows x 512 columns), each thread's words come as 16-byte loads (tests/test_gpu_compile.py reads the
+sm_90 PTX); narrower tiles get 8-byte or 4-byte loads.
 
 The layouts are the tier's (``tier_matrix.TierMatrix``), read through an int32 view of the same bytes:
 
@@ -81,21 +83,23 @@ def words_tile(acc1, acc2, c0, x_ptr, norm_ptr, inv, d1, s1, m1, d2, s2, m2, row
         acc1 += _q8_words_part(d1, s1, rows, row_ok, c0, k, x0, x1, x2, x3, sd1, ss1, C)
         if PAIR:
             acc2 += _q8_words_part(d2, s2, rows, row_ok, c0, k, x0, x1, x2, x3, sd2, ss2, C)
-        return acc1, acc2
-    k = tl.arange(0, BC // 8)[None, :]  # [1, BC/8] the tile's words
-    col = c0 + (k // 4) * 32 + (k % 4) * 4  # the word's first low-nibble column
-    x0 = _xw(x_ptr, norm_ptr, inv, col, C, NORM)
-    x1 = _xw(x_ptr, norm_ptr, inv, col + 1, C, NORM)
-    x2 = _xw(x_ptr, norm_ptr, inv, col + 2, C, NORM)
-    x3 = _xw(x_ptr, norm_ptr, inv, col + 3, C, NORM)
-    x4 = _xw(x_ptr, norm_ptr, inv, col + 16, C, NORM)
-    x5 = _xw(x_ptr, norm_ptr, inv, col + 17, C, NORM)
-    x6 = _xw(x_ptr, norm_ptr, inv, col + 18, C, NORM)
-    x7 = _xw(x_ptr, norm_ptr, inv, col + 19, C, NORM)
-    xs = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
-    acc1 += _q4_words_part(d1, s1, m1, rows, row_ok, c0, k, x0, x1, x2, x3, x4, x5, x6, x7, xs, sd1, ss1, C, FMT1)
-    if PAIR:
-        acc2 += _q4_words_part(d2, s2, m2, rows, row_ok, c0, k, x0, x1, x2, x3, x4, x5, x6, x7, xs, sd2, ss2, C, FMT2)
+    else:
+        k = tl.arange(0, BC // 8)[None, :]  # [1, BC/8] the tile's words
+        col = c0 + (k // 4) * 32 + (k % 4) * 4  # the word's first low-nibble column
+        x0 = _xw(x_ptr, norm_ptr, inv, col, C, NORM)
+        x1 = _xw(x_ptr, norm_ptr, inv, col + 1, C, NORM)
+        x2 = _xw(x_ptr, norm_ptr, inv, col + 2, C, NORM)
+        x3 = _xw(x_ptr, norm_ptr, inv, col + 3, C, NORM)
+        x4 = _xw(x_ptr, norm_ptr, inv, col + 16, C, NORM)
+        x5 = _xw(x_ptr, norm_ptr, inv, col + 17, C, NORM)
+        x6 = _xw(x_ptr, norm_ptr, inv, col + 18, C, NORM)
+        x7 = _xw(x_ptr, norm_ptr, inv, col + 19, C, NORM)
+        xs = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
+        acc1 += _q4_words_part(d1, s1, m1, rows, row_ok, c0, k, x0, x1, x2, x3, x4, x5, x6, x7, xs, sd1, ss1, C,
+                               FMT1)
+        if PAIR:
+            acc2 += _q4_words_part(d2, s2, m2, rows, row_ok, c0, k, x0, x1, x2, x3, x4, x5, x6, x7, xs, sd2, ss2, C,
+                                   FMT2)
     return acc1, acc2
 
 

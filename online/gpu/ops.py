@@ -122,6 +122,20 @@ def default_matvec_t_launch(rows: int, cols: int) -> MatvecTLaunch:
     return MatvecTLaunch()
 
 
+def matvec_reads(launch: MatvecLaunch, tile_cols: int, w1: Mat, w2: Mat) -> tuple:
+    """How the matvec reads ``w1`` and its pair ``w2`` (``w1`` itself when alone) under ``launch`` with tiles of
+    ``tile_cols`` columns: ("words" | "packed" | "bytes", data1, data2, row stride1, row stride2), the data as the
+    kernel takes it (int32 views for words). Words need both matrices Q4 (Q4_0 / Q4_1) or both Q8_0, rows of whole
+    words and tiles of 32 columns or more; packed needs both Q4; anything else is read a byte (or value) at a time."""
+    q4 = w1.fmt in ("q4", "q4_1") and w2.fmt in ("q4", "q4_1")
+    if launch.words and tile_cols >= 32 and (q4 or w1.fmt == w2.fmt == "q8"):
+        v1, v2 = _words_view(w1), _words_view(w2)
+        if v1 is not None and v2 is not None:
+            return "words", v1, v2, int(v1.shape[1]), int(v2.shape[1])
+    read = "packed" if launch.packed and tile_cols >= 32 and q4 else "bytes"
+    return read, w1.data, w2.data, w1.stride_data, w2.stride_data
+
+
 def _words_view(m: Mat) -> torch.Tensor | None:
     """``m``'s codes as int32 words [rows, row bytes / 4], or None where the row bytes do not divide."""
     if m.fmt not in ("q8", "q4", "q4_1") or (m.data.shape[1] * m.data.element_size()) % 4:
@@ -180,15 +194,7 @@ class Ops:
         launch = self.matvec_launch(rows, cols)
         br, bc = launch.rows_per_program, min(launch.cols_per_tile, _pow2(cols))
         g = w2 if w2 is not None else w1
-        q4 = w1.fmt in ("q4", "q4_1") and g.fmt in ("q4", "q4_1")
-        d1, d2, sd1, sd2 = w1.data, g.data, w1.stride_data, g.stride_data
-        words = launch.words and bc >= 32 and (q4 or w1.fmt == g.fmt == "q8")
-        if words:
-            v1, v2 = _words_view(w1), _words_view(g)
-            words = v1 is not None and v2 is not None
-            if words:
-                d1, d2, sd1, sd2 = v1, v2, int(v1.shape[1]), int(v2.shape[1])
-        packed = not words and launch.packed and bc >= 32 and q4
+        read, d1, d2, sd1, sd2 = matvec_reads(launch, bc, w1, g)
         dummy = y
         self.k.matvec_kernel[(triton_cdiv(rows, br),)](
             x, norm if norm is not None else dummy, float(eps),
@@ -198,7 +204,7 @@ class Ops:
             sd1, w1.stride_scale, sd2, g.stride_scale,
             NORM=norm is not None, PAIR=w2 is not None, ACT=self.k.ACT_IDS[act], RESIDUAL=residual is not None,
             HAS_B1=b1 is not None, HAS_B2=b2 is not None, FMT1=_FORMAT_IDS[w1.fmt], FMT2=_FORMAT_IDS[g.fmt],
-            BR=br, BC=bc, ROLLED=launch.rolled, PACKED=packed, WORDS=words, num_warps=launch.warps)
+            BR=br, BC=bc, ROLLED=launch.rolled, PACKED=read == "packed", WORDS=read == "words", num_warps=launch.warps)
 
     def matvec_t(self, h: torch.Tensor, w: Mat, y: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """y [C] += h [R] @ W [R, C] (+ bias): a down projection kept neuron-major, accumulated into ``y``."""
