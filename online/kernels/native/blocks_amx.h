@@ -41,16 +41,17 @@ typedef struct __attribute__((aligned(64))) {
     uint8_t rows[16];
 } amx_config;
 
+static int amx_state; /* 0: not asked yet, 1: granted, -1: refused (a capability, settled once per process) */
+
 /* 1 where this process may use the tiles (asked once; TANDEM_AMX=0: never) */
 static int amx_ready(void) {
-    static int state; /* 0: not asked yet, 1: granted, -1: refused (a capability, settled once per process) */
-    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
     if (s == 0) {
         const char *env = getenv("TANDEM_AMX");
         int granted = !(env && env[0] == '0') &&
                       syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
         s = granted ? 1 : -1;
-        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+        __atomic_store_n(&amx_state, s, __ATOMIC_RELEASE);
     }
     return s > 0;
 }
@@ -298,5 +299,10 @@ static int dot_groups_amx(const tdm_weight *w, int64_t g0, int64_t g1, const qve
     _tile_release();
     return 1;
 }
+
+/* the tiles in this process: 1 granted (a product has used them), -1 refused or TANDEM_AMX=0, 0 not asked yet */
+int64_t tdm_amx_state(void) { return __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE); }
+#else
+int64_t tdm_amx_state(void) { return 0; } /* a build without the tile kernels */
 #endif
 #endif

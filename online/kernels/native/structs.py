@@ -84,7 +84,7 @@ def bind_signatures(lib: ctypes.CDLL) -> None:
     lib.tdm_dot_rows.restype = None
     lib.tdm_pred_scratch_bytes.argtypes = [_I, _I]
     lib.tdm_pred_scratch_bytes.restype = _I
-    for name in ("tdm_simd_features", "tdm_has_avx2"):  # (the kernels before 2026-11-28's VNNI paths: the second)
+    for name in ("tdm_simd_features", "tdm_has_avx2", "tdm_amx_state"):  # (older kernels: tdm_has_avx2 alone)
         if hasattr(lib, name):
             getattr(lib, name).argtypes, getattr(lib, name).restype = [], _I
     lib.tdm_dequantize_rows.argtypes = [ctypes.POINTER(TdmWeight), _I, _I, _P]
