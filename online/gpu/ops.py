@@ -147,8 +147,9 @@ def _words_view(m: Mat) -> torch.Tensor | None:
 
 
 class Ops:
-    """The operations; ``backend`` is "triton" or "torch". ``matvec_launch(rows, cols) -> MatvecLaunch``
-    replaces the default launch shapes (bench/gpu_kernel_rates.py tries others)."""
+    """The operations; ``backend`` is "triton" or "torch". ``matvec_launch(rows, cols) -> MatvecLaunch`` and
+    ``matvec_t_launch(rows, cols) -> MatvecTLaunch`` replace the default launch shapes (bench/gpu_kernel_rates.py
+    and bench/gpu_kernels_ab.py try others)."""
 
     def __init__(self, backend: str, matvec_launch=None, matvec_t_launch=None) -> None:
         if backend not in ("triton", "torch"):
