@@ -27,7 +27,8 @@ SHAPE=${SHAPE:-llama-1b}
   timeout ${AB_TIMEOUT:-260} python3 -m bench.gpu_kernels_ab --model "$model" --rounds ${ROUNDS:-7} \
     --tokens ${TOKENS:-64} --threads ${THREADS:-8} --out "$OUT/kernels_ab.md" 2>"$OUT/kernels_ab.err"
   echo "kernels_ab rc=$?"; grep -v Warning "$OUT/kernels_ab.err" | tail -15
-  if [ -n "${TESTS-1}" ]; then  # TESTS= (empty): no tests timeout ${TESTS_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --tb=line \
+  # TESTS= (empty) leaves the tests out, RATES_SHAPE= the 7B-shape sweep
+  if [ -n "${TESTS-1}" ]; then timeout ${TESTS_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --tb=line \
     tests/test_gpu_step.py tests/test_gpu_kernels.py tests/test_gpu_compile.py 2>&1 | grep -E "Error|^/|passed|failed" | sort | uniq -c | sort -rn | head -12; fi
   if [ -n "${RATES_SHAPE-llama-2-7b}" ]; then timeout ${RATES_TIMEOUT:-120} python3 -m bench.gpu_kernel_rates \
     --shape "${RATES_SHAPE-llama-2-7b}" --out "$OUT/kernel_rates.md" 2>"$OUT/kernel_rates.err"; echo "rates rc=$?"; fi
