@@ -76,30 +76,37 @@ static int64_t amx_stride(const qvec *x, int64_t T) {
     return stride;
 }
 
-/* sums [g - g0][e][8] = block g's exact dots (blocks at w8, 272 bytes apart), tokens e < the configured rows */
-/* block g's product into C tile c, from A tile a and B tile b (tile numbers are immediates: a macro) */
-#define AMX_BLOCK(a, b, c, g)                                                                                   \
+/* The tile sums of blocks [g0, g1): sums [g - g0][token][n] (n < width int32) = block g's exact dots, two tile sets
+ * so that one block's loads overlap the other's product. A = the tokens' codes of block blk (q, stride apart), B =
+ * bsrc (an expression in blk, a row every bstride bytes), dp the tile product. Tile numbers are immediates, so these
+ * are macros; they use the caller's q, stride, g0, g1 and sums. */
+#define AMX_BLOCK(a, b, c, bsrc, bstride, dp)                                                                   \
     do {                                                                                                        \
-        _tile_loadd(a, q + 32 * (g), stride);                                                                   \
-        _tile_loadd(b, w8 + (g) * X8_I8_BLOCK_BYTES, 32);                                                       \
+        _tile_loadd(a, q + 32 * blk, stride);                                                                   \
+        _tile_loadd(b, bsrc, bstride);                                                                          \
         _tile_zero(c);                                                                                          \
-        _tile_dpbssd(c, a, b);                                                                                  \
+        dp(c, a, b);                                                                                            \
+    } while (0)
+#define AMX_SUMS(bsrc, bstride, dp, width)                                                                      \
+    do {                                                                                                        \
+        int64_t g = g0;                                                                                         \
+        for (; g + 2 <= g1; g += 2) {                                                                           \
+            { int64_t blk = g; AMX_BLOCK(0, 2, 4, bsrc, bstride, dp); }                                         \
+            { int64_t blk = g + 1; AMX_BLOCK(1, 3, 5, bsrc, bstride, dp); }                                     \
+            _tile_stored(4, sums + (g - g0) * AMX_TOKENS * (width), 4 * (width));                               \
+            _tile_stored(5, sums + (g + 1 - g0) * AMX_TOKENS * (width), 4 * (width));                           \
+        }                                                                                                       \
+        if (g < g1) {                                                                                           \
+            int64_t blk = g;                                                                                    \
+            AMX_BLOCK(0, 2, 4, bsrc, bstride, dp);                                                              \
+            _tile_stored(4, sums + (g - g0) * AMX_TOKENS * (width), 4 * (width));                               \
+        }                                                                                                       \
     } while (0)
 
+/* Q8_0: blocks at w8, 272 bytes apart (B: the block's codes as stored); sums [g - g0][e][8] */
 static void amx_sums(const uint8_t *w8, const int8_t *q, int64_t stride, int64_t g0, int64_t g1, int32_t *sums) {
-    int64_t g = g0;
-    for (; g + 2 <= g1; g += 2) { /* two tile sets: one block's loads overlap the other's product */
-        AMX_BLOCK(0, 2, 4, g);
-        AMX_BLOCK(1, 3, 5, g + 1);
-        _tile_stored(4, sums + (g - g0) * AMX_TOKENS * 8, 32);
-        _tile_stored(5, sums + (g + 1 - g0) * AMX_TOKENS * 8, 32);
-    }
-    if (g < g1) {
-        AMX_BLOCK(0, 2, 4, g);
-        _tile_stored(4, sums + (g - g0) * AMX_TOKENS * 8, 32);
-    }
+    AMX_SUMS(w8 + blk * X8_I8_BLOCK_BYTES, 32, _tile_dpbssd, 8);
 }
-#undef AMX_BLOCK
 
 /* NT (1, 2 or 4) tokens from e0: accs[e] += the blocks [g0, g1), scaled as x8_i8_tokens does */
 static inline __attribute__((always_inline)) void amx_scale(const int32_t *sums, const __m256 *dk, const qvec *x,
@@ -190,26 +197,8 @@ static void amx_q4_tokens(const __m512i *cb, const __m512 *dk, const __m512 *mk,
     const int8_t *q = x[0].q;
     for (int64_t e = 0; e < rows; e++) accs[e] = ms[e] = _mm512_setzero_ps();
     for (int64_t g0 = 0; g0 < ng; g0 += AMX_Q4_BATCH) {
-        int64_t g1 = g0 + AMX_Q4_BATCH < ng ? g0 + AMX_Q4_BATCH : ng, g = g0, e = first;
-        for (; g + 2 <= g1; g += 2) { /* two tile sets: one block's loads overlap the other's product */
-            _tile_loadd(0, q + 32 * g, stride);
-            _tile_loadd(2, cb + 8 * g, 64);
-            _tile_zero(4);
-            _tile_dpbsud(4, 0, 2);
-            _tile_loadd(1, q + 32 * (g + 1), stride);
-            _tile_loadd(3, cb + 8 * (g + 1), 64);
-            _tile_zero(5);
-            _tile_dpbsud(5, 1, 3);
-            _tile_stored(4, sums + (g - g0) * AMX_TOKENS * 16, 64);
-            _tile_stored(5, sums + (g + 1 - g0) * AMX_TOKENS * 16, 64);
-        }
-        if (g < g1) {
-            _tile_loadd(0, q + 32 * g, stride);
-            _tile_loadd(2, cb + 8 * g, 64);
-            _tile_zero(4);
-            _tile_dpbsud(4, 0, 2);
-            _tile_stored(4, sums + (g - g0) * AMX_TOKENS * 16, 64);
-        }
+        int64_t g1 = g0 + AMX_Q4_BATCH < ng ? g0 + AMX_Q4_BATCH : ng, e = first;
+        AMX_SUMS(cb + 8 * blk, 64, _tile_dpbsud, 16); /* B: the pair's unpacked codes; sums [g - g0][e][16] */
         for (; e + 4 <= rows; e += 4) amx_q4_scale(sums, dk, mk, x, 4, e, g0, g1, accs, ms);
         if (e + 2 <= rows) amx_q4_scale(sums, dk, mk, x, 2, e, g0, g1, accs, ms), e += 2;
         if (e < rows) amx_q4_scale(sums, dk, mk, x, 1, e, g0, g1, accs, ms);
@@ -299,6 +288,9 @@ static int dot_groups_amx(const tdm_weight *w, int64_t g0, int64_t g1, const qve
     _tile_release();
     return 1;
 }
+
+#undef AMX_SUMS
+#undef AMX_BLOCK
 
 /* the tiles in this process: 1 granted (a product has used them), -1 refused or TANDEM_AMX=0, 0 not asked yet */
 int64_t tdm_amx_state(void) { return __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE); }
