@@ -56,10 +56,14 @@ def record_calls(engine) -> tuple[dict, Counter]:
     return calls, counts
 
 
-def _launch(best: dict, key: tuple, fallback):
-    """The sweep's best launch for ``key`` (a launch object; "default" or a missing key: ``fallback``)."""
-    launch = best.get(key)
-    return fallback if launch is None or isinstance(launch, str) else launch
+def concrete_launch(kind: str, launch, rows: int, cols: int):
+    """The launch object a sweep's key stands for: "default" and "words" are policies, resolved for this matrix."""
+    from online.gpu.ops import default_matvec_launch, default_matvec_t_launch
+    if launch == "default":
+        return (default_matvec_launch if kind == "matvec" else default_matvec_t_launch)(rows, cols)
+    if launch == "words":
+        return word_launches()[0 if kind == "matvec" else 1](rows, cols)
+    return launch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,21 +96,18 @@ def main(argv: list[str] | None = None) -> int:
                                  f"(x{counts[key]})", mat_bytes(w) + (mat_bytes(w2) if w2 is not None else 0), seconds)
         lines.append(line)
         print(line, flush=True)
-        per_token["tuned"] += counts[key] * seconds.get(launch, float("nan"))
-        if launch == "words":  # the candidate policy's launch for this matrix
-            launch = word_launches()[0 if kind == "matvec" else 1](w.rows, w.cols)
-        best.setdefault((kind, w.rows, w.cols), launch)
-        for name in ("default", "words"):
-            per_token[name] += counts[key] * seconds.get(name, float("nan"))
+        for name, chosen in (("default", "default"), ("words", "words"), ("tuned", launch)):
+            per_token[name] += counts[key] * seconds.get(chosen, float("nan"))
+        best.setdefault((kind, w.rows, w.cols), concrete_launch(kind, launch, w.rows, w.cols))
     lines += ["", "Matvec kernel time a token, summed from the sweep (us): " +
               ", ".join(f"{k} {v * 1e6:.0f}" for k, v in per_token.items())]
     if args.out:  # the sweep survives a timeout in the whole-step part
         from tandem.core.artifacts import atomic_write_bytes
         atomic_write_bytes(args.out, ("\n".join(lines) + "\n").encode())
     set_launches(engines["words"], *word_launches())
-    ops = step_layers(engines["default"]).ctx.ops
-    set_launches(engines["tuned"], lambda r, c: _launch(best, ("matvec", r, c), ops.matvec_launch(r, c)),
-                 lambda r, c: _launch(best, ("matvec_t", r, c), ops.matvec_t_launch(r, c)))
+    set_launches(engines["tuned"],
+                 lambda r, c: best.get(("matvec", r, c)) or concrete_launch("matvec", "default", r, c),
+                 lambda r, c: best.get(("matvec_t", r, c)) or concrete_launch("matvec_t", "default", r, c))
     names = list(engines)
     for engine in engines.values():  # compile, capture
         engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True)

@@ -110,7 +110,8 @@ def matvec_t_words_kernel(h_ptr, d1, s1, bias_ptr, y_ptr, R, C, sw, ss1, rows_pe
     per program; grid: column blocks x row slices, added atomically; the first slice adds the bias)."""
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
-    k = pid_c * BW + tl.arange(0, BW)[None, :]  # [1, BW] word index: columns 4k..4k+3
+    kw = pid_c * BW + tl.arange(0, BW)  # [BW] word index: columns 4 kw .. 4 kw + 3
+    k = kw[None, :]  # [1, BW]
     k_ok = 4 * k < C
     acc0 = tl.zeros([BR, BW], dtype=tl.float32)
     acc1 = tl.zeros([BR, BW], dtype=tl.float32)
@@ -127,7 +128,7 @@ def matvec_t_words_kernel(h_ptr, d1, s1, bias_ptr, y_ptr, R, C, sw, ss1, rows_pe
         acc1 += _q8_codes(wd, 1) * hs
         acc2 += _q8_codes(wd, 2) * hs
         acc3 += _q8_codes(wd, 3) * hs
-    c = 4 * (pid_c * BW + tl.arange(0, BW))  # [BW] each word's first column
+    c = 4 * kw  # [BW] each word's first column
     _add_column(y_ptr, bias_ptr, c, C, tl.sum(acc0, 0), pid_r, HAS_BIAS)
     _add_column(y_ptr, bias_ptr, c + 1, C, tl.sum(acc1, 0), pid_r, HAS_BIAS)
     _add_column(y_ptr, bias_ptr, c + 2, C, tl.sum(acc2, 0), pid_r, HAS_BIAS)
@@ -148,8 +149,9 @@ def matvec_t_nibbles_kernel(h_ptr, d1, s1, m1, bias_ptr, y_ptr, R, C, sw, ss1, r
     (low nibbles) and 16 more (high), t = 0..3; BW words = 8 BW columns per program."""
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
-    k = pid_c * BW + tl.arange(0, BW)[None, :]  # [1, BW] word index
-    col = (k // 4) * 32 + (k % 4) * 4  # [1, BW] the word's first low-nibble column
+    kw = pid_c * BW + tl.arange(0, BW)  # [BW] word index
+    c = (kw // 4) * 32 + (kw % 4) * 4  # [BW] the word's first low-nibble column
+    k, col = kw[None, :], c[None, :]  # [1, BW]
     k_ok = col < C
     a0 = tl.zeros([BR, BW], dtype=tl.float32)
     a1 = tl.zeros([BR, BW], dtype=tl.float32)
@@ -179,7 +181,6 @@ def matvec_t_nibbles_kernel(h_ptr, d1, s1, m1, bias_ptr, y_ptr, R, C, sw, ss1, r
         a5 += _nib(wd, 12) * hs
         a6 += _nib(wd, 20) * hs
         a7 += _nib(wd, 28) * hs
-    c = (pid_c * BW + tl.arange(0, BW)) // 4 * 32 + (pid_c * BW + tl.arange(0, BW)) % 4 * 4  # [BW]
     m = tl.sum(am, 0)
     _add_column(y_ptr, bias_ptr, c, C, tl.sum(a0, 0) + m, pid_r, HAS_BIAS)
     _add_column(y_ptr, bias_ptr, c + 1, C, tl.sum(a1, 0) + m, pid_r, HAS_BIAS)
