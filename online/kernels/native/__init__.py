@@ -10,7 +10,7 @@ with the reason in one line; callers then take the torch path.
 
 Example::
 
-    lib = load_native()            # NativeLibrary(lib=<CDLL>, path=..., has_avx2=True, has_vnni=False, has_amx=False)
+    lib = load_native()            # NativeLibrary(lib=<CDLL>, path=..., has_avx2=True, has_vnni=False, has_amx=False, ...)
     lib.lib.tdm_decode(...)
 """
 from __future__ import annotations
@@ -35,7 +35,8 @@ SOURCE = SOURCE_DIR / "decode.c"
 SOURCES = ("decode.c", "rows.h", "blocks.h", "attention.h", "dequant.h", "predict.h", "rows_multi.h", "batch.h",
            "arch.h", "moe.h", "kquants.h", "blocks_dot.h", "axpy.h", "module.h", "fdot.h", "ffn.h",
            "batch_ffn.h", "kq_single.h", "blocks_multi.h", "blocks_x8.h", "blocks_x8_i8.h", "act_quant.h", "probe.h",
-           "attend_parts.h", "blocks_amx.h")  # everything the build reads (the cache key)
+           "attend_parts.h", "blocks_amx.h", "attention_wide.h",
+           "attention_values.h")  # everything the build reads (the cache key)
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
               "-ffp-contract=off")  # a * b + c rounds twice everywhere: no call site differs by inlining
 HOST_FLAGS = ("-march=native",)
@@ -60,11 +61,13 @@ class NativeLibrary:
     has_avx2: bool  # the vector kernels (AVX2, FMA, F16C)
     has_vnni: bool = False  # VNNI's vpdpbusd for the int8 block dots
     has_amx: bool = False  # AMX tiles for Q8_0's and Q4's multi-token products (Linux grants them at first use)
+    has_wide_attention: bool = False  # attention's kernels on 512-bit vectors (attention_wide.h; the same bits)
 
     @classmethod
     def opened(cls, lib: ctypes.CDLL, path: Path) -> "NativeLibrary":
         bits = int(lib.tdm_simd_features() if hasattr(lib, "tdm_simd_features") else lib.tdm_has_avx2())
-        return cls(lib=lib, path=path, has_avx2=bool(bits & 1), has_vnni=bool(bits & 2), has_amx=bool(bits & 4))
+        return cls(lib=lib, path=path, has_avx2=bool(bits & 1), has_vnni=bool(bits & 2), has_amx=bool(bits & 4),
+                   has_wide_attention=bool(bits & 8))
 
 
 def cache_dir() -> Path:

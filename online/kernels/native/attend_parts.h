@@ -40,12 +40,9 @@ static void attend_span(const void *K, const void *V, const int32_t *rows, int64
                         float scale, const float *q, int64_t n_q, float *out, float *sums, float *maxes,
                         float *scores, int64_t span, int half) {
     key_scores(q, n_q, K, V, rows, s0, s1 + 1, hd, scale, scores, span, half);
-    for (int64_t h = 0; h < n_q; h++) {
-        sums[h] = softmax_exp(scores + h * span, s0, s1, maxes ? maxes + h : NULL);
-        for (int64_t k = 0; k < hd; k++) out[h * hd + k] = 0.0f;
-    }
-    if (half) values_of(V, rows, s0, s1, hd, n_q, out, scores, span, 1);
-    else values_of(V, rows, s0, s1, hd, n_q, out, scores, span, 0);
+    for (int64_t h = 0; h < n_q; h++) softmax_exps(scores + h * span, s0, s1, maxes ? maxes + h : NULL);
+    if (half) values_of(V, rows, s0, s1, hd, n_q, out, scores, span, sums, 1);
+    else values_of(V, rows, s0, s1, hd, n_q, out, scores, span, sums, 0);
 }
 
 /* attend_span's results for positions [s0, s1] as head j's part record at part + j * part_stride */

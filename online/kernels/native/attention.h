@@ -51,13 +51,15 @@ static inline __m128 exp4_via_double(__m128 xf) {
 }
 #endif
 
-/* scores[start..pos] = e^(scores - their max), returning their sum (in order, as before) and the max
- * at *max_out (when not NULL). The exponentials go four at a time through exp4_via_double, the tail
- * padded (so a value never depends on its lane): a libm expf call per key cost about as much as the
- * key's q.k and value row together. The max is taken eight at a time: exact whatever the order, and a NaN
- * score is passed over as the scalar compare does (the key-by-key compare was a dependent chain). */
-static float softmax_exp(float *scores, int64_t start, int64_t pos, float *max_out) {
-    float mx = -INFINITY, sum = 0.0f;
+#include "attention_wide.h" /* the kernels below on 512-bit vectors where the build has them, same bits */
+
+/* scores[start..pos] = e^(scores - their max), the max at *max_out (when not NULL). The exponentials go four
+ * (eight: attention_wide.h) at a time through exp4_via_double, the tail padded (so a value never depends on its
+ * lane): a libm expf call per key cost about as much as the key's q.k and value row together. The max is taken
+ * eight at a time: exact whatever the order, and a NaN score is passed over as the scalar compare does (the
+ * key-by-key compare was a dependent chain). */
+static void softmax_exps(float *scores, int64_t start, int64_t pos, float *max_out) {
+    float mx = -INFINITY;
     int64_t s = start;
 #ifdef TDM_SIMD
     __m256 m8 = _mm256_set1_ps(-INFINITY);
@@ -70,7 +72,13 @@ static float softmax_exp(float *scores, int64_t start, int64_t pos, float *max_o
     if (max_out) *max_out = mx;
 #ifdef TDM_SIMD
     __m128 vm = _mm_set1_ps(mx);
-    for (s = start; s + 4 <= pos + 1; s += 4)
+    s = start;
+#ifdef TDM_WIDE_ATTENTION
+    __m256 vm8 = _mm256_set1_ps(mx);
+    for (; s + 8 <= pos + 1; s += 8)
+        _mm256_storeu_ps(scores + s, exp8_via_double(_mm256_sub_ps(_mm256_loadu_ps(scores + s), vm8)));
+#endif
+    for (; s + 4 <= pos + 1; s += 4)
         _mm_storeu_ps(scores + s, exp4_via_double(_mm_sub_ps(_mm_loadu_ps(scores + s), vm)));
     if (s <= pos) {
         float tail[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -78,13 +86,16 @@ static float softmax_exp(float *scores, int64_t start, int64_t pos, float *max_o
         _mm_storeu_ps(tail, exp4_via_double(_mm_sub_ps(_mm_loadu_ps(tail), vm)));
         for (int64_t j = s; j <= pos; j++) scores[j] = tail[j - s];
     }
-    for (int64_t j = start; j <= pos; j++) sum += scores[j];
 #else
-    for (s = start; s <= pos; s++) {
-        scores[s] = expf(scores[s] - mx);
-        sum += scores[s];
-    }
+    for (s = start; s <= pos; s++) scores[s] = expf(scores[s] - mx);
 #endif
+}
+
+/* softmax_exps, returning the sum of the exponentials in key order */
+static float softmax_exp(float *scores, int64_t start, int64_t pos, float *max_out) {
+    float sum = 0.0f;
+    softmax_exps(scores, start, pos, max_out);
+    for (int64_t j = start; j <= pos; j++) sum += scores[j];
     return sum;
 }
 
@@ -172,6 +183,10 @@ static inline __attribute__((always_inline)) void key_scores_of(
             for (int j = 0; j < 8; j++) k[j] = kv_row(K, rows, s + j, hd, half);
             if (rows) fetch_rows(K, rows, s + 8, s + 16 < end ? s + 16 : end, hd, half);
             fetch_rows(V, rows, s, s + 8, hd, half);
+#ifdef TDM_WIDE_ATTENTION
+            key_block_heads(q, n_q, k, hd, vs, scores + s, span, half);
+            continue;
+#endif
             for (int64_t h = 0; h < n_q; h++) {
                 __m256 acc[8];
                 for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
@@ -203,48 +218,7 @@ static void key_scores(const float *q, int64_t n_q, const void *K, const void *V
     else key_scores_of(q, n_q, K, V, rows, start, end, hd, scale, scores, span, 0);
 }
 
-/* out + j * hd = softmax(scale * q_j . K[start..pos]) @ V[start..pos] for the n_q <= TDM_MAX_GROUP query heads
- * q_j = q + j * hd of one KV group (K, V: that group's rows; rows: see kv_row; scores: [n_q, span] scratch).
- * Each head's arithmetic is the same whatever n_q (the decode step's and batch.h's tokens are bit-identical);
- * the heads share each K and V row while it is in L1. */
-static inline __attribute__((always_inline)) void values_of(
-    const void *V, const int32_t *rows, int64_t start, int64_t pos, int64_t hd, int64_t n_q, float *out,
-    const float *scores, int64_t span, const int half) {
-    for (int64_t s = start; s <= pos; s++) { /* the outputs stay in L1; four values per pass over them */
-        const char *restrict v0 = kv_row(V, rows, s, hd, half);
-        if (s + 3 <= pos) {
-            const char *restrict v1 = kv_row(V, rows, s + 1, hd, half), *restrict v2 = kv_row(V, rows, s + 2, hd, half);
-            const char *restrict v3 = kv_row(V, rows, s + 3, hd, half);
-            int64_t k0 = 0;
-#ifdef TDM_SIMD
-            for (; k0 + 8 <= hd; k0 += 8) {
-                __m256 a = kv_load8(v0, k0, half), b = kv_load8(v1, k0, half);
-                __m256 c = kv_load8(v2, k0, half), e = kv_load8(v3, k0, half);
-                for (int64_t h = 0; h < n_q; h++) { /* (p v0 + p1 v1) + (p2 v2 + p3 v3), rounded as below */
-                    const float *p = scores + h * span + s;
-                    __m256 lo = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(p[0]), a), _mm256_mul_ps(_mm256_set1_ps(p[1]), b));
-                    __m256 hi = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(p[2]), c), _mm256_mul_ps(_mm256_set1_ps(p[3]), e));
-                    float *o = out + h * hd + k0;
-                    _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_add_ps(lo, hi)));
-                }
-            }
-#endif
-            for (int64_t h = 0; h < n_q; h++) {
-                const float *p = scores + h * span + s;
-                float *o = out + h * hd;
-                for (int64_t k = k0; k < hd; k++)
-                    o[k] += (p[0] * kv_value(v0, k, half) + p[1] * kv_value(v1, k, half)) +
-                            (p[2] * kv_value(v2, k, half) + p[3] * kv_value(v3, k, half));
-            }
-            s += 3;
-        } else {
-            for (int64_t h = 0; h < n_q; h++) {
-                float p = scores[h * span + s], *o = out + h * hd;
-                for (int64_t k = 0; k < hd; k++) o[k] += p * kv_value(v0, k, half);
-            }
-        }
-    }
-}
+#include "attention_values.h" /* values_of */
 
 #include "attend_parts.h" /* one token's heads over parts of its context, split between threads */
 

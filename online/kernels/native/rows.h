@@ -20,6 +20,9 @@
 #define TDM_VNNI 1
 #define tdm_dpbusd(acc, u8, s8) _mm256_dpbusd_avx_epi32(acc, u8, s8)
 #endif
+#if defined(__AVX512F__) && defined(__AVX512VL__) && !defined(TDM_NO_WIDE_ATTENTION)
+#define TDM_WIDE_ATTENTION 1 /* attention_wide.h: the same bits in 512-bit vectors */
+#endif
 #endif
 
 enum { KIND_F32 = 0, KIND_I8 = 1, KIND_I8B = 2, KIND_I4 = 3, KIND_F16 = 4 };
@@ -386,6 +389,9 @@ int64_t tdm_simd_features(void) {
 #endif
 #ifdef TDM_AMX
     bits |= 4;
+#endif
+#ifdef TDM_WIDE_ATTENTION
+    bits |= 8;
 #endif
     return bits;
 }

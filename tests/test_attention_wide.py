@@ -1,0 +1,58 @@
+"""Attention on 512-bit vectors (attention_wide.h: key pairs per vector, sixteen value columns, eight exponentials
+a vector) against the 8-wide build of the same sources: the same bits, for float16 and float32 caches, any head
+grouping (a pass holds 4 heads there, 2 here), head sizes with columns past the last whole vector, one part and
+several, and one thread or two. Both are checked against float64 numpy too, so a bug shared by both builds
+(attention_values.h is common to them) fails as well. On a CPU without AVX-512 the default build is the 8-wide
+one and this module is skipped."""
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from online.kernels import native
+
+pytestmark = pytest.mark.skipif(not native.load_native().has_wide_attention,
+                                reason="this CPU has no AVX-512: one attention build only")
+SEGMENT_POSITIONS = int(re.search(r"#define TDM_SEGMENT_POSITIONS (\d+)",
+                                  (Path(native.__file__).parent / "attend_parts.h").read_text())[1])
+
+
+@pytest.fixture(scope="module")
+def libs():
+    narrow = native.load_native(("-DTDM_NO_WIDE_ATTENTION",))
+    assert narrow.has_avx2 and not narrow.has_wide_attention
+    return native.load_native().lib, narrow.lib
+
+
+def _attend(lib, k, v, q, rep: int, threads: int) -> np.ndarray:
+    n_kv, rows, hd = k.shape
+    out = np.zeros_like(q)
+    scores = np.zeros(threads * min(rep, 16) * rows, np.float32)
+    fn = lib.tdm_attend_pass_timed
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 3
+    fn.restype = ctypes.c_double
+    assert fn(k.ctypes.data, v.ctypes.data, n_kv, rows, hd, rep, int(k.dtype == np.float16), threads,
+              q.ctypes.data, out.ctypes.data, scores.ctypes.data) >= 0
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 7, 203, SEGMENT_POSITIONS + 70])
+@pytest.mark.parametrize("hd, rep", [(64, 3), (72, 5), (80, 1), (48, 6), (8, 2)])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_wide_attention_equals_the_narrow_build(libs, rows, hd, rep, dtype):
+    rng = np.random.default_rng(rows * hd + rep)
+    n_kv = 2
+    k = (rng.standard_normal((n_kv, rows, hd)) * 1.5).astype(dtype)  # [KV, rows, hd]
+    v = rng.standard_normal((n_kv, rows, hd)).astype(dtype)  # [KV, rows, hd]
+    q = rng.standard_normal((n_kv * rep, hd)).astype(np.float32)  # [H, hd]
+    wide, narrow = (_attend(lib, k, v, q, rep, threads=1 + rows % 2) for lib in libs)
+    assert np.array_equal(wide, narrow)
+    k64, v64 = k.astype(np.float64), v.astype(np.float64)
+    for h in range(n_kv * rep):
+        s = 0.125 * (k64[h // rep] @ q[h].astype(np.float64))  # [rows]
+        p = np.exp(s - s.max())
+        np.testing.assert_allclose(wide[h], (p / p.sum()) @ v64[h // rep], rtol=2e-5, atol=2e-6)
