@@ -1,7 +1,8 @@
 """Attention on 512-bit vectors (attention_wide.h: key pairs per vector, sixteen value columns, eight exponentials
 a vector) against the 8-wide build of the same sources: the same bits, for float16 and float32 caches, any head
-grouping (a pass holds 4 heads there, 2 here), head sizes with columns past the last whole vector, one part and
-several, and one thread or two. Both are checked against float64 numpy too, so a bug shared by both builds
+grouping (a pass holds 4 heads there, 2 here; up to 16 heads a KV group), head sizes with columns past the last
+whole vector (16k + 8: an 8-wide pass there; not a multiple of 8: scalar columns in both), one part and several,
+and one thread or two. Both are checked against float64 numpy too, so a bug shared by both builds
 (attention_values.h is common to them) fails as well. On a CPU without AVX-512 the default build is the 8-wide
 one and this module is skipped."""
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _attend(lib, k, v, q, rep: int, threads: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("rows", [1, 7, 203, SEGMENT_POSITIONS + 70])
-@pytest.mark.parametrize("hd, rep", [(64, 3), (72, 5), (80, 1), (48, 6), (8, 2)])
+@pytest.mark.parametrize("hd, rep", [(64, 3), (72, 5), (80, 1), (48, 6), (8, 2), (40, 16), (12, 9)])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_wide_attention_equals_the_narrow_build(libs, rows, hd, rep, dtype):
     rng = np.random.default_rng(rows * hd + rep)

@@ -1,7 +1,7 @@
 /* Attention over one token's context in parts (flash-decoding's split-K) and the token's (KV group, part,
  * head) units split between the step's threads: attend_token, run by attention_block (decode.c) and timed by
  * the probe (probe.h); attend_group, run per (token, head run) by batch.h. The kernels it calls (key_scores,
- * softmax_exp, values_of) are attention.h's. Included by attention.h only. */
+ * softmax_exps, values_of) are attention.h's. Included by attention.h only. */
 #ifndef TANDEM_ATTEND_PARTS_H
 #define TANDEM_ATTEND_PARTS_H
 

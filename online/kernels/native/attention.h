@@ -53,11 +53,11 @@ static inline __m128 exp4_via_double(__m128 xf) {
 
 #include "attention_wide.h" /* the kernels below on 512-bit vectors where the build has them, same bits */
 
-/* scores[start..pos] = e^(scores - their max), the max at *max_out (when not NULL). The exponentials go four
- * (eight: attention_wide.h) at a time through exp4_via_double, the tail padded (so a value never depends on its
- * lane): a libm expf call per key cost about as much as the key's q.k and value row together. The max is taken
- * eight at a time: exact whatever the order, and a NaN score is passed over as the scalar compare does (the
- * key-by-key compare was a dependent chain). */
+/* scores[start..pos] = e^(scores - their max), the max at *max_out (when not NULL). The exponentials go four at
+ * a time through exp4_via_double (eight through attention_wide.h's exp8_via_double), the tail padded (so a
+ * value never depends on its lane): a libm expf call per key cost about as much as the key's q.k and value
+ * row together. The max is taken eight at a time: exact whatever the order, and a NaN score is passed over as
+ * the scalar compare does (the key-by-key compare was a dependent chain). */
 static void softmax_exps(float *scores, int64_t start, int64_t pos, float *max_out) {
     float mx = -INFINITY;
     int64_t s = start;

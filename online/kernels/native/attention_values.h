@@ -52,6 +52,30 @@ static inline __attribute__((always_inline)) void values_pass(const void *V, con
     }
 }
 
+#ifdef TDM_WIDE_ATTENTION
+/* values_pass on one 8-column vector (a head size of 16k + 8: its last columns), the same fma chains */
+static inline __attribute__((always_inline)) void values_pass8(const void *V, const int32_t *rows, int64_t start,
+                                                               int64_t pos, int64_t hd, int64_t c0, const int NH,
+                                                               float *out, const float *scores, int64_t span,
+                                                               float *sums, const int half) {
+    __m256 acc[VAL_HEADS];
+    float sm[VAL_HEADS];
+    for (int h = 0; h < NH; h++) acc[h] = _mm256_setzero_ps(), sm[h] = 0.0f;
+    for (int64_t s = start; s <= pos; s++) {
+        __m256 v = kv_load8(kv_row(V, rows, s, hd, half), c0, half);
+        for (int h = 0; h < NH; h++) {
+            float p = scores[h * span + s];
+            acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(p), v, acc[h]);
+            if (sums) sm[h] += p;
+        }
+    }
+    for (int h = 0; h < NH; h++) {
+        _mm256_storeu_ps(out + h * hd + c0, acc[h]);
+        if (sums) sums[h] = sm[h];
+    }
+}
+#endif
+
 #define VALUES_PASS(NC)                                                                                         \
     switch (nh) {                                                                                               \
     case 1: values_pass(V, rows, start, pos, hd, c0, NC, 1, o, p, span, sm, half); break;                     \
@@ -72,8 +96,8 @@ static inline __attribute__((always_inline)) void values_pass(const void *V, con
 
 /* out + j * hd = sum over s in [start, pos] of p_j[s] V[s] (unnormalised; p_j = scores + j * span, the n_q <=
  * TDM_MAX_GROUP query heads of one KV group; V: that group's rows; rows: see kv_row) and sums[j] = the p_j[s]
- * summed in key order. Each output is an fma chain over the positions in order, whatever the vector width (the
- * columns past the last whole vector: fmaf), the head grouping or n_q, so the decode step's and batch.h's
+ * summed in key order (sums may be NULL). Each output is an fma chain over the positions in order, whatever the
+ * vector width (16 lanes, then 8, then the columns past the last whole vector: fmaf), the head grouping or n_q, so the decode step's and batch.h's
  * tokens are bit-identical, and so are builds with and without AVX-512. A pass holds up to VAL_HEADS heads x
  * 4 vectors of columns in registers and reads their V rows once. */
 static inline __attribute__((always_inline)) void values_of(const void *V, const int32_t *rows, int64_t start,
@@ -82,13 +106,24 @@ static inline __attribute__((always_inline)) void values_of(const void *V, const
                                                             const int half) {
     for (int64_t h0 = 0; h0 < n_q; h0 += VAL_HEADS) {
         int64_t nh = n_q - h0 < VAL_HEADS ? n_q - h0 : VAL_HEADS, c0 = 0;
-        float *o = out + h0 * hd, *sm = sums + h0;
+        float *o = out + h0 * hd, *sm = sums ? sums + h0 : NULL;
         const float *p = scores + h0 * span;
 #ifdef TDM_SIMD
         for (; c0 + 4 * VAL_W <= hd; c0 += 4 * VAL_W, sm = NULL) VALUES_PASS(4)
         if (hd - c0 >= 3 * VAL_W) VALUES_PASS(3) else if (hd - c0 >= 2 * VAL_W) VALUES_PASS(2)
         else if (hd - c0 >= VAL_W) VALUES_PASS(1)
         if (hd - c0 >= VAL_W) c0 += (hd - c0) / VAL_W * VAL_W, sm = NULL;
+#ifdef TDM_WIDE_ATTENTION
+        if (hd - c0 >= 8) {
+            switch (nh) {
+            case 1: values_pass8(V, rows, start, pos, hd, c0, 1, o, p, span, sm, half); break;
+            case 2: values_pass8(V, rows, start, pos, hd, c0, 2, o, p, span, sm, half); break;
+            case 3: values_pass8(V, rows, start, pos, hd, c0, 3, o, p, span, sm, half); break;
+            case 4: values_pass8(V, rows, start, pos, hd, c0, 4, o, p, span, sm, half); break;
+            }
+            c0 += 8, sm = NULL;
+        }
+#endif
 #endif
         for (int64_t h = 0; h < nh; h++) { /* the last columns (and every column without vectors) */
             if (sm) sm[h] = 0.0f;
@@ -107,5 +142,7 @@ static inline __attribute__((always_inline)) void values_of(const void *V, const
 }
 #undef VALUES_PASS
 #undef VALUES_PASS_34
+#undef VAL_W
+#undef VAL_HEADS
 
 #endif

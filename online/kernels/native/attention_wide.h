@@ -1,15 +1,15 @@
-/* Attention's kernels on 512-bit vectors (AVX-512F + VL), each lane's arithmetic that of attention.h's 8-wide
+/* Attention's kernels on 512-bit vectors (AVX-512F), each lane's arithmetic that of attention.h's 8-wide
  * code: the same operations on the same values in the same order, so a build with AVX-512 computes the same bits
  * as one without (tests/test_attention_wide.py compares the two builds) in fewer instructions:
  *  - keys: two keys share a vector (lanes 0-7 key j's eight columns, 8-15 key j + 1's), each pair widened once
  *    per eight columns for up to four heads at a time (the 8-wide code widens every key for every head);
- *  - values (attention.h's values_of): sixteen columns a vector;
+ *  - values (attention_values.h's values_of): sixteen columns a vector;
  *  - exponentials: eight lanes of doubles.
- * At 1,900 positions of SmolLM2's 3 KV heads x 3 query heads (float16 cache), one thread: see bench/RESULTS.md
- * (twentieth session). Included by attention.h only. */
+ * With attention_values.h's pass, one thread, SmolLM2's 3 KV heads x 3 query heads over 1,900 float16 positions:
+ * 162 -> 105 us (bench/RESULTS.md, twentieth session). Included by attention.h only. */
 #ifndef TANDEM_ATTENTION_WIDE_H
 #define TANDEM_ATTENTION_WIDE_H
-#ifdef TDM_WIDE_ATTENTION /* rows.h: AVX-512F + VL, unless -DTDM_NO_WIDE_ATTENTION */
+#ifdef TDM_WIDE_ATTENTION /* rows.h: AVX-512F, unless -DTDM_NO_WIDE_ATTENTION */
 
 /* exp4_via_double on eight lanes (the same double operations, lane by lane) */
 static inline __m256 exp8_via_double(__m256 xf) {

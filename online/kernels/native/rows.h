@@ -20,7 +20,7 @@
 #define TDM_VNNI 1
 #define tdm_dpbusd(acc, u8, s8) _mm256_dpbusd_avx_epi32(acc, u8, s8)
 #endif
-#if defined(__AVX512F__) && defined(__AVX512VL__) && !defined(TDM_NO_WIDE_ATTENTION)
+#if defined(__AVX512F__) && !defined(TDM_NO_WIDE_ATTENTION)
 #define TDM_WIDE_ATTENTION 1 /* attention_wide.h: the same bits in 512-bit vectors */
 #endif
 #endif
