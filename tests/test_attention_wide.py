@@ -7,19 +7,14 @@ and one thread or two. Both are checked against float64 numpy too, so a bug shar
 one and this module is skipped."""
 from __future__ import annotations
 
-import ctypes
-import re
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from online.kernels import native
+from test_attention_parts import SEGMENT_POSITIONS, _attend  # _attend: the step's attention units on n threads
 
 pytestmark = pytest.mark.skipif(not native.load_native().has_wide_attention,
                                 reason="this CPU has no AVX-512: one attention build only")
-SEGMENT_POSITIONS = int(re.search(r"#define TDM_SEGMENT_POSITIONS (\d+)",
-                                  (Path(native.__file__).parent / "attend_parts.h").read_text())[1])
 
 
 @pytest.fixture(scope="module")
@@ -27,18 +22,6 @@ def libs():
     narrow = native.load_native(("-DTDM_NO_WIDE_ATTENTION",))
     assert narrow.has_avx2 and not narrow.has_wide_attention
     return native.load_native().lib, narrow.lib
-
-
-def _attend(lib, k, v, q, rep: int, threads: int) -> np.ndarray:
-    n_kv, rows, hd = k.shape
-    out = np.zeros_like(q)
-    scores = np.zeros(threads * min(rep, 16) * rows, np.float32)
-    fn = lib.tdm_attend_pass_timed
-    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 3
-    fn.restype = ctypes.c_double
-    assert fn(k.ctypes.data, v.ctypes.data, n_kv, rows, hd, rep, int(k.dtype == np.float16), threads,
-              q.ctypes.data, out.ctypes.data, scores.ctypes.data) >= 0
-    return out
 
 
 @pytest.mark.parametrize("rows", [1, 7, 203, SEGMENT_POSITIONS + 70])
