@@ -28,8 +28,11 @@ run: setup
 	@set -e; plan=$$($(BIN)/tandem prepare --model smollm2 --threads $(THREADS) --print-plan-path); \
 	$(BIN)/tandem generate --model smollm2 --plan "$$plan" --chat --prompt "$(PROMPT)" --max-new-tokens 64 --threads $(THREADS)
 
+# Test files spread over TEST_WORKERS processes (--dist loadfile: each file whole, in one process, and each process
+# runs its files in the suite's order, so test_gpu_kernels still finds no Triton imported before it).
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
