@@ -28,8 +28,10 @@ run: setup
 	@set -e; plan=$$($(BIN)/tandem prepare --model smollm2 --threads $(THREADS) --print-plan-path); \
 	$(BIN)/tandem generate --model smollm2 --plan "$$plan" --chat --prompt "$(PROMPT)" --max-new-tokens 64 --threads $(THREADS)
 
-# Test files spread over TEST_WORKERS processes (--dist loadfile: each file whole, in one process, and each process
-# runs its files in the suite's order, so test_gpu_kernels still finds no Triton imported before it).
+# Test files spread over TEST_WORKERS processes (pytest-xdist, --dist loadfile: each file whole in one process, the
+# biggest first). Every process collects, so imports, all the test modules in the suite's order before any test
+# runs, as a serial run does: test_gpu_kernels sets up Triton's interpreter at its import, before any other module
+# imports Triton.
 TEST_WORKERS ?= 2
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests

@@ -189,17 +189,21 @@ def test_smollm2_float16_kv_keeps_its_perplexity_and_greedy_tokens():
     ppl = [e.perplexity(ids, window_tokens=256, stride_tokens=256, decode_steps=True)[0] for e in (half, full)]
     assert abs(ppl[0] / ppl[1] - 1) < 1e-2, ppl
     # Greedy tokens: both caches score the f32 cache's own greedy continuation (teacher-forced, every
-    # position), and pick its tokens wherever the f32 logits' top two are more than the int8 activations'
-    # noise apart (the step's logits move by ~0.1 under any perturbation, so a near-tie can go either way).
+    # position: logits row i predicts token i + 1), and pick its tokens wherever the f32 logits' top two are
+    # more than 1.0 apart (the f16 cache moves that gap by up to ~0.85 here: nearer ones can go either way);
+    # their next-token distributions stay within a mean KL of 3e-3 (measured 1.2e-3; keys cut to three mantissa
+    # bits give 6.6e-3, and keep every decisive choice).
     from tandem.core.kv_cache import KVCache
     seq = ids[:40] + full.generate(ids[:40], max_new_tokens=48, ignore_eos=True).token_ids
     logits = [e.compiled_decode.step_many(seq, 0, KVCache(e.model.cfg, len(seq), dtype=d))[39:-1]  # [48, vocab]
               for e, d in ((half, torch.float16), (full, torch.float32))]
     top2 = logits[1].topk(2).values  # [48, 2]
-    decisive = (top2[:, 0] - top2[:, 1]) > 0.25
-    assert decisive.sum() >= 44
+    decisive = (top2[:, 0] - top2[:, 1]) > 1.0
+    assert decisive.sum() >= 40
     assert torch.equal(logits[1].argmax(-1), torch.tensor(seq[40:]))  # the f32 step's own greedy choices
     assert torch.equal(logits[0].argmax(-1)[decisive], logits[1].argmax(-1)[decisive])
+    log16, log32 = (torch.log_softmax(x.double(), -1) for x in logits)  # [48, vocab]
+    assert float((log32.exp() * (log32 - log16)).sum(-1).mean()) < 3e-3
     assert Engine.load("smollm2", threads=2, weight_format="int4", fused_decode=False).kv_cache_type == "f32"
 
 
