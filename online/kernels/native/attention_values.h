@@ -97,9 +97,9 @@ static inline __attribute__((always_inline)) void values_pass8(const void *V, co
 /* out + j * hd = sum over s in [start, pos] of p_j[s] V[s] (unnormalised; p_j = scores + j * span, the n_q <=
  * TDM_MAX_GROUP query heads of one KV group; V: that group's rows; rows: see kv_row) and sums[j] = the p_j[s]
  * summed in key order (sums may be NULL). Each output is an fma chain over the positions in order, whatever the
- * vector width (16 lanes, then 8, then the columns past the last whole vector: fmaf), the head grouping or n_q, so the decode step's and batch.h's
- * tokens are bit-identical, and so are builds with and without AVX-512. A pass holds up to VAL_HEADS heads x
- * 4 vectors of columns in registers and reads their V rows once. */
+ * vector width (16 lanes, then 8, then the columns past the last whole vector: fmaf), the head grouping or n_q,
+ * so the decode step's and batch.h's tokens are bit-identical, and so are builds with and without AVX-512. A
+ * pass holds up to VAL_HEADS heads x 4 vectors of columns in registers and reads their V rows once. */
 static inline __attribute__((always_inline)) void values_of(const void *V, const int32_t *rows, int64_t start,
                                                             int64_t pos, int64_t hd, int64_t n_q, float *out,
                                                             const float *scores, int64_t span, float *sums,

@@ -40,8 +40,9 @@ static inline __m512 kv_load8x2(const char *a, const char *b, int64_t c, int hal
         return _mm512_cvtph_ps(_mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)((const uint16_t *)a + c))),
             _mm_loadu_si128((const __m128i *)((const uint16_t *)b + c)), 1));
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps((const float *)a + c))),
-                                               _mm256_castps_pd(_mm256_loadu_ps((const float *)b + c)), 1));
+    __m256d lo = _mm256_castps_pd(_mm256_loadu_ps((const float *)a + c));
+    __m256d hi = _mm256_castps_pd(_mm256_loadu_ps((const float *)b + c));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(lo), hi, 1));
 }
 
 /* columns [c, c + 16) of one row */
