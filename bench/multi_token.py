@@ -50,16 +50,19 @@ def measure(engine, context: int, rounds: int, counts=TOKEN_COUNTS) -> list[dict
 
 def batch_fixture(engine, context: int, n_seqs: int = 8, block_tokens: int = 16):
     """A paged pool holding ``n_seqs`` histories of different lengths (context, context + 8, ...) in
-    shuffled blocks, and a contiguous cache with a ``context``-token history. Returns (decode step of
-    the batch, single-token step): two no-argument callables."""
+    shuffled blocks, and a contiguous cache with a ``context``-token history, both of the engine's KV type
+    (float16 unless it says f32, as the server's pool; before 2026-11-29 both were float32). Returns (decode
+    step of the batch, single-token step): two no-argument callables."""
     from types import SimpleNamespace
 
     import numpy as np
+    import torch
 
     from tandem.core.kv_cache import KVCache
     step, cfg = engine.compiled_decode, engine.model.cfg
+    dtype = torch.float32 if getattr(engine, "kv_cache_type", "f16") == "f32" else torch.float16
     per_seq = (context + 8 * n_seqs) // block_tokens + 2
-    storage = KVCache(cfg, per_seq * n_seqs * block_tokens)
+    storage = KVCache(cfg, per_seq * n_seqs * block_tokens, dtype=dtype)
     pool = SimpleNamespace(keys=storage.keys, values=storage.values, block_tokens=block_tokens)
     blocks = np.random.default_rng(0).permutation(per_seq * n_seqs).astype(np.int32)
     tables = [blocks[s * per_seq:(s + 1) * per_seq] for s in range(n_seqs)]
@@ -69,7 +72,7 @@ def batch_fixture(engine, context: int, n_seqs: int = 8, block_tokens: int = 16)
         for a in range(0, n, 64):
             step.step_batch(ids[a:a + 64], list(range(a, min(a + 64, n))), [tables[s]] * len(ids[a:a + 64]), pool,
                             [False] * len(ids[a:a + 64]))
-    cache = KVCache(cfg, context + 1)
+    cache = KVCache(cfg, context + 1, dtype=dtype)
     step.step_many([(7 * i + 3) % cfg.vocab_size for i in range(context)], 0, cache)
     tokens = [(11 * s + 5) % cfg.vocab_size for s in range(n_seqs)]
     return (lambda: step.step_batch(tokens, lengths, tables, pool)), (lambda: step(tokens[0], context, cache))
