@@ -23,6 +23,14 @@ static inline __m256 hsum8x8(const __m256 *a) {
 #endif
 
 #ifdef TDM_SIMD
+/* the reduction's constants and the polynomial's coefficients, highest degree first (exp8_via_double in
+ * attention_wide.h runs the same operations on eight lanes) */
+#define EXP_LOG2E 1.4426950408889634
+#define EXP_LN2_HI 6.93147180369123816490e-01
+#define EXP_LN2_LO 1.90821492927058770002e-10
+static const double exp_poly[11] = {1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0,
+                                    1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
+
 /* e^x for four floats, computed in double and rounded once: x - n ln2 (Cody-Waite split, exact for the
  * |n| <= 150 here), a degree-10 Taylor polynomial on |r| <= ln2 / 2 (relative error < 1e-12, far below
  * float's half ulp), times 2^n. So the result is the correctly rounded e^x, as glibc's expf (0.502 ulp)
@@ -30,21 +38,12 @@ static inline __m256 hsum8x8(const __m256 *a) {
  * x is clamped to [-104, 89]: below, e^x rounds to 0 in float; above, to inf. */
 static inline __m128 exp4_via_double(__m128 xf) {
     __m256d x = _mm256_min_pd(_mm256_max_pd(_mm256_cvtps_pd(xf), _mm256_set1_pd(-104.0)), _mm256_set1_pd(89.0));
-    __m256d n = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(1.4426950408889634)),
+    __m256d n = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(EXP_LOG2E)),
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256d r = _mm256_sub_pd(x, _mm256_mul_pd(n, _mm256_set1_pd(6.93147180369123816490e-01)));
-    r = _mm256_sub_pd(r, _mm256_mul_pd(n, _mm256_set1_pd(1.90821492927058770002e-10)));
-    __m256d p = _mm256_set1_pd(1.0 / 3628800.0);
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 362880.0));
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 40320.0));
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 5040.0));
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 720.0));
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 120.0));
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 24.0));
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 6.0));
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(0.5));
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
+    __m256d r = _mm256_sub_pd(x, _mm256_mul_pd(n, _mm256_set1_pd(EXP_LN2_HI)));
+    r = _mm256_sub_pd(r, _mm256_mul_pd(n, _mm256_set1_pd(EXP_LN2_LO)));
+    __m256d p = _mm256_set1_pd(exp_poly[0]);
+    for (int i = 1; i < 11; i++) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(exp_poly[i]));
     __m256i e = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n)); /* 2^n as a double's exponent field */
     e = _mm256_slli_epi64(_mm256_add_epi64(e, _mm256_set1_epi64x(1023)), 52);
     return _mm256_cvtpd_ps(_mm256_mul_pd(p, _mm256_castsi256_pd(e)));
@@ -185,8 +184,7 @@ static inline __attribute__((always_inline)) void key_scores_of(
             fetch_rows(V, rows, s, s + 8, hd, half);
 #ifdef TDM_WIDE_ATTENTION
             key_block_heads(q, n_q, k, hd, vs, scores + s, span, half);
-            continue;
-#endif
+#else
             for (int64_t h = 0; h < n_q; h++) {
                 __m256 acc[8];
                 for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
@@ -196,6 +194,7 @@ static inline __attribute__((always_inline)) void key_scores_of(
                 }
                 _mm256_storeu_ps(scores + h * span + s, _mm256_mul_ps(hsum8x8(acc), vs));
             }
+#endif
         }
     }
 #else

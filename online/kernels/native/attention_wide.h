@@ -14,21 +14,12 @@
 /* exp4_via_double on eight lanes (the same double operations, lane by lane) */
 static inline __m256 exp8_via_double(__m256 xf) {
     __m512d x = _mm512_min_pd(_mm512_max_pd(_mm512_cvtps_pd(xf), _mm512_set1_pd(-104.0)), _mm512_set1_pd(89.0));
-    __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(1.4426950408889634)),
+    __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512d r = _mm512_sub_pd(x, _mm512_mul_pd(n, _mm512_set1_pd(6.93147180369123816490e-01)));
-    r = _mm512_sub_pd(r, _mm512_mul_pd(n, _mm512_set1_pd(1.90821492927058770002e-10)));
-    __m512d p = _mm512_set1_pd(1.0 / 3628800.0);
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 362880.0));
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 40320.0));
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 5040.0));
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 720.0));
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 120.0));
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 24.0));
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 6.0));
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(0.5));
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0));
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0));
+    __m512d r = _mm512_sub_pd(x, _mm512_mul_pd(n, _mm512_set1_pd(EXP_LN2_HI)));
+    r = _mm512_sub_pd(r, _mm512_mul_pd(n, _mm512_set1_pd(EXP_LN2_LO)));
+    __m512d p = _mm512_set1_pd(exp_poly[0]);
+    for (int i = 1; i < 11; i++) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(exp_poly[i]));
     __m512i e = _mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(n)); /* 2^n as a double's exponent field */
     e = _mm512_slli_epi64(_mm512_add_epi64(e, _mm512_set1_epi64(1023)), 52);
     return _mm512_cvtpd_ps(_mm512_mul_pd(p, _mm512_castsi512_pd(e)));
