@@ -60,7 +60,7 @@ def batch_fixture(engine, context: int, n_seqs: int = 8, block_tokens: int = 16)
 
     from tandem.core.kv_cache import KVCache
     step, cfg = engine.compiled_decode, engine.model.cfg
-    dtype = torch.float32 if getattr(engine, "kv_cache_type", "f16") == "f32" else torch.float16
+    dtype = torch.float32 if engine.kv_cache_type == "f32" else torch.float16
     per_seq = (context + 8 * n_seqs) // block_tokens + 2
     storage = KVCache(cfg, per_seq * n_seqs * block_tokens, dtype=dtype)
     pool = SimpleNamespace(keys=storage.keys, values=storage.values, block_tokens=block_tokens)
