@@ -22,7 +22,7 @@ from typing import Any
 from placement.fused_calibration import FIXED_SIZES, FORMATS, FusedCalibration, fit_fixed_terms
 from placement.step_reads import modeled_passes, modeled_reads
 from placement.plan import read_plan
-from placement.probe import measure_read_bandwidth
+from placement.probe import measure_read_bandwidth, torch_threads
 from placement.quality import DEFAULT_QUALITY_TOKENS, WINDOW_TOKENS, held_out_tokens, scores
 from tandem.core.errors import TandemError
 
@@ -138,19 +138,13 @@ def measure_fused_calibration(threads: int, formats: tuple[str, ...] = FORMATS, 
     leave of tiny random Llama models' decode time through ``generate`` (~20 s the first
     time, a few seconds with ``engines`` from fixed_cost_engines). ``reads``: only these (kind, access)
     pairs and the tiny models' own; None: every format the step reads."""
-    import torch
-
     from .kind_probe import DEFAULT_PLAN, measure_kind_rates, measure_pass_cost, plan_for
 
     if engines is None:
         with tempfile.TemporaryDirectory(prefix="tandem-probe-") as tmp:
             return measure_fused_calibration(threads, formats, reads, fixed_cost_engines(threads, Path(tmp), formats))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         bandwidth = measure_read_bandwidth("cpu")
-    finally:
-        torch.set_num_threads(previous)
     fixed_reads = [("q4_1", "dense"), ("q4_1", "dense_gu"), ("int8", "dense"), ("f16", "axpy"), ("f32", "dense")]  # the tiny models'
     rates = measure_kind_rates(threads, bandwidth, DEFAULT_PLAN if reads is None else plan_for([*fixed_reads, *reads]))
     pass_s = measure_pass_cost(threads)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 
@@ -72,18 +73,31 @@ def _measure_gpu() -> dict[str, float | int]:
             "layer_sync_latency_s": sync_s}
 
 
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's CPU ops on ``threads`` threads inside the block, the previous count restored after it.
+
+    Example::
+
+        with torch_threads(2):
+            bandwidth = measure_read_bandwidth("cpu")
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def probe_machine(threads: int | None = None, name: str = "probed") -> HardwareProfile:
     """A HardwareProfile with this machine's measured numbers (no GPU fields when CUDA is absent)."""
     threads = threads if threads is not None else (os.cpu_count() or 1)
     if threads < 1:
         raise TandemError(f"threads must be >= 1, got {threads}")
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         cpu_bandwidth = measure_read_bandwidth("cpu")
         cpu_flops = measure_matmul_flops("cpu")
-    finally:
-        torch.set_num_threads(previous)
     gpu = {"gpu_memory_bytes": 0, "gpu_bandwidth_bytes_per_s": 0.0, "gpu_matmul_flops": 0.0,
            "h2d_bandwidth_bytes_per_s": 0.0, "layer_sync_latency_s": 0.0}
     device_name = "no GPU"

@@ -38,6 +38,8 @@ Example::
     reads = with_kv(reads, kv_reads(cfg, context_tokens=88))  # the KV cache at the tokens' mean position
     shares = with_kv(shares, kv_shares(cfg))                   # its rate's key: query heads per KV head
     cal.reads_seconds(n_layers, reads, fractions=shares, passes=passes)  # placement.fused_calibration
+
+(``step_read_terms`` gives those reads, shares and passes, the KV cache's included, in one call.)
 """
 from __future__ import annotations
 
@@ -216,3 +218,12 @@ def with_kv(reads: dict, kv: dict) -> dict:
     for key, nbytes in kv.items():
         out[key] = out.get(key, 0.0) + nbytes
     return out
+
+
+def step_read_terms(units: list[StepUnit], fractions: list[LayerFractions] | None, relu: bool, cfg,
+                    context_tokens: float, kv_cache_type: str = "f16") -> tuple[dict, dict, int]:
+    """(bytes per token, row shares, matrix passes per token) of a step's weights and its KV cache at
+    ``context_tokens``: FusedCalibration.reads_seconds' reads, fractions and passes in one call."""
+    reads = with_kv(modeled_reads(units, fractions, relu), kv_reads(cfg, context_tokens, kv_cache_type))
+    shares = with_kv(read_fractions(units, fractions, relu), kv_shares(cfg, kv_cache_type))
+    return reads, shares, modeled_passes(units, fractions, relu)

@@ -21,6 +21,7 @@ def main() -> None:
     ap.add_argument("--calibration", help="fused-step calibration (tandem probe --fused): the modeled tok/s too")
     args = ap.parse_args()
     from online import Engine
+    from placement.probe import measure_read_bandwidth, torch_threads
     t0 = time.perf_counter()
     engine = Engine.load(args.model, threads=args.threads, plan=args.plan, weight_format=args.weight_format,
                          fused_decode=not args.no_fused_decode, sparse=not args.no_sparse)
@@ -30,7 +31,8 @@ def main() -> None:
     prefill, decode, bandwidths = [], [], []
     for _ in range(args.runs):
         if args.calibration:
-            bandwidths.append(read_bandwidth(args.threads))
+            with torch_threads(args.threads):
+                bandwidths.append(measure_read_bandwidth("cpu"))
         out = engine.generate(prompt_ids, max_new_tokens=args.decode_tokens, ignore_eos=True)
         prefill.append(out.stats["prefill_tokens_per_s"])
         decode.append(out.stats["decode_tokens_per_s"])
@@ -41,19 +43,6 @@ def main() -> None:
           **(modeled(engine, args, len(prompt_ids), bandwidths) if args.calibration else {})})
 
 
-def read_bandwidth(threads: int) -> float:
-    """The host's read bandwidth now (torch sum on ``threads`` threads, as `tandem probe` measures it)."""
-    import torch
-
-    from placement.probe import measure_read_bandwidth
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return measure_read_bandwidth("cpu")
-    finally:
-        torch.set_num_threads(previous)
-
-
 def modeled(engine, args, prompt_tokens: int, bandwidths: list[float]) -> dict:
     """{"modeled_tok_s": [the calibration's terms applied to the fused step's reads at each of ``bandwidths``],
     "read_bandwidth_samples": bandwidths} (empty for another decode path, or a read the calibration did not time)."""
@@ -62,7 +51,7 @@ def modeled(engine, args, prompt_tokens: int, bandwidths: list[float]) -> dict:
     from online.step_inventory import step_units
     from placement.fused_calibration import load_calibration
     from placement.plan_check import plan_fractions
-    from placement.step_reads import kv_reads, kv_shares, modeled_passes, modeled_reads, read_fractions, with_kv
+    from placement.step_reads import step_read_terms
     from tandem.core.errors import TandemError
 
     if engine.decode_path != "fused":
@@ -71,9 +60,7 @@ def modeled(engine, args, prompt_tokens: int, bandwidths: list[float]) -> dict:
     cfg, units = engine.config, step_units(engine.compiled_decode, engine.config)
     fractions, relu = plan_fractions(args.plan, cfg) if args.plan and not args.no_sparse else (None, False)
     context = prompt_tokens + (args.decode_tokens + 1) / 2  # keys a decode step attends to, on average
-    reads = with_kv(modeled_reads(units, fractions, relu), kv_reads(cfg, context, engine.kv_cache_type))
-    shares = with_kv(read_fractions(units, fractions, relu), kv_shares(cfg, engine.kv_cache_type))
-    passes = modeled_passes(units, fractions, relu)
+    reads, shares, passes = step_read_terms(units, fractions, relu, cfg, context, engine.kv_cache_type)
     try:
         rates = [1.0 / replace(cal, read_bandwidth_bytes_per_s=b).reads_seconds(cfg.num_layers, reads, fractions=shares,
                                                                               passes=passes) for b in bandwidths]

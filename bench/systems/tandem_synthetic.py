@@ -72,18 +72,14 @@ def counted_reads(engine, step, mode: str, rec: dict, context_tokens: float) -> 
     layer at the row shares the run counted, the KV cache at the run's mean context, and the matrix passes
     per token."""
     from online.step_inventory import step_units
-    from placement.step_reads import (LayerFractions, kv_reads, kv_shares, modeled_passes, modeled_reads, read_fractions,
-                                      with_kv)
+    from placement.step_reads import LayerFractions, step_read_terms
 
     total = rec["neurons"]
     down = rec["down_rows"] / total
     fractions = {"dense": None, "relu-exact": LayerFractions(1.0, down, down),
                  "predictor": LayerFractions(rec["predicted_rows"] / total, rec["computed_up_rows"] / total, down, True)}[mode]
     units, layers = step_units(step, engine.config), None if fractions is None else [fractions] * engine.config.num_layers
-    kv = engine.kv_cache_type
-    return (with_kv(modeled_reads(units, layers, relu=True), kv_reads(engine.config, context_tokens, kv)),
-            with_kv(read_fractions(units, layers, relu=True), kv_shares(engine.config, kv)),
-            modeled_passes(units, layers, relu=True))
+    return step_read_terms(units, layers, True, engine.config, context_tokens, engine.kv_cache_type)
 
 
 def modeled(cal, engine, step, mode: str, rec: dict, context: float, read_bytes: float, bandwidth: float) -> dict:
