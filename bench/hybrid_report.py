@@ -50,12 +50,14 @@ def probe_calibration(threads: int, path: Path) -> list[str]:
 
 def modeled_cell(r: dict) -> str:
     """The median modeled tok/s and, in brackets, the median over runs of modeled / measured (each run against
-    the model at the bandwidth sampled just before it)."""
+    the model at the bandwidth and cache speedup sampled just before it) and the median cache speedup."""
     modeled = r.get("modeled_tok_s")
     if not modeled:
         return ""
     ratios = [m / d for m, d in zip(modeled, r["decode_tok_s"])]
-    return f"{statistics.median(modeled):.1f} ({statistics.median(ratios):.2f})"
+    cache = r.get("residency_samples")
+    return f"{statistics.median(modeled):.1f} ({statistics.median(ratios):.2f}" + (
+        f"; cache {statistics.median(cache):.2f}x)" if cache else ")")
 
 
 def run_hybrid(args, tandem_cmd: list[str], peers: list[dict], run_system, run_records) -> None:
@@ -79,8 +81,12 @@ def run_hybrid(args, tandem_cmd: list[str], peers: list[dict], run_system, run_r
              f"- Command: `make bench`; {args.runs} timed runs after a warm-up, medians [min-max]; "
              f"{args.decode_tokens} decoded tokens after the ~200-token prompt. Measured side by side in one run.",
              "- Modeled: the cost model (`tandem probe --fused` run just before, its per-format rates and fixed costs) "
-             "applied to the reads of the fused step each row built, at the read bandwidth sampled before each timed "
-             "run; in brackets the median over runs of modeled / measured (issue 13's goal: 0.75-1.25). The measured "
+             "applied to the reads of the fused step each row built, at the host's state sampled before each timed "
+             "run by the step's dense kernel (`online.residency_probe`: a Q4_1 pass over the step's bytes per token "
+             "after an eviction gives the read bandwidth, its rate over the probe's Q4_1 dense share; the next pass "
+             "over the same bytes, the last-level cache's speedup, which divides the reads repeated every token); "
+             "in brackets the median over runs of modeled / measured (issue 13's goal: 0.75-1.25) and of that "
+             "speedup. The measured "
              "rate includes `generate`'s own work per token (sampling, detokenizing), which the model leaves out.",
              "",
              "| system | decode path | decode tok/s | modeled tok/s (modeled / measured) | prefill tok/s "

@@ -12,9 +12,11 @@ float16 or float32, 2,048 positions of as many KV heads as that takes, at 1, 4 a
 OpenMP threads split the rows as the step's do, timed inside one OpenMP region with every thread awake
 (tdm_read_pass_timed: the step reads its matrices in a live region; timed from outside, a pass also paid
 the workers' wake-up, and gathered / added rows were rated 10-30% slow until 2026-11-28). Before every timed pass a
-buffer of ``EVICT_BYTES`` is read, so the pass starts with none of the matrix in the last-level cache
-(48 MB against this machine's 32 MB L3: passes back to back found up to two thirds of it there and
-read "faster than memory", up to 1.6x the read bandwidth). Rates are bytes read / the median pass's
+buffer of ``evict_bytes()`` (the last-level cache's size plus 96 MB) is read, so the pass starts with none of the
+matrix in that cache (48 MB against the AMD host's 32 MB L3: passes back to back found up to two thirds of it
+there and read "faster than memory", up to 1.6x the read bandwidth; the 96 MB read used until 2026-11-29 left
+most of it cached on the Intel VM's 300 MB L3 whenever the host gave this process much of it: passes after it
+read at 35-55 GB/s against ~25 from memory). Rates are bytes read / the median pass's
 seconds; the share is that over the probe's torch read bandwidth, itself a median of repeated reads. (Until
 2026-11-28 the best pass was taken: over a median bandwidth on a host whose bandwidth drifts, that rated
 dense rows ~10-15% fast, and the synthetic table's dense mode 1.3-1.5x.)
@@ -34,6 +36,7 @@ import time
 import numpy as np
 
 from placement.fused_calibration import KindRate
+from placement.probe import last_level_cache_bytes
 from placement.step_reads import WHOLE_ACCESSES
 from tandem.core.errors import TandemError
 
@@ -43,7 +46,7 @@ from .kernels.quantize import quantize, weight_from_gguf
 from .step_inventory import kind_name, weight_bytes
 
 PROBE_BYTES = 48 * 2**20
-EVICT_BYTES = 96 * 2**20  # read before each timed pass: three times a 32 MB last-level cache
+EVICT_MARGIN_BYTES = 96 * 2**20  # read before each timed pass beyond the last-level cache's size
 COLS = 2048
 SPARSE_SHARES = (0.1, 0.4, 1.0)  # shares of the rows a gather / axpy pass reads (rates interpolate between)
 ATTEND_GROUPS = (8, 4, 1)  # query heads per KV head an attend pass serves (its KindRate fraction: 1 / group)
@@ -184,9 +187,17 @@ class ReadPass:
 ACCESS_CODES = {"dense": 0, "gather": 1, "pair": 1, "axpy": 2, "gu": 3}  # tdm_read_pass_timed (probe.h)
 
 
+def evict_bytes() -> int:
+    """Bytes read before each timed pass: the last-level cache's reported size plus EVICT_MARGIN_BYTES."""
+    return last_level_cache_bytes() + EVICT_MARGIN_BYTES
+
+
 @functools.lru_cache(maxsize=1)
-def _evict_buffer() -> np.ndarray:
-    return np.ones(EVICT_BYTES // 8, dtype=np.float64)  # [EVICT_BYTES / 8]
+def _evict_buffer():
+    """A torch buffer of evict_bytes() (its ``sum`` reads it on torch's threads: 2.5x numpy's one here)."""
+    import torch
+
+    return torch.ones(evict_bytes() // 4, dtype=torch.float32)  # [evict_bytes() / 4]
 
 
 def _read_pass(lib):

@@ -8,7 +8,7 @@ Example::
     quality = measure_plan_quality("smollm2", "profiles/m/plan-rtx4090-2GiB", max_tokens=256)
     quality["perplexity_increase"], quality["greedy_agreement"]
     rate, path = measure_plan_tokens_per_s("smollm2", "profiles/m/plan-cpu-only-0", None, threads=2)
-    cal = measure_fused_calibration(threads=2)              # ~20 s
+    cal = measure_fused_calibration(threads=2)              # ~40 s
 """
 from __future__ import annotations
 
@@ -133,12 +133,14 @@ def fixed_cost_engines(threads: int, folder: Path, formats: tuple[str, ...] = FO
 def measure_fused_calibration(threads: int, formats: tuple[str, ...] = FORMATS, reads=None,
                               engines: list | None = None) -> FusedCalibration:
     """The probe's read bandwidth, the row kernels' share of it per packed format and access
-    (online.kind_probe), the cost of each matrix pass beyond its bytes (kind_probe.measure_pass_cost), and
-    the fixed costs per call and per layer: least squares on what the reads at those rates and the passes
-    leave of tiny random Llama models' decode time through ``generate`` (~20 s the first
-    time, a few seconds with ``engines`` from fixed_cost_engines). ``reads``: only these (kind, access)
+    (online.kind_probe), the cost of each matrix pass beyond its bytes (kind_probe.measure_pass_cost), the
+    cache's speedup on a working set read again (online.residency_probe), and the fixed costs per call
+    and per layer: least squares on what the reads at those rates and the passes leave of tiny random
+    Llama models' decode time through ``generate`` (~40 s the first time, ~20 s with ``engines`` from
+    fixed_cost_engines). ``reads``: only these (kind, access)
     pairs and the tiny models' own; None: every format the step reads."""
     from .kind_probe import DEFAULT_PLAN, measure_kind_rates, measure_pass_cost, plan_for
+    from .residency_probe import measure_residency
 
     if engines is None:
         with tempfile.TemporaryDirectory(prefix="tandem-probe-") as tmp:
@@ -148,7 +150,9 @@ def measure_fused_calibration(threads: int, formats: tuple[str, ...] = FORMATS, 
     fixed_reads = [("q4_1", "dense"), ("q4_1", "dense_gu"), ("int8", "dense"), ("f16", "axpy"), ("f32", "dense")]  # the tiny models'
     rates = measure_kind_rates(threads, bandwidth, DEFAULT_PLAN if reads is None else plan_for([*fixed_reads, *reads]))
     pass_s = measure_pass_cost(threads)
-    partial = FusedCalibration(threads=threads, read_bandwidth_bytes_per_s=bandwidth, terms=(), rates=rates, pass_s=pass_s)
+    residency = measure_residency(threads)
+    partial = FusedCalibration(threads=threads, read_bandwidth_bytes_per_s=bandwidth, terms=(), rates=rates,
+                               pass_s=pass_s, residency=residency)
     samples, byte_s = {f: [] for f in formats}, {f: [] for f in formats}
     for layers, fmt, engine, units in engines:
         step_reads = modeled_reads(units, None, relu=False)
@@ -158,4 +162,5 @@ def measure_fused_calibration(threads: int, formats: tuple[str, ...] = FORMATS, 
     terms = tuple(fit_fixed_terms(fmt, samples[fmt], byte_s[fmt], dense_share.get(fmt, 1.0)) for fmt in formats)
     stamp = time.strftime("%Y-%m-%d %H:%M")
     return FusedCalibration(threads=threads, read_bandwidth_bytes_per_s=bandwidth, terms=terms, rates=rates,
-                            description=f"measured by `tandem probe --fused` on {stamp} ({threads} threads)", pass_s=pass_s)
+                            description=f"measured by `tandem probe --fused` on {stamp} ({threads} threads)",
+                            pass_s=pass_s, residency=residency)

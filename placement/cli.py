@@ -211,6 +211,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
         for t in cal.terms:
             print(f"fused step {t.weight_format}: {1e6 * t.call_s:.0f} us per call, {1e6 * t.layer_s:.1f} us per layer")
         print(f"fused step: {1e6 * cal.pass_s:.2f} us per matrix pass beyond its bytes")
+        print("cache speedup on a working set read again: "
+              + ", ".join(f"{size >> 20} MB {speedup:.2f}x" for size, speedup in cal.residency))
         print(f"row kernels, share of {cal.read_bandwidth_bytes_per_s / 1e9:.1f} GB/s per packed format and access: "
               + ", ".join(f"{r.kind} {r.access}{_rate_note(r, WHOLE_ACCESSES)} {r.share:.0%}" for r in cal.rates))
         print(f"fused-step calibration written to {args.fused} (use it with show-plan --calibration)")

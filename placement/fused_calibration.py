@@ -13,12 +13,17 @@ bytes (every pass restarts the threads' streams and ends at a barrier; online.ki
 times the step's passes per token (step_reads.modeled_passes); share: the row kernels' rate on that packed
 format and access pattern (dense / gather / axpy, at 10 / 40 / 100% of the rows) over the probe's read
 bandwidth). The bytes are the step's own packed tensors at the plan's row shares (placement.step_reads).
+The reads a step repeats every token (whole matrices, the KV cache: RESIDENT_ACCESSES) are divided by the
+cache's speedup at the step's bytes per token (``residency``: online.residency_probe, ~1.1-1.3x for
+SmolLM2's 97 MB on a host whose process gets ~100 MB of last-level cache, 1.0 past it); gathered and added
+rows change between tokens and are priced from memory.
 ``step_seconds`` keeps the earlier form: nominal bytes at one share per weight format.
 
 Example::
 
-    cal = measure_fused_calibration(threads=2)              # ~25 s (online.plan_measure: it times engines)
+    cal = measure_fused_calibration(threads=2)              # ~40 s (online.plan_measure: it times engines)
     cal.reads_seconds(n_layers, reads, fractions=shares, passes=passes)  # reads, shares, passes: placement.step_reads
+    cal.residency_at(97e6)                                    # the cache's speedup for a 97 MB step
     cal.step_seconds("int4", n_layers=16, read_bytes=600e6)
     calibrated_plan_tokens_per_s(plan, cal)                   # cpu-only plans, nominal bytes
 """
@@ -33,7 +38,7 @@ import numpy as np
 from tandem.core.artifacts import atomic_write_json
 from tandem.core.errors import TandemError
 
-from .step_reads import ACCESSES
+from .step_reads import ACCESSES, WHOLE_ACCESSES
 
 FORMATS = ("int4", "int8")
 FALLBACK = {"pair": ("gather",), "rows": ("dense",), "dense_gu": ("dense",), "rows_gu": ("rows", "dense")}
@@ -41,6 +46,7 @@ FALLBACK = {"pair": ("gather",), "rows": ("dense",), "dense_gu": ("dense",), "ro
 SIZES = ((2, 256, 1024), (10, 256, 1024), (2, 1536, 6144))
 # tiny layers (hidden 64, FFN 128: ~25 KB of weights each) whose time is the step's fixed costs
 FIXED_SIZES = ((2, 64, 128), (18, 64, 128))
+RESIDENT_ACCESSES = WHOLE_ACCESSES + ("attend",)  # read again every token: the cache keeps what fits
 
 
 @dataclass(frozen=True)
@@ -85,10 +91,32 @@ class FusedCalibration:
     description: str = ""
     rates: tuple[KindRate, ...] = ()  # per packed format and access (empty in files written before them)
     pass_s: float = 0.0  # seconds per matrix pass beyond its bytes (0 in files written before it)
+    residency: tuple = ()  # ((working set bytes, speedup), ...) ascending (empty in files written before it: 1.0)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.pass_s, (int, float)) and 0.0 <= self.pass_s < 1.0):
             raise TandemError(f"invalid fused-step calibration: pass cost {self.pass_s!r} s")
+        pairs = all(isinstance(p, (tuple, list)) and len(p) == 2 for p in self.residency)
+        sizes = [p[0] for p in self.residency] if pairs else None
+        if sizes is None or sizes != sorted(set(sizes)) or not all(
+                isinstance(b, (int, float)) and b > 0 and isinstance(v, (int, float)) and 0.2 < v < 50
+                for b, v in self.residency):
+            raise TandemError(f"invalid fused-step calibration: residency {self.residency!r} "
+                              "(want ascending (working set bytes, speedup) pairs)")
+
+    def residency_at(self, working_set_bytes: float) -> float:
+        """The cache's speedup on reads repeated every token over ``working_set_bytes``: the measured pairs
+        interpolated linearly in log bytes, the end values beyond them, never below 1 (1.0 without pairs)."""
+        pts = self.residency
+        if not pts or not working_set_bytes > 0:
+            return 1.0
+        if working_set_bytes <= pts[0][0]:
+            return max(1.0, pts[0][1])
+        if working_set_bytes >= pts[-1][0]:
+            return max(1.0, pts[-1][1])
+        (b0, v0), (b1, v1) = next((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= working_set_bytes <= b[0])
+        w = (np.log(working_set_bytes) - np.log(b0)) / (np.log(b1) - np.log(b0))
+        return max(1.0, float(v0 + w * (v1 - v0)))
 
     def term(self, weight_format: str) -> FusedTerms:
         for t in self.terms:
@@ -128,18 +156,21 @@ class FusedCalibration:
                           f"(have {', '.join(sorted({r.kind for r in self.rates})) or 'none'}; rerun `tandem probe --fused`)")
 
     def reads_seconds(self, n_layers: int, reads: dict, fixed: bool = True, fractions: dict | None = None,
-                      passes: int = 0) -> float:
+                      passes: int = 0, working_set_bytes: float | None = None) -> float:
         """Modeled seconds per token: the fixed costs (the int4 term's call_s and layer_s, and ``passes``
         matrix passes at pass_s; ``fixed`` False: none) plus each (format, access)'s bytes at its measured
         share of the read bandwidth (placement.step_reads), at the row fraction ``fractions`` gives it
-        (step_reads.read_fractions)."""
+        (step_reads.read_fractions); the resident accesses' at the cache's speedup (residency_at) over
+        ``working_set_bytes`` (None: the step's bytes per token, the sum of ``reads``)."""
         seconds = 0.0
         if fixed:
             term = self.term("int4")
             seconds = term.call_s + n_layers * term.layer_s + passes * self.pass_s
+        resident = self.residency_at(sum(reads.values()) if working_set_bytes is None else working_set_bytes)
         for (kind, access), nbytes in reads.items():
             f = (fractions or {}).get((kind, access))
-            seconds += nbytes / (self.rate(kind, access, f).share * self.read_bandwidth_bytes_per_s)
+            speed = self.rate(kind, access, f).share * self.read_bandwidth_bytes_per_s
+            seconds += nbytes / (speed * (resident if access in RESIDENT_ACCESSES else 1.0))
         return seconds
 
     def to_dict(self) -> dict:
@@ -152,7 +183,8 @@ class FusedCalibration:
             rates = tuple(KindRate(**r) for r in d.get("rates", ()))
             return cls(threads=int(d["threads"]), read_bandwidth_bytes_per_s=float(d["read_bandwidth_bytes_per_s"]),
                        terms=terms, description=str(d.get("description", "")), rates=rates,
-                       pass_s=float(d.get("pass_s", 0.0)))
+                       pass_s=float(d.get("pass_s", 0.0)),
+                       residency=tuple((int(b), float(v)) for b, v in d.get("residency", ())))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise TandemError(f"invalid fused-step calibration: {e}") from None
 
@@ -198,7 +230,8 @@ def fit_fixed_terms(fmt: str, samples: list, byte_seconds: list, share: float) -
 def best_of(cals: list[FusedCalibration]) -> FusedCalibration:
     """One calibration from several taken under contention (which only ever slows a measurement): each
     (format, access) at its fastest round, the read bandwidth at its highest, the fixed costs (pass cost
-    included) at their smallest."""
+    included) at their smallest; the cache's speedup (a ratio of two reads, not a rate) at its median per
+    working set."""
     if not cals:
         raise TandemError("best_of needs at least one calibration")
     bandwidth = max(c.read_bandwidth_bytes_per_s for c in cals)
@@ -214,8 +247,13 @@ def best_of(cals: list[FusedCalibration]) -> FusedCalibration:
         same = [c.term(t.weight_format) for c in cals]
         terms.append(FusedTerms(t.weight_format, min(x.call_s for x in same), min(x.layer_s for x in same),
                                 max(x.bandwidth_share for x in same)))
+    by_size: dict = {}
+    for c in cals:
+        for size, speedup in c.residency:
+            by_size.setdefault(size, []).append(speedup)
+    residency = tuple((size, float(np.median(v))) for size, v in sorted(by_size.items()))
     return FusedCalibration(cals[0].threads, bandwidth, tuple(terms), f"best of {len(cals)} calibrations", rates,
-                            pass_s=min(c.pass_s for c in cals))
+                            pass_s=min(c.pass_s for c in cals), residency=residency)
 
 
 def calibrated_plan_tokens_per_s(plan, cal: FusedCalibration, weight_format: str = "int4") -> float | None:

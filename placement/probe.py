@@ -13,6 +13,7 @@ import os
 import statistics
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -40,6 +41,30 @@ def _median_seconds(run: Callable[[], None], sync: Callable[[], None] = lambda: 
         if time.perf_counter() > deadline:
             break
     return statistics.median(times)
+
+
+CACHE_INFO = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_level_cache_bytes(default: int = 32 * 2**20, root: Path = CACHE_INFO) -> int:
+    """The largest CPU cache the kernel reports (sysfs: the last level's ``size``; a VM's nominal figure, of
+    which it may get only part), or ``default`` where none is reported.
+
+    Example::
+
+        last_level_cache_bytes()     # 314572800 on the Intel VM (L3 "307200K")
+    """
+    best = 0
+    for index in Path(root).glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in "KMG" else text
+        if digits.isdigit():
+            best = max(best, int(digits) * unit)
+    return best or default
 
 
 def measure_read_bandwidth(device: str = "cpu", num_bytes: int = CPU_BUFFER_BYTES) -> float:

@@ -1,7 +1,11 @@
 """Tandem's engine: prefill and decode timings, repeated runs in one process; with ``--calibration`` (a
-`tandem probe --fused` file) also the cost model's tok/s for the fused step the engine built, one per timed run
-at the read bandwidth sampled just before it (placement.step_reads: the step's packed tensors at the row shares
-of the plan's profile; every row without a plan)."""
+`tandem probe --fused` file) also the cost model's tok/s for the fused step the engine built (placement.step_reads:
+the step's packed tensors at the row shares of the plan's profile; every row without a plan), one per timed run
+at the host's state sampled just before it by the step's dense kernel (online.residency_probe: a Q4_1 pass over
+the step's bytes per token after an eviction gives the read bandwidth, its rate over the calibration's Q4_1 dense
+share; the next pass over the same bytes, the cache's speedup). The torch-sum bandwidth is recorded beside it:
+on the Intel VM the step's decode rate followed the kernel's pass (correlation 0.65-0.89 over 30 runs) more
+than torch's sum (0.44-0.73), and modeled / measured varied less with it (CV 0.05-0.06 against 0.07-0.08)."""
 from __future__ import annotations
 
 import time
@@ -28,11 +32,16 @@ def main() -> None:
     load_s = time.perf_counter() - t0
     prompt_ids = engine.tokenizer.encode(BENCH_PROMPT)
     engine.generate(prompt_ids, max_new_tokens=8, ignore_eos=True)  # warm-up
-    prefill, decode, bandwidths = [], [], []
+    terms = step_terms(engine, args, len(prompt_ids)) if args.calibration else None
+    residency_probe = None
+    if terms is not None:
+        from online.residency_probe import RESIDENCY_SIZES, ResidencyProbe
+        residency_probe = ResidencyProbe(args.threads, min(terms[-1], RESIDENCY_SIZES[-1]))
+    prefill, decode, samples = [], [], []
     for _ in range(args.runs):
-        if args.calibration:
+        if terms is not None:
             with torch_threads(args.threads):
-                bandwidths.append(measure_read_bandwidth("cpu"))
+                samples.append((measure_read_bandwidth("cpu"), *host_state(residency_probe, terms[-1])))
         out = engine.generate(prompt_ids, max_new_tokens=args.decode_tokens, ignore_eos=True)
         prefill.append(out.stats["prefill_tokens_per_s"])
         decode.append(out.stats["decode_tokens_per_s"])
@@ -40,14 +49,12 @@ def main() -> None:
           "decode_tokens": args.decode_tokens, "prefill_tok_s": prefill, "decode_tok_s": decode,
           "load_s": round(load_s, 2), "weight_bytes_per_token": engine.weight_bytes_per_token,
           "bytes_moved_per_token": out.stats.get("bytes_moved_per_token", 0), "decode_path": engine.decode_path,
-          **(modeled(engine, args, len(prompt_ids), bandwidths) if args.calibration else {})})
+          **(modeled(engine, args, terms, samples) if terms is not None else {})})
 
 
-def modeled(engine, args, prompt_tokens: int, bandwidths: list[float]) -> dict:
-    """{"modeled_tok_s": [the calibration's terms applied to the fused step's reads at each of ``bandwidths``],
-    "read_bandwidth_samples": bandwidths} (empty for another decode path, or a read the calibration did not time)."""
-    from dataclasses import replace
-
+def step_terms(engine, args, prompt_tokens: int) -> tuple | None:
+    """(calibration, reads, shares, passes, bytes per token) of the fused step the engine built (None for
+    another decode path, or a read the calibration did not time)."""
     from online.step_inventory import step_units
     from placement.fused_calibration import load_calibration
     from placement.plan_check import plan_fractions
@@ -55,18 +62,48 @@ def modeled(engine, args, prompt_tokens: int, bandwidths: list[float]) -> dict:
     from tandem.core.errors import TandemError
 
     if engine.decode_path != "fused":
-        return {}
+        return None
     cal = load_calibration(args.calibration)
     cfg, units = engine.config, step_units(engine.compiled_decode, engine.config)
     fractions, relu = plan_fractions(args.plan, cfg) if args.plan and not args.no_sparse else (None, False)
     context = prompt_tokens + (args.decode_tokens + 1) / 2  # keys a decode step attends to, on average
     reads, shares, passes = step_read_terms(units, fractions, relu, cfg, context, engine.kv_cache_type)
     try:
-        rates = [1.0 / replace(cal, read_bandwidth_bytes_per_s=b).reads_seconds(cfg.num_layers, reads, fractions=shares,
-                                                                              passes=passes) for b in bandwidths]
+        cal.reads_seconds(cfg.num_layers, reads, fractions=shares, passes=passes)
+        cal.rate("q4_1", "dense")  # the host-state sample's kernel
     except TandemError:
-        return {}
-    return {"modeled_tok_s": rates, "read_bandwidth_samples": bandwidths}
+        return None
+    return cal, reads, shares, passes, float(sum(reads.values()))
+
+
+def host_state(probe, step_bytes: float, pairs: int = 5) -> tuple[float, float]:
+    """(bytes per second of the Q4_1 dense kernel over ``step_bytes`` after an eviction, the cache's speedup on
+    them): medians of ``pairs`` evicted / warm pass pairs (online.residency_probe)."""
+    import statistics
+
+    times = [probe.timed_pair(step_bytes) for _ in range(pairs)]
+    evicted, warm = statistics.median(e for e, _ in times), statistics.median(w for _, w in times)
+    return probe.pass_bytes(step_bytes) / evicted, evicted / warm
+
+
+def modeled(engine, args, terms: tuple, samples: list[tuple[float, float, float]]) -> dict:
+    """{"modeled_tok_s": [the calibration's terms applied to the fused step's reads at each run's sampled host
+    state: the read bandwidth the Q4_1 kernel's pass implies (its rate / the calibration's Q4_1 dense share) and
+    the cache's speedup on the step's bytes per token], "modeled_tok_s_torch_bandwidth": [the same at the
+    torch-sum bandwidth], "read_bandwidth_samples" (torch sum), "kernel_read_samples", "residency_samples"}."""
+    from dataclasses import replace
+
+    cal, reads, shares, passes, step_bytes = terms
+    q4_share = cal.rate("q4_1", "dense").share
+
+    def tok_s(bandwidth: float, speedup: float) -> float:
+        at = replace(cal, read_bandwidth_bytes_per_s=bandwidth, residency=((int(step_bytes), speedup),))
+        return 1.0 / at.reads_seconds(engine.config.num_layers, reads, fractions=shares, passes=passes)
+
+    return {"modeled_tok_s": [tok_s(k / q4_share, r) for _, k, r in samples],
+            "modeled_tok_s_torch_bandwidth": [tok_s(b, r) for b, _, r in samples],
+            "read_bandwidth_samples": [b for b, _, _ in samples], "kernel_read_samples": [k for _, k, _ in samples],
+            "residency_samples": [round(r, 4) for _, _, r in samples]}
 
 
 if __name__ == "__main__":
