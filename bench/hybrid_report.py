@@ -82,11 +82,10 @@ def run_hybrid(args, tandem_cmd: list[str], peers: list[dict], run_system, run_r
              f"{args.decode_tokens} decoded tokens after the ~200-token prompt. Measured side by side in one run.",
              "- Modeled: the cost model (`tandem probe --fused` run just before, its per-format rates and fixed costs) "
              "applied to the reads of the fused step each row built, at the host's state sampled before each timed "
-             "run by the step's dense kernel (`online.residency_probe`: a Q4_1 pass over the step's bytes per token "
-             "after an eviction gives the read bandwidth, its rate over the probe's Q4_1 dense share; the next pass "
-             "over the same bytes, the last-level cache's speedup, which divides the reads repeated every token); "
-             "in brackets the median over runs of modeled / measured (issue 13's goal: 0.75-1.25) and of that "
-             "speedup. The measured "
+             "run: torch's read bandwidth and the last-level cache's speedup on the step's bytes per token "
+             "(`online.residency_probe`: the dense Q4_1 kernel over that many bytes right after another pass, "
+             "against a pass after an eviction; it divides the reads repeated every token); in brackets the median "
+             "over runs of modeled / measured (issue 13's goal: 0.75-1.25) and of that speedup. The measured "
              "rate includes `generate`'s own work per token (sampling, detokenizing), which the model leaves out.",
              "",
              "| system | decode path | decode tok/s | modeled tok/s (modeled / measured) | prefill tok/s "

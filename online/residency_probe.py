@@ -2,9 +2,9 @@
 
 A decode step reads the same weights every token. Where they fit the part of the last-level cache this
 process gets, some of each token's reads come from that cache and not from memory. The probe's rates
-(online.kind_probe) are timed after an eviction, so they price every byte at memory speed: on the Intel VM
-of 2026-11-29 (300 MB L3 nominal) SmolLM2's 97 MB step outran them by 1.1-1.45x, and `make bench` modeled
-its int4 rows at 0.70-0.80 of measured, while models past the cache (llama-1b, ~600 MB) fitted within 10%.
+(online.kind_probe) are timed after an eviction, so they price every byte at memory speed. On the Intel VM
+of 2026-11-29 (300 MB L3 nominal) a SmolLM2 int4 step (97 MB) ran 1.08-1.19x faster right after another step
+than after an eviction; smaller working sets gain more (below).
 
 ``speedup(W)`` = seconds of a pass over W bytes after an eviction / seconds of the same pass right after
 another over them: the probe's dense Q4_1 kernel over the eight-row interleaved copy the step streams, the

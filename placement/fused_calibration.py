@@ -14,9 +14,9 @@ times the step's passes per token (step_reads.modeled_passes); share: the row ke
 format and access pattern (dense / gather / axpy, at 10 / 40 / 100% of the rows) over the probe's read
 bandwidth). The bytes are the step's own packed tensors at the plan's row shares (placement.step_reads).
 The reads a step repeats every token (whole matrices, the KV cache: RESIDENT_ACCESSES) are divided by the
-cache's speedup at the step's bytes per token (``residency``: online.residency_probe, ~1.1-1.3x for
-SmolLM2's 97 MB on a host whose process gets ~100 MB of last-level cache, 1.0 past it); gathered and added
-rows change between tokens and are priced from memory.
+cache's speedup at the step's bytes per token (``residency``: online.residency_probe; on the Intel VM ~2x up
+to 16 MB, 1.3-1.4x at 64 MB, 1.0-1.15x at SmolLM2's ~100 MB, 1.0 from 128 MB); gathered and added rows change
+between tokens and are priced from memory.
 ``step_seconds`` keeps the earlier form: nominal bytes at one share per weight format.
 
 Example::
