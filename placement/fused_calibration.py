@@ -106,8 +106,10 @@ class FusedCalibration:
 
     def residency_at(self, working_set_bytes: float) -> float:
         """The cache's speedup on reads repeated every token over ``working_set_bytes``: the measured pairs
-        interpolated linearly in log bytes, the end values beyond them, never below 1 (1.0 without pairs)."""
-        pts = self.residency
+        made non-increasing in size (monotone_speedups: a larger working set cannot find more of itself in the
+        cache; a noisy pair must not raise a larger one), interpolated linearly in log bytes, the end values
+        beyond them, never below 1 (1.0 without pairs)."""
+        pts = tuple(zip((b for b, _ in self.residency), monotone_speedups([v for _, v in self.residency])))
         if not pts or not working_set_bytes > 0:
             return 1.0
         if working_set_bytes <= pts[0][0]:
@@ -187,6 +189,23 @@ class FusedCalibration:
                        residency=tuple((int(b), float(v)) for b, v in d.get("residency", ())))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise TandemError(f"invalid fused-step calibration: {e}") from None
+
+
+def monotone_speedups(values: list[float]) -> list[float]:
+    """The non-increasing sequence closest to ``values`` in least squares (pool adjacent violators: each run of
+    values that rises is replaced by its mean until none does).
+
+    Example::
+
+        monotone_speedups([2.2, 0.9, 1.5, 1.8, 1.0, 1.1])   # [2.2, 1.4, 1.4, 1.4, 1.05, 1.05]
+    """
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(n)]
 
 
 def save_calibration(cal: FusedCalibration, path: str | Path) -> Path:

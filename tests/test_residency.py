@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from placement.fused_calibration import FusedCalibration, FusedTerms, KindRate, best_of, load_calibration, save_calibration
+from placement.fused_calibration import (FusedCalibration, FusedTerms, KindRate, best_of, load_calibration,
+                                         monotone_speedups, save_calibration)
 from placement.probe import last_level_cache_bytes
 from tandem.core.errors import TandemError
 
@@ -28,6 +29,19 @@ def test_speedup_interpolates_in_log_bytes_and_never_slows(size):
     want = max(1.0, float(np.interp(np.log(size), xs, [v for _, v in TABLE])))  # numpy clamps at the ends too
     assert _cal().residency_at(size) == pytest.approx(want)
     assert _cal(()).residency_at(size) == 1.0  # a calibration from before the term: no speedup
+
+
+def test_speedups_are_made_non_increasing_as_isotonic_regression_does():
+    from sklearn.isotonic import IsotonicRegression
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        values = list(rng.uniform(0.8, 2.5, size=int(rng.integers(1, 9))))
+        want = IsotonicRegression(increasing=False).fit_transform(np.arange(len(values)), values)
+        assert monotone_speedups(values) == pytest.approx(list(want))
+    noisy = _cal(((8 * MB, 2.2), (16 * MB, 0.9), (32 * MB, 1.5), (64 * MB, 1.8), (128 * MB, 1.0), (256 * MB, 1.1)))
+    assert noisy.residency_at(32 * MB) == pytest.approx(1.4)  # the dip at 16 MB pooled with the rise after it
+    assert noisy.residency_at(512 * MB) == pytest.approx(1.05)
 
 
 def test_only_reads_repeated_every_token_are_divided():
