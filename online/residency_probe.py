@@ -3,7 +3,7 @@
 A decode step reads the same weights every token. Where they fit the part of the last-level cache this
 process gets, some of each token's reads come from that cache and not from memory. The probe's rates
 (online.kind_probe) are timed after an eviction, so they price every byte at memory speed. On the Intel VM
-of 2026-11-29 (300 MB L3 nominal) a SmolLM2 int4 step (97 MB) ran 1.08-1.19x faster right after another step
+of 2026-11-29 (300 MB L3 nominal) a SmolLM2 int4 step (97 MB) ran 1.09-1.19x faster right after another step
 than after an eviction; smaller working sets gain more (below).
 
 ``speedup(W)`` = seconds of a pass over W bytes after an eviction / seconds of the same pass right after
