@@ -113,13 +113,14 @@ def best_token_s(p: dict, tokens: int, mode: str):
 def interleaved_ratio(p: dict, reads: dict, shares: dict, passes: int, cal, threads: int,
                       pairs: int) -> tuple[float, float, float]:
     """Modeled / measured tok/s from ``pairs`` back-to-back pairs, contention hitting both alike: A = the
-    modeled token (one probe pass per format and access the mode reads, scaled to its bytes, plus the
-    fixed costs of ``cal`` and its ``passes`` matrix passes), B = one decode step. (median, min, max) of
-    step seconds / modeled seconds."""
+    modeled token (one probe pass per format and access the mode reads, scaled to its bytes, the reads repeated
+    every token over the cache's speedup at the mode's bytes per token, plus the fixed costs of ``cal`` and its
+    ``passes`` matrix passes), B = one decode step. (median, min, max) of step seconds / modeled seconds."""
     import numpy as np
 
     from online.kernels.native import load_native
     from online.kind_probe import plan_for, read_pass
+    from placement.fused_calibration import RESIDENT_ACCESSES
 
     lib, rng, total = load_native().lib, np.random.default_rng(1), sum(reads.values())
     probes = []
@@ -129,7 +130,8 @@ def interleaved_ratio(p: dict, reads: dict, shares: dict, passes: int, cal, thre
         fmt, acc = plan_for([(kind, access)])[0]
         one = read_pass(lib, fmt, acc, threads, rng, share=shares[(kind, access)], picks=4)  # as the probe times it
         one()  # warm-up
-        probes.append((one, nbytes / one.nbytes))
+        resident = cal.residency_at(total) if access in RESIDENT_ACCESSES else 1.0
+        probes.append((one, nbytes / one.nbytes / resident))
     n_layers = p["engine"].config.num_layers
     term = cal.term("int4")
     fixed = term.call_s + n_layers * term.layer_s + passes * cal.pass_s

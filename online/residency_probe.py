@@ -10,14 +10,15 @@ than after an eviction; smaller working sets gain more (below).
 another over them: the probe's dense Q4_1 kernel over the eight-row interleaved copy the step streams, the
 median of PAIRS interleaved pairs of each (the host drifts by more than the effect between separate runs).
 Measured there (prefixes of one matrix, evicted by a read of the cache's size plus 96 MB: kind_probe): ~2x up
-to 16 MB, 1.6-1.8x at 32 MB, 1.3-1.4x at 64 MB, ~1.03x at 128 MB; up to 1.5x at 96 MB in the host's fast state. The cost model (placement.fused_calibration) divides the reads a step repeats every token
-(whole matrices, the KV cache) by the speedup at the step's bytes per token.
+to 16 MB, 1.6-1.8x at 32 MB, 1.2-1.4x at 64 MB, 1.0-1.15x at ~100 MB (once 1.4x), ~1.0x from 128 MB. The cost
+model (placement.fused_calibration) divides the reads a step repeats every token (whole matrices, the KV cache)
+by the speedup at the step's bytes per token.
 
 Example::
 
     probe = ResidencyProbe(threads=2, max_bytes=128 * 2**20)   # ~1 s: packs a random Q4_1 matrix
-    probe.speedup(97e6)                                        # ~1.1-1.3 here
-    measure_residency(threads=2)                               # ((8 MiB, s), ..., (256 MiB, s)) for a calibration
+    probe.speedup(97e6)                                        # ~1.0-1.2 here
+    measure_residency(threads=2)                               # ((8 MiB, s), ..., (256 MiB, s))
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ class ResidencyProbe:
 
     def speedup(self, working_set_bytes: float, pairs: int = PAIRS) -> float:
         """Evicted pass seconds / warm pass seconds over ``working_set_bytes`` (the matrix's size where larger:
-        the speedup only falls with the working set, and is ~1 past the cache)."""
+        the speedup only falls with the working set, and is ~1 past the cache, so a step of more bytes than the
+        matrix is given the matrix's speedup)."""
         pair_times = [self.timed_pair(working_set_bytes) for _ in range(pairs)]
         return statistics.median(e for e, _ in pair_times) / statistics.median(w for _, w in pair_times)
 
@@ -97,6 +99,8 @@ def measure_residency(threads: int, sizes: tuple[int, ...] = RESIDENCY_SIZES,
                       pairs: int = PAIRS) -> tuple[tuple[int, float], ...]:
     """((working set bytes, speedup), ...) at ``sizes`` (~5 s for the default ones, most of it packing), the
     sizes' pairs taken in turn (a burst of contention then slows every size's pair alike)."""
+    if not sizes or pairs < 1:
+        raise TandemError(f"measure_residency needs sizes and pairs >= 1, got {sizes!r}, {pairs!r}")
     probe = ResidencyProbe(threads, max(sizes))
     times: dict = {s: [] for s in sorted(sizes)}
     for _ in range(pairs):

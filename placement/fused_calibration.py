@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -96,13 +97,14 @@ class FusedCalibration:
     def __post_init__(self) -> None:
         if not (isinstance(self.pass_s, (int, float)) and 0.0 <= self.pass_s < 1.0):
             raise TandemError(f"invalid fused-step calibration: pass cost {self.pass_s!r} s")
-        pairs = all(isinstance(p, (tuple, list)) and len(p) == 2 for p in self.residency)
-        sizes = [p[0] for p in self.residency] if pairs else None
-        if sizes is None or sizes != sorted(set(sizes)) or not all(
-                isinstance(b, (int, float)) and b > 0 and isinstance(v, (int, float)) and 0.2 < v < 50
-                for b, v in self.residency):
+        pairs = isinstance(self.residency, (tuple, list)) and all(
+            isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(x, (int, float)) for x in p)
+            for p in self.residency)
+        if not pairs or not all(0 < b < 2**62 and 0.2 < v < 50 for b, v in self.residency) or \
+                [b for b, _ in self.residency] != sorted({b for b, _ in self.residency}):
             raise TandemError(f"invalid fused-step calibration: residency {self.residency!r} "
                               "(want ascending (working set bytes, speedup) pairs)")
+        object.__setattr__(self, "residency", tuple((b, v) for b, v in self.residency))  # hashable, round-trips
 
     def residency_at(self, working_set_bytes: float) -> float:
         """The cache's speedup on reads repeated every token over ``working_set_bytes``: the measured pairs
@@ -117,7 +119,7 @@ class FusedCalibration:
         if working_set_bytes >= pts[-1][0]:
             return max(1.0, pts[-1][1])
         (b0, v0), (b1, v1) = next((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= working_set_bytes <= b[0])
-        w = (np.log(working_set_bytes) - np.log(b0)) / (np.log(b1) - np.log(b0))
+        w = (math.log(working_set_bytes) - math.log(b0)) / (math.log(b1) - math.log(b0))
         return max(1.0, float(v0 + w * (v1 - v0)))
 
     def term(self, weight_format: str) -> FusedTerms:
@@ -187,7 +189,7 @@ class FusedCalibration:
                        terms=terms, description=str(d.get("description", "")), rates=rates,
                        pass_s=float(d.get("pass_s", 0.0)),
                        residency=tuple((int(b), float(v)) for b, v in d.get("residency", ())))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise TandemError(f"invalid fused-step calibration: {e}") from None
 
 

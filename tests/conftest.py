@@ -159,3 +159,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def small_eviction(monkeypatch):
+    """The probe's eviction (online.kind_probe: a read of the last-level cache's size plus 96 MB before each timed
+    pass, ~400 MB on the Intel VM) cut to 8 MB: tests time tiny passes, and only their plumbing."""
+    from online import kind_probe
+
+    monkeypatch.setattr(kind_probe, "evict_bytes", lambda: 8 * 2**20)
+    kind_probe._evict_buffer.cache_clear()
+    yield
+    kind_probe._evict_buffer.cache_clear()

@@ -16,19 +16,8 @@ from placement.step_reads import LayerFractions, StepUnit, bytes_by_kind, layer_
 from tandem.core.errors import TandemError
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_K", "Q6_K"]
+pytestmark = pytest.mark.usefixtures("small_eviction")  # the probe passes here are tiny (tests/conftest.py)
 D, N_FF, VOCAB = 256, 512, 64
-
-
-@pytest.fixture(autouse=True)
-def small_eviction(monkeypatch):
-    """The probe's passes here are tiny; a read of the last-level cache's size before each (~400 MB on the
-    Intel VM) would only cost time."""
-    from online import kind_probe
-
-    monkeypatch.setattr(kind_probe, "evict_bytes", lambda: 8 * 2**20)
-    kind_probe._evict_buffer.cache_clear()
-    yield
-    kind_probe._evict_buffer.cache_clear()
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,8 @@ def modeled(engine, args, terms: tuple, samples: list[tuple[float, float, float]
     q4_share = cal.rate("q4_1", "dense").share
 
     def tok_s(bandwidth: float, speedup: float) -> float:
-        at = replace(cal, read_bandwidth_bytes_per_s=bandwidth, residency=((int(step_bytes), speedup),))
+        table = ((max(1, int(step_bytes)), min(max(speedup, 1.0), 49.0)),)  # the model clamps it at 1 anyway
+        at = replace(cal, read_bandwidth_bytes_per_s=bandwidth, residency=table)
         return 1.0 / at.reads_seconds(engine.config.num_layers, reads, fractions=shares, passes=passes)
 
     return {"modeled_tok_s": [tok_s(b, r) for b, _, r in samples],
