@@ -73,9 +73,10 @@ class ResidencyProbe:
         """Evicted pass seconds / warm pass seconds over ``working_set_bytes`` (the matrix's size where larger:
         the speedup only falls with the working set, and is ~1 past the cache, so a step of more bytes than the
         matrix is given the matrix's speedup)."""
+        if pairs < 1:
+            raise TandemError(f"speedup needs pairs >= 1, got {pairs!r}")
         pair_times = [self.timed_pair(working_set_bytes) for _ in range(pairs)]
         return statistics.median(e for e, _ in pair_times) / statistics.median(w for _, w in pair_times)
-
 
     def _rows(self, working_set_bytes: float) -> int:
         if not working_set_bytes > 0:
