@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 from tandem.core.errors import TandemError
 from tandem.core.config import ModelConfig
+from tandem.core.loading.detokenize import TextDecoder
 from tandem.core.sampling_params import DecodeOptions, SamplingParams, TokenChoice
 from tandem.core.step_loop import LoopTimings
 
@@ -294,9 +295,8 @@ class Engine(LazyModules, Scoring, KVCaches):
             events = self._events(cache, prompt_ids, params, eos_ids, timings, speculation, options)
         generated: list[int] = []
         choices: list[TokenChoice] = holder.setdefault("choices", [])
-        emitted = 0
-        text, finish = "", "length"
-        hold_back = max((len(s) for s in params.stop), default=1) - 1
+        decoder = TextDecoder(self.tokenizer, params.stop)
+        finish = "length"
         for event in events:
             if event.finish_reason == "stop":
                 finish = "stop"
@@ -305,26 +305,20 @@ class Engine(LazyModules, Scoring, KVCaches):
             choices.append(event.choice)
             if event.finish_reason == "length":
                 finish = "length"
-            if self.tokenizer is None:
-                continue
-            text = self.tokenizer.decode(generated)
-            cut = min((text.find(s) for s in params.stop if s in text), default=-1)
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
-                if cut > emitted:
-                    yield text[emitted:cut]
-                emitted = len(text)
+            piece, stopped = decoder.push(event.token_id)
+            if piece:
+                yield piece
+            if stopped:
+                finish = "stop"
                 break
-            safe = len(text) - hold_back
-            while safe > emitted and text[safe - 1] == "\ufffd":  # incomplete UTF-8 sequence
-                safe -= 1
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
         if timings.end_s == 0.0:
             timings.end_s = time.perf_counter()
-        if len(text) > emitted:
-            yield text[emitted:]
+        tail = decoder.flush()
+        if decoder.stopped:  # a stop string in the held-back tail
+            finish = "stop"
+        if tail:
+            yield tail
+        text = decoder.text
         stats = self._stats(prompt_ids, generated, timings, before, fast)
         if fast and spec is not None:
             from .speculative.config import SpecStats

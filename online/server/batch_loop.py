@@ -262,6 +262,8 @@ class BatchLoop:
     def _finish(self, seq: Sequence) -> None:
         seq.finished = True
         tail = seq.decoder.flush()
+        if seq.decoder.stopped:  # a stop string in the held-back tail
+            seq.finish_reason = "stop"
         if tail:
             self.on_piece(seq, tail)
         self.drop(seq)

@@ -1,4 +1,4 @@
-"""One generated sequence (a request's choice) in the batching loop, and its incremental detokenizer.
+"""One generated sequence (a request's choice) in the batching loop, with its detokenizer (TextDecoder).
 
 Example::
 
@@ -14,43 +14,7 @@ from typing import Any
 
 import torch
 
-
-class TextDecoder:
-    """Text pieces of a growing token list with stop strings held back (as ``Engine.stream``)."""
-
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = stop
-        self.hold_back = max((len(s) for s in stop), default=1) - 1
-        self.generated: list[int] = []
-        self.text = ""
-        self.emitted = 0
-
-    def push(self, token_id: int) -> tuple[str, bool]:
-        """Add a token: (new text that is safe to show, whether a stop string ended the text)."""
-        self.generated.append(token_id)
-        if self.tokenizer is None:
-            return "", False
-        self.text = self.tokenizer.decode(self.generated)
-        cut = min((self.text.find(s) for s in self.stop if s in self.text), default=-1)
-        if cut >= 0:
-            self.text = self.text[:cut]
-            piece = self.text[self.emitted:] if cut > self.emitted else ""
-            self.emitted = len(self.text)
-            return piece, True
-        safe = len(self.text) - self.hold_back
-        while safe > self.emitted and self.text[safe - 1] == "\ufffd":  # incomplete UTF-8 sequence
-            safe -= 1
-        if safe > self.emitted:
-            piece, self.emitted = self.text[self.emitted:safe], safe
-            return piece, False
-        return "", False
-
-    def flush(self) -> str:
-        """The held-back tail at the end of the generation."""
-        piece = self.text[self.emitted:]
-        self.emitted = len(self.text)
-        return piece
+from tandem.core.loading.detokenize import TextDecoder
 
 
 @dataclass(eq=False)
