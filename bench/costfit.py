@@ -120,7 +120,6 @@ def interleaved_ratio(p: dict, reads: dict, shares: dict, passes: int, cal, thre
 
     from online.kernels.native import load_native
     from online.kind_probe import plan_for, read_pass
-    from placement.fused_calibration import RESIDENT_ACCESSES
 
     lib, rng, total = load_native().lib, np.random.default_rng(1), sum(reads.values())
     probes = []
@@ -130,8 +129,7 @@ def interleaved_ratio(p: dict, reads: dict, shares: dict, passes: int, cal, thre
         fmt, acc = plan_for([(kind, access)])[0]
         one = read_pass(lib, fmt, acc, threads, rng, share=shares[(kind, access)], picks=4)  # as the probe times it
         one()  # warm-up
-        resident = cal.residency_at(total) if access in RESIDENT_ACCESSES else 1.0
-        probes.append((one, nbytes / one.nbytes / resident))
+        probes.append((one, nbytes / one.nbytes / cal.access_speedup(access, total)))
     n_layers = p["engine"].config.num_layers
     term = cal.term("int4")
     fixed = term.call_s + n_layers * term.layer_s + passes * cal.pass_s

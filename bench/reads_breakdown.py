@@ -45,7 +45,7 @@ def main() -> None:
     from bench.prompt import BENCH_PROMPT
     from bench.systems.tandem_synthetic import counted_reads, run_mode
     from online import Engine
-    from placement.fused_calibration import RESIDENT_ACCESSES, load_calibration
+    from placement.fused_calibration import load_calibration
     from placement.probe import measure_read_bandwidth
 
     cal = load_calibration(args.calibration)
@@ -62,15 +62,15 @@ def main() -> None:
     reads, shares, passes = counted_reads(engine, step, args.mode, rec, context)
     at_run = replace(cal, read_bandwidth_bytes_per_s=bandwidth)
     measured_ms = 1e3 / statistics.median(rec["decode_tok_s"])
+    step_bytes = sum(reads.values())
     print(f"{base.name} {args.mode}: measured {measured_ms:.2f} ms/token; read bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"(calibration's {cal.read_bandwidth_bytes_per_s / 1e9:.1f}); cache speedup on the whole-matrix and KV reads "
-          f"{at_run.residency_at(sum(reads.values())):.2f}x")
+          f"{at_run.residency_at(step_bytes):.2f}x")
     print("| format | access | MB/token | row share | rate GB/s | modeled ms |")
     print("|---|---|---|---|---|---|")
-    resident = at_run.residency_at(sum(reads.values()))  # the cache's speedup on the reads repeated every token
     for (kind, access), nbytes in sorted(reads.items(), key=lambda kv: -kv[1]):
         rate = at_run.rate(kind, access, shares.get((kind, access))).share * bandwidth
-        rate *= resident if access in RESIDENT_ACCESSES else 1.0
+        rate *= at_run.access_speedup(access, step_bytes)
         print(f"| {kind} | {access} | {nbytes / 1e6:.1f} | {shares.get((kind, access), 1.0):.3f} | {rate / 1e9:.1f} "
               f"| {1e3 * nbytes / rate:.2f} |")
     layers = engine.config.num_layers

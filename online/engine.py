@@ -293,15 +293,14 @@ class Engine(LazyModules, Scoring, KVCaches):
             cache = self._kv_cache(len(prompt_ids) + params.max_new_tokens)
             before = self.executor.counters_snapshot()
             events = self._events(cache, prompt_ids, params, eos_ids, timings, speculation, options)
-        generated: list[int] = []
         choices: list[TokenChoice] = holder.setdefault("choices", [])
         decoder = TextDecoder(self.tokenizer, params.stop)
+        generated = decoder.generated  # the token ids, as the decoder receives them
         finish = "length"
         for event in events:
             if event.finish_reason == "stop":
                 finish = "stop"
                 break
-            generated.append(event.token_id)
             choices.append(event.choice)
             if event.finish_reason == "length":
                 finish = "length"

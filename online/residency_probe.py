@@ -73,10 +73,15 @@ class ResidencyProbe:
         """Evicted pass seconds / warm pass seconds over ``working_set_bytes`` (the matrix's size where larger:
         the speedup only falls with the working set, and is ~1 past the cache, so a step of more bytes than the
         matrix is given the matrix's speedup)."""
+        evicted, warm = self.median_pair(working_set_bytes, pairs)
+        return evicted / warm
+
+    def median_pair(self, working_set_bytes: float, pairs: int = PAIRS) -> tuple[float, float]:
+        """(median evicted seconds, median warm seconds) of ``pairs`` timed_pair calls over ``working_set_bytes``."""
         if pairs < 1:
-            raise TandemError(f"speedup needs pairs >= 1, got {pairs!r}")
-        pair_times = [self.timed_pair(working_set_bytes) for _ in range(pairs)]
-        return statistics.median(e for e, _ in pair_times) / statistics.median(w for _, w in pair_times)
+            raise TandemError(f"pairs must be >= 1, got {pairs!r}")
+        times = [self.timed_pair(working_set_bytes) for _ in range(pairs)]
+        return statistics.median(e for e, _ in times), statistics.median(w for _, w in times)
 
     def _rows(self, working_set_bytes: float) -> int:
         if not working_set_bytes > 0:

@@ -122,6 +122,11 @@ class FusedCalibration:
         w = (math.log(working_set_bytes) - math.log(b0)) / (math.log(b1) - math.log(b0))
         return max(1.0, float(v0 + w * (v1 - v0)))
 
+    def access_speedup(self, access: str, working_set_bytes: float) -> float:
+        """The cache's speedup on reads of ``access`` in a step of ``working_set_bytes`` per token:
+        residency_at for the accesses repeated every token (RESIDENT_ACCESSES), 1.0 for the others."""
+        return self.residency_at(working_set_bytes) if access in RESIDENT_ACCESSES else 1.0
+
     def term(self, weight_format: str) -> FusedTerms:
         for t in self.terms:
             if t.weight_format == weight_format:
@@ -170,11 +175,11 @@ class FusedCalibration:
         if fixed:
             term = self.term("int4")
             seconds = term.call_s + n_layers * term.layer_s + passes * self.pass_s
-        resident = self.residency_at(sum(reads.values()) if working_set_bytes is None else working_set_bytes)
+        working_set = sum(reads.values()) if working_set_bytes is None else working_set_bytes
         for (kind, access), nbytes in reads.items():
             f = (fractions or {}).get((kind, access))
             speed = self.rate(kind, access, f).share * self.read_bandwidth_bytes_per_s
-            seconds += nbytes / (speed * (resident if access in RESIDENT_ACCESSES else 1.0))
+            seconds += nbytes / (speed * self.access_speedup(access, working_set))
         return seconds
 
     def to_dict(self) -> dict:

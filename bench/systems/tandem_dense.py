@@ -81,10 +81,7 @@ def step_terms(engine, args, prompt_tokens: int) -> tuple | None:
 def host_state(probe, step_bytes: float, pairs: int = 5) -> tuple[float, float]:
     """(bytes per second of the Q4_1 dense kernel over ``step_bytes`` after an eviction, the cache's speedup on
     them): medians of ``pairs`` evicted / warm pass pairs (online.residency_probe)."""
-    import statistics
-
-    times = [probe.timed_pair(step_bytes) for _ in range(pairs)]
-    evicted, warm = statistics.median(e for e, _ in times), statistics.median(w for _, w in times)
+    evicted, warm = probe.median_pair(step_bytes, pairs)
     return probe.pass_bytes(step_bytes) / evicted, evicted / warm
 
 
