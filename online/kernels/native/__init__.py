@@ -36,7 +36,7 @@ SOURCES = ("decode.c", "rows.h", "blocks.h", "attention.h", "dequant.h", "predic
            "arch.h", "moe.h", "kquants.h", "blocks_dot.h", "axpy.h", "module.h", "fdot.h", "ffn.h",
            "batch_ffn.h", "kq_single.h", "blocks_multi.h", "blocks_x8.h", "blocks_x8_i8.h", "act_quant.h", "probe.h",
            "attend_parts.h", "blocks_amx.h", "attention_wide.h",
-           "attention_values.h")  # everything the build reads (the cache key)
+           "attention_values.h", "units.h")  # everything the build reads (the cache key)
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
               "-ffp-contract=off")  # a * b + c rounds twice everywhere: no call site differs by inlining
 HOST_FLAGS = ("-march=native",)

@@ -1,9 +1,11 @@
 /* The multi-token decode step: T tokens (several of one sequence, or of several sequences) through
  * the whole model in one OpenMP region, every weight row read once per step for all T tokens
  * (rows_multi.h). Token i's logits, KV rows and FFN counts are bit-identical to tdm_decode on a
- * contiguous cache holding its sequence: the same row blocks per thread, the same per-token
- * quantization, the same attention arithmetic (positions addressed through the token's block
- * table), the same down-row order per thread and the same cross-thread partial-sum order.
+ * contiguous cache holding its sequence: the same per-token quantization, the same arithmetic for
+ * every row whichever thread computes it (heads, attention, output rows and a dense down's slices are
+ * shared out with stealing: next_unit in decode.c), the same attention arithmetic (positions
+ * addressed through the token's block table), and where down rows are summed per thread, the same
+ * slices per thread, down-row order and cross-thread partial-sum order as the single step.
  *
  * KV: layer l's k_cache/v_cache are [n_kv, kv_rows, hd]; token i's position p is row
  * tables[i * table_stride + p / block_tokens] * block_tokens + p % block_tokens. Tokens of one
@@ -32,6 +34,7 @@ typedef struct {
     int32_t *rowmap;                     /* [T, span]: the KV row of each position of token i's sequence */
     int64_t *counts;                     /* [threads] */
     float *hfull;                        /* [T, n_ff] the dense down's inputs (zero between layers) */
+    int64_t *units;                      /* [n_layers * UNIT_PHASES + 1, threads, UNIT_STRIDE] phase counters */
 } batch_shared;
 
 typedef struct {
@@ -42,11 +45,13 @@ typedef struct {
     qvec *x;                      /* [T] */
 } batch_thread;
 
+static int64_t unit_bytes(const tdm_model *m) { return 8 * (m->n_layers * UNIT_PHASES + 1) * m->threads * UNIT_STRIDE; }
+
 static int64_t batch_shared_bytes(const tdm_model *m, int64_t T, int64_t span) {
     int64_t q = m->n_heads * m->head_dim, kv = m->n_kv * m->head_dim;
     return align64(4 * T * (q + 2 * kv)) + align64(4 * T * q) + align64(4 * T * m->d)
            + align64(4 * m->threads * T * m->d) + align64(4 * T * span) + align64(8 * m->threads)
-           + align64(4 * T * m->n_ff);
+           + align64(4 * T * m->n_ff) + align64(unit_bytes(m));
 }
 
 static int64_t batch_thread_bytes(const tdm_model *m, int64_t T, int64_t span) {
@@ -71,7 +76,8 @@ static batch_shared batch_get_shared(const tdm_model *m, int64_t T, int64_t span
     s.partial = (float *)p; p += align64(4 * m->threads * T * m->d);
     s.rowmap = (int32_t *)p; p += align64(4 * T * span);
     s.counts = (int64_t *)p; p += align64(8 * m->threads);
-    s.hfull = (float *)p;
+    s.hfull = (float *)p; p += align64(4 * T * m->n_ff);
+    s.units = (int64_t *)p;
     return s;
 }
 
@@ -109,12 +115,12 @@ static void batch_norm_quantize(const tdm_model *m, const float *x, const float 
 }
 
 static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_batch *B, batch_shared *sb,
-                            batch_thread *tb, int t, int nt) {
+                            batch_thread *tb, int64_t *units, int t, int nt) {
     int64_t T = B->n_tokens, hd = m->head_dim, qn = m->n_heads * hd, width = qn + 2 * m->n_kv * hd, lo, hi;
     int64_t n = max_in(m), span = B->span, half = m->kv_half != 0;
     for (int64_t i = 0; i < T; i++) batch_norm_quantize(m, tb->res + i * m->d, L->attn_norm, L->attn_norm_bias, tb->xn + i * n, tb->x + i);
-    chunk(m->n_heads + 2 * m->n_kv, t, nt, &lo, &hi);
-    for (int64_t u = lo; u < hi; u++) { /* q heads, then k heads, then v heads */
+    unit_queue heads = phase_units(units, 0, m->n_heads + 2 * m->n_kv, t, nt);
+    for (int64_t u; (u = next_unit(&heads)) >= 0;) { /* q heads, then k heads, then v heads */
         int64_t r0;
         const tdm_weight *w = qkv_unit(m, L, u, &r0);
         dot_rows_multi(w, r0, hd, tb->x, T, sb->qkv + u * hd, width);
@@ -131,13 +137,13 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
         }
     }
 #pragma omp barrier
-    int64_t rep = m->n_heads / m->n_kv, per = group_heads(m);
-    chunk(T * m->n_heads, t, nt, &lo, &hi);
-    for (int64_t e = lo, n_q; e < hi; e += n_q) { /* e = (KV group, token, head of the group): this thread's heads
-                                                   * of one group and token together, its rows read once */
-        int64_t j = e % rep, i = (e / rep) % T, g = e / (rep * T), h = g * rep + j, pos = B->pos[i];
-        int64_t end = e - j + rep < hi ? e - j + rep : hi;
-        n_q = end - e < per ? end - e : per;
+    int64_t rep = m->n_heads / m->n_kv, per = group_heads(m), parts = (rep + per - 1) / per;
+    unit_queue groups = phase_units(units, 1, m->n_kv * T * parts, t, nt);
+    for (int64_t e; (e = next_unit(&groups)) >= 0;) { /* e = (KV group, token, part of the
+                                                   * group's heads): those heads of one group and token together,
+                                                   * its rows read once */
+        int64_t c = e % parts, i = (e / parts) % T, g = e / (parts * T), h = g * rep + c * per, pos = B->pos[i];
+        int64_t n_q = rep - c * per < per ? rep - c * per : per;
         attend_group(kv_at(L->k_cache, g * B->kv_rows, hd, half), kv_at(L->v_cache, g * B->kv_rows, hd, half),
                      sb->rowmap + i * span, window_start(m, L, pos), pos, hd, (float)m->attn_scale,
                      sb->qkv + i * width + h * hd, n_q, sb->attn + i * qn + h * hd, tb->scores, span, half, tb->parts);
@@ -147,11 +153,14 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
         tb->x[i].f = sb->attn + i * qn;
         quantize_q8(sb->attn + i * qn, qn, tb->x + i, (float)m->residual_ratio);
     }
-    row_chunk(m->d, t, nt, &lo, &hi);
-    dot_rows_multi(&L->o, lo, hi - lo, tb->x, T, sb->delta + lo, m->d);
-    if (L->o_bias)
-        for (int64_t i = 0; i < T; i++)
-            for (int64_t r = lo; r < hi; r++) sb->delta[i * m->d + r] += L->o_bias[r];
+    unit_queue rows = phase_units(units, 2, (m->d + ROW_UNIT - 1) / ROW_UNIT, t, nt);
+    for (int64_t u; (u = next_unit(&rows)) >= 0;) {
+        lo = u * ROW_UNIT, hi = lo + ROW_UNIT < m->d ? lo + ROW_UNIT : m->d;
+        dot_rows_multi(&L->o, lo, hi - lo, tb->x, T, sb->delta + lo, m->d);
+        if (L->o_bias)
+            for (int64_t i = 0; i < T; i++)
+                for (int64_t r = lo; r < hi; r++) sb->delta[i * m->d + r] += L->o_bias[r];
+    }
 #pragma omp barrier
     for (int64_t i = 0; i < T; i++) add_output(m, L->attn_out_norm, tb->res + i * m->d, sb->delta + i * m->d, tb->xn);
 }
@@ -168,6 +177,7 @@ int64_t tdm_decode_batch(const tdm_model *m, const tdm_batch *B) {
     memset(sb.hfull, 0, 4 * (size_t)(T * m->n_ff));
     int64_t n_want = 0;
     for (int64_t i = 0; i < T; i++) n_want += B->want[i] != 0;
+    memset(sb.units, 0, (size_t)unit_bytes(m));
 #pragma omp parallel num_threads(nt)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -185,8 +195,9 @@ int64_t tdm_decode_batch(const tdm_model *m, const tdm_batch *B) {
         }
 #pragma omp barrier
         for (int64_t l = 0; l < m->n_layers; l++) {
-            batch_attention(m, &m->layers[l], B, &sb, &tb, t, n);
-            batch_ffn(m, &m->layers[l], B, &sb, &tb, t, n);
+            int64_t *units = sb.units + l * UNIT_PHASES * n * UNIT_STRIDE;
+            batch_attention(m, &m->layers[l], B, &sb, &tb, units, t, n);
+            batch_ffn(m, &m->layers[l], B, &sb, &tb, t, n, units);
         }
         if (n_want > 0) {
             int64_t w = 0, lo, hi;
@@ -195,9 +206,13 @@ int64_t tdm_decode_batch(const tdm_model *m, const tdm_batch *B) {
                     batch_norm_quantize(m, tb.res + i * d, m->final_norm, m->final_norm_bias, tb.xn + w * n_in, tb.x + w);
                     w++;
                 }
-            row_chunk(m->vocab, t, n, &lo, &hi);
-            dot_rows_multi(&m->head, lo, hi - lo, tb.x, n_want, B->logits + lo, m->vocab);
-            for (int64_t i = 0; i < n_want; i++) softcap(m, B->logits + i * m->vocab + lo, hi - lo);
+            unit_queue head = phase_units(sb.units + m->n_layers * UNIT_PHASES * n * UNIT_STRIDE, 0,
+                                          (m->vocab + HEAD_UNIT - 1) / HEAD_UNIT, t, n);
+            for (int64_t u; (u = next_unit(&head)) >= 0;) {
+                lo = u * HEAD_UNIT, hi = lo + HEAD_UNIT < m->vocab ? lo + HEAD_UNIT : m->vocab;
+                dot_rows_multi(&m->head, lo, hi - lo, tb.x, n_want, B->logits + lo, m->vocab);
+                for (int64_t i = 0; i < n_want; i++) softcap(m, B->logits + i * m->vocab + lo, hi - lo);
+            }
         }
     }
     int64_t total = 0;

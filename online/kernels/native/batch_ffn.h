@@ -20,7 +20,7 @@ static void batch_keep(batch_thread *tb, const tdm_model *m, int64_t i, const fl
 
 /* dense_down (decode.c) for T tokens: each token's quantized h as the single step's, the rows read once */
 static void batch_dense_down(const tdm_model *m, const tdm_layer *L, int64_t T, batch_shared *sb, batch_thread *tb,
-                             int t, int nt) {
+                             int t, int nt, int64_t *units) {
     int64_t d = m->d, F = m->n_ff, lo, hi;
     for (int64_t i = 0; i < T; i++) {
         for (int64_t j = 0; j < tb->n_act[i]; j++) sb->hfull[i * F + tb->idx[i * F + j]] = tb->h[i * F + j];
@@ -29,8 +29,11 @@ static void batch_dense_down(const tdm_model *m, const tdm_layer *L, int64_t T, 
 #pragma omp barrier
     for (int64_t i = 0; i < T; i++)
         quantize_q8(sb->hfull + i * F, L->n_ff > 0 ? L->n_ff : F, tb->x + i, (float)m->residual_ratio);
-    row_chunk(d, t, nt, &lo, &hi);
-    dot_rows_multi(&L->down, lo, hi - lo, tb->x, T, sb->delta + lo, d);
+    unit_queue rows = phase_units(units, 3, (d + ROW_UNIT - 1) / ROW_UNIT, t, nt);
+    for (int64_t u; (u = next_unit(&rows)) >= 0;) {
+        lo = u * ROW_UNIT, hi = lo + ROW_UNIT < d ? lo + ROW_UNIT : d;
+        dot_rows_multi(&L->down, lo, hi - lo, tb->x, T, sb->delta + lo, d);
+    }
 #pragma omp barrier
     for (int64_t i = 0; i < T; i++) {
         for (int64_t j = 0; j < tb->n_act[i]; j++) sb->hfull[i * F + tb->idx[i * F + j]] = 0.0f;
@@ -52,8 +55,24 @@ static void batch_moe(const tdm_model *m, const tdm_layer *L, const tdm_batch *B
     }
 }
 
+/* one slice of FFN_SLICE neurons from b0 for all T tokens: up (and gate) rows, activation, each token's kept h */
+static void batch_slice(const tdm_model *m, const tdm_layer *L, int64_t T, batch_thread *tb, int64_t b0, int64_t nf,
+                        float thr) {
+    int64_t n = b0 + FFN_SLICE < nf ? FFN_SLICE : nf - b0;
+    float g[T * FFN_SLICE], u[T * FFN_SLICE], h[FFN_SLICE];
+    dot_rows_multi(&L->up, b0, n, tb->x, T, u, FFN_SLICE);
+    if (L->up_bias)
+        for (int64_t i = 0; i < T; i++)
+            for (int64_t j = 0; j < n; j++) u[i * FFN_SLICE + j] += L->up_bias[b0 + j];
+    if (m->gated) dot_rows_multi(&L->gate, b0, n, tb->x, T, g, FFN_SLICE);
+    for (int64_t i = 0; i < T; i++) {
+        activate(m->act, (float)m->act_alpha, m->gated, g + i * FFN_SLICE, u + i * FFN_SLICE, h, n);
+        batch_keep(tb, m, i, h, NULL, b0, n, thr);
+    }
+}
+
 static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B, batch_shared *sb,
-                      batch_thread *tb, int t, int nt) {
+                      batch_thread *tb, int t, int nt, int64_t *units) {
     if (L->moe) {
         batch_moe(m, L, B, sb, tb, t, nt);
         return;
@@ -106,23 +125,19 @@ static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B
         batch_keep(tb, m, i, g, rows, 0, n, thr);
 #pragma omp barrier /* P->z is the next token's */
     }
-    int64_t s0, s1, step;
-    slice_range(nf, FFN_SLICE, thr < 0.0f, t, nt, &s0, &s1, &step); /* ffn_rows' slices */
-    for (int64_t b0 = s0; !(P || gate_cut) && b0 < s1; b0 += step) {
-        int64_t n = b0 + FFN_SLICE < nf ? FFN_SLICE : nf - b0;
-        float g[T * FFN_SLICE], u[T * FFN_SLICE], h[FFN_SLICE];
-        dot_rows_multi(&L->up, b0, n, tb->x, T, u, FFN_SLICE);
-        if (ub)
-            for (int64_t i = 0; i < T; i++)
-                for (int64_t j = 0; j < n; j++) u[i * FFN_SLICE + j] += ub[b0 + j];
-        if (m->gated) dot_rows_multi(&L->gate, b0, n, tb->x, T, g, FFN_SLICE);
-        for (int64_t i = 0; i < T; i++) {
-            activate(m->act, alpha, m->gated, g + i * FFN_SLICE, u + i * FFN_SLICE, h, n);
-            batch_keep(tb, m, i, h, NULL, b0, n, thr);
-        }
+    if (!(P || gate_cut) && L->down.data) { /* a dense down scatters each kept h to its neuron: which thread
+                                                   * computes a slice does not matter, so the slices go on demand */
+        unit_queue slices = phase_units(units, 4, (nf + FFN_UNIT - 1) / FFN_UNIT, t, nt);
+        for (int64_t u; (u = next_unit(&slices)) >= 0;)
+            for (int64_t b0 = u * FFN_UNIT; b0 < nf && b0 < (u + 1) * FFN_UNIT; b0 += FFN_SLICE)
+                batch_slice(m, L, T, tb, b0, nf, thr);
+    } else if (!(P || gate_cut)) { /* the down rows summed per thread below: ffn_rows' slices, as the single step */
+        int64_t s0, s1, step;
+        slice_range(nf, FFN_SLICE, thr < 0.0f, t, nt, &s0, &s1, &step);
+        for (int64_t b0 = s0; b0 < s1; b0 += step) batch_slice(m, L, T, tb, b0, nf, thr);
     }
     if (L->down.data) {
-        batch_dense_down(m, L, T, sb, tb, t, nt);
+        batch_dense_down(m, L, T, sb, tb, t, nt, units);
         return;
     }
     float *part = sb->partial + t * T * d; /* [T, d] this thread's down-projection sums */

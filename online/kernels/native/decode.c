@@ -64,6 +64,7 @@ static void slice_range(int64_t n, int64_t slice, int contiguous, int t, int nt,
     }
 }
 
+#include "units.h" /* phases cut into units, shared out with stealing (next_unit) */
 #include "attention.h"
 #include "rows.h"
 #include "dequant.h"
