@@ -45,8 +45,6 @@ typedef struct {
     qvec *x;                      /* [T] */
 } batch_thread;
 
-static int64_t unit_bytes(const tdm_model *m) { return 8 * (m->n_layers * UNIT_PHASES + 1) * m->threads * UNIT_STRIDE; }
-
 static int64_t batch_shared_bytes(const tdm_model *m, int64_t T, int64_t span) {
     int64_t q = m->n_heads * m->head_dim, kv = m->n_kv * m->head_dim;
     return align64(4 * T * (q + 2 * kv)) + align64(4 * T * q) + align64(4 * T * m->d)

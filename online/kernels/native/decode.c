@@ -121,6 +121,7 @@ typedef struct {
     int64_t *counts;                     /* [threads] */
     float *hfull;                        /* [n_ff] the dense down's input (zero between layers) */
     float *parts;                        /* [n_heads, segments, hd + 2] attention parts (attend_parts.h) */
+    int64_t *units;                      /* [n_layers * UNIT_PHASES + 1, threads, UNIT_STRIDE] phase counters */
 } shared_bufs;
 
 /* Every thread keeps its own copy of the residual stream, updated from the shared pieces in the
@@ -138,11 +139,13 @@ static int64_t max_in(const tdm_model *m) {
     return a > m->n_ff ? a : m->n_ff;
 }
 
+static int64_t unit_bytes(const tdm_model *m) { return 8 * (m->n_layers * UNIT_PHASES + 1) * m->threads * UNIT_STRIDE; }
+
 static int64_t shared_bytes(const tdm_model *m) {
     int64_t q = m->n_heads * m->head_dim, kv = m->n_kv * m->head_dim;
     return align64(4 * m->d) + align64(4 * (q + 2 * kv)) + align64(4 * q) + align64(4 * m->threads * m->d)
            + align64(8 * m->threads) + align64(4 * m->n_ff)
-           + align64(4 * m->n_heads * max_segments(m->capacity) * PART_FLOATS(m->head_dim));
+           + align64(4 * m->n_heads * max_segments(m->capacity) * PART_FLOATS(m->head_dim)) + align64(unit_bytes(m));
 }
 
 /* query heads one attend_group call may take: a whole KV group, at most TDM_MAX_GROUP of them */
@@ -171,7 +174,8 @@ static shared_bufs get_shared(const tdm_model *m) {
     s.partial = (float *)p; p += align64(4 * m->threads * m->d);
     s.counts = (int64_t *)p; p += align64(8 * m->threads);
     s.hfull = (float *)p; p += align64(4 * m->n_ff);
-    s.parts = (float *)p; /* last: the layout before it is the same as without parts */
+    s.parts = (float *)p; p += align64(4 * m->n_heads * max_segments(m->capacity) * PART_FLOATS(m->head_dim));
+    s.units = (int64_t *)p;
     return s;
 }
 
@@ -271,11 +275,11 @@ static const tdm_weight *qkv_unit(const tdm_model *m, const tdm_layer *L, int64_
 /* q/k/v rows are dealt out in whole heads, so each thread ropes its own heads and writes its k/v
  * heads into the cache without waiting for the others. */
 static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos, shared_bufs *sb,
-                            thread_bufs *tb, int t, int nt) {
-    int64_t hd = m->head_dim, qn = m->n_heads * hd, lo, hi, half = m->kv_half != 0;
+                            thread_bufs *tb, int64_t *units, int t, int nt) {
+    int64_t hd = m->head_dim, qn = m->n_heads * hd, half = m->kv_half != 0;
     norm_and_quantize(m, tb->res, L->attn_norm, L->attn_norm_bias, tb);
-    chunk(m->n_heads + 2 * m->n_kv, t, nt, &lo, &hi);
-    for (int64_t u = lo; u < hi; u++) { /* q heads, then k heads, then v heads */
+    unit_queue heads = phase_units(units, 0, m->n_heads + 2 * m->n_kv, t, nt);
+    for (int64_t u; (u = next_unit(&heads)) >= 0;) { /* q heads, then k heads, then v heads */
         float *v = sb->qkv + u * hd;
         int64_t r0;
         const tdm_weight *w = qkv_unit(m, L, u, &r0); /* sets r0 (argument order is unspecified) */
@@ -293,10 +297,13 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
                                     group_heads(m), window_start(m, L, pos), pos, hd, (float)m->attn_scale, sb->qkv,
                                     sb->attn, sb->parts, tb->scores, m->capacity, half, tb->xn, t, nt);
     quantize_q8(tb->x.f, qn, &tb->x, (float)m->residual_ratio);
-    row_chunk(m->d, t, nt, &lo, &hi);
-    dot_rows(&L->o, lo, hi - lo, &tb->x, sb->delta + lo);
-    if (L->o_bias)
-        for (int64_t r = lo; r < hi; r++) sb->delta[r] += L->o_bias[r];
+    unit_queue rows = phase_units(units, 2, (m->d + ROW_UNIT - 1) / ROW_UNIT, t, nt);
+    for (int64_t u; (u = next_unit(&rows)) >= 0;) {
+        int64_t lo = u * ROW_UNIT, hi = lo + ROW_UNIT < m->d ? lo + ROW_UNIT : m->d;
+        dot_rows(&L->o, lo, hi - lo, &tb->x, sb->delta + lo);
+        if (L->o_bias)
+            for (int64_t r = lo; r < hi; r++) sb->delta[r] += L->o_bias[r];
+    }
 #pragma omp barrier
     add_output(m, L->attn_out_norm, tb->res, sb->delta, tb->xn);
 }
@@ -358,23 +365,28 @@ static int64_t decode_parts(const tdm_model *m, int64_t first, int64_t last, int
     int nt = (int)m->threads;
     for (int j = 0; j < nt; j++) sb.counts[j] = 0;
     memset(sb.hfull, 0, 4 * (size_t)m->n_ff);
+    memset(sb.units, 0, (size_t)unit_bytes(m));
 #pragma omp parallel num_threads(nt)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
         thread_bufs tb = get_thread(m, t);
         memcpy(tb.res, res, 4 * m->d);
         for (int64_t l = first; l < last; l++) {
-            if (parts & 1) attention_block(m, &m->layers[l], pos, &sb, &tb, t, n);
-            if (parts & 2) ffn_block(m, &m->layers[l], &sb, &tb, t, n);
+            int64_t *units = sb.units + l * UNIT_PHASES * n * UNIT_STRIDE;
+            if (parts & 1) attention_block(m, &m->layers[l], pos, &sb, &tb, units, t, n);
+            if (parts & 2) ffn_block(m, &m->layers[l], &sb, &tb, units, t, n);
         }
 #pragma omp barrier
         if (t == 0) memcpy(res, tb.res, 4 * m->d); /* every thread's copy is bit-identical */
         if (logits) {
             norm_and_quantize(m, tb.res, m->final_norm, m->final_norm_bias, &tb);
-            int64_t lo, hi;
-            row_chunk(m->vocab, t, n, &lo, &hi);
-            dot_rows(&m->head, lo, hi - lo, &tb.x, logits + lo);
-            softcap(m, logits + lo, hi - lo);
+            unit_queue head = phase_units(sb.units + m->n_layers * UNIT_PHASES * n * UNIT_STRIDE, 0,
+                                          (m->vocab + HEAD_UNIT - 1) / HEAD_UNIT, t, n);
+            for (int64_t u; (u = next_unit(&head)) >= 0;) {
+                int64_t lo = u * HEAD_UNIT, hi = lo + HEAD_UNIT < m->vocab ? lo + HEAD_UNIT : m->vocab;
+                dot_rows(&m->head, lo, hi - lo, &tb.x, logits + lo);
+                softcap(m, logits + lo, hi - lo);
+            }
         }
     }
     int64_t total = 0;

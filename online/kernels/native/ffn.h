@@ -10,15 +10,18 @@
 /* The down projection as one GEMV over its d rows, GGUF blocks read in place (kquants.h): the kept h
  * of every neuron (0 elsewhere: the neurons the sparse rows would add) quantized like any input.
  * Reads fewer bytes than the sparse fp16 rows where sparsity is low (GELU). */
-static void dense_down(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int t, int nt,
-                       int64_t n_act) {
-    int64_t d = m->d, lo, hi;
+static void dense_down(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int64_t *units,
+                       int t, int nt, int64_t n_act) {
+    int64_t d = m->d;
     for (int64_t i = 0; i < n_act; i++) sb->hfull[tb->idx[i]] = tb->h[i];
     sb->counts[t] += n_act;
 #pragma omp barrier
     quantize_q8(sb->hfull, L->n_ff > 0 ? L->n_ff : m->n_ff, &tb->x, (float)m->residual_ratio);
-    row_chunk(d, t, nt, &lo, &hi);
-    dot_rows(&L->down, lo, hi - lo, &tb->x, sb->delta + lo);
+    unit_queue rows = phase_units(units, 3, (d + ROW_UNIT - 1) / ROW_UNIT, t, nt);
+    for (int64_t u; (u = next_unit(&rows)) >= 0;) {
+        int64_t lo = u * ROW_UNIT, hi = lo + ROW_UNIT < d ? lo + ROW_UNIT : d;
+        dot_rows(&L->down, lo, hi - lo, &tb->x, sb->delta + lo);
+    }
 #pragma omp barrier
     for (int64_t i = 0; i < n_act; i++) sb->hfull[tb->idx[i]] = 0.0f; /* every thread read it: zero again */
     for (int64_t k = 0; k < d; k++) tb->xn[k] = sb->delta[k] + (L->down_bias ? L->down_bias[k] : 0.0f);
@@ -41,10 +44,29 @@ static ffn_view layer_ffn(const tdm_model *m, const tdm_layer *L) {
     return f;
 }
 
+/* The FFN_SLICE neurons from b0: up (and gate) rows, activation, the kept h appended at n_act; returns n_act */
+static int64_t ffn_slice(const tdm_model *m, const ffn_view *F, const qvec *x, int64_t b0, float *hbuf, int32_t *idx,
+                         int64_t n_act) {
+    int64_t b1 = b0 + FFN_SLICE < F->n_ff ? b0 + FFN_SLICE : F->n_ff, n = b1 - b0;
+    float g[FFN_SLICE], u[FFN_SLICE], h[FFN_SLICE], thr = F->threshold;
+    dot_rows(F->up, b0, n, x, u);
+    if (F->up_bias)
+        for (int64_t i = 0; i < n; i++) u[i] += F->up_bias[b0 + i];
+    if (m->gated) dot_rows(F->gate, b0, n, x, g);
+    activate(m->act, (float)m->act_alpha, m->gated, g, u, h, n);
+    for (int64_t i = 0; i < n; i++) {
+        hbuf[n_act] = h[i]; /* kept when it passes the threshold (branch-free compaction) */
+        idx[n_act] = (int32_t)(b0 + i);
+        n_act += fabsf(h[i]) > thr;
+    }
+    return n_act;
+}
+
 /* This thread's share of one FFN on the quantized input x: its slices' kept neurons (h, idx: [n_ff]
- * scratch), their down rows summed into part [d] (zeroed here). Returns the neurons kept. */
+ * scratch), their down rows summed into part [d] (zeroed here). Returns the neurons kept. With a dense
+ * down (F->down) the slices go out with stealing on `units` (the caller scatters each h to its neuron). */
 static int64_t ffn_rows(const tdm_model *m, const ffn_view *F, const qvec *x, float *hbuf, int32_t *idx,
-                        float *part, int t, int nt) {
+                        float *part, int64_t *units, int t, int nt) {
     int64_t n_act = 0, n_ff = F->n_ff;
     float alpha = (float)m->act_alpha, thr = F->threshold;
     /* predicted rows (predict.h); exact-zero activations also skip up rows their gate zeroes */
@@ -69,21 +91,13 @@ static int64_t ffn_rows(const tdm_model *m, const ffn_view *F, const qvec *x, fl
     }
     int64_t s0, s1, step; /* every neuron kept (thr < 0): each thread its own run of slices */
     slice_range(n_ff, FFN_SLICE, thr < 0.0f, t, nt, &s0, &s1, &step);
-    for (int64_t b0 = s0; !(P || gate_cut) && b0 < s1; b0 += step) {
-        int64_t b1 = b0 + FFN_SLICE < n_ff ? b0 + FFN_SLICE : n_ff;
-        float g[FFN_SLICE], u[FFN_SLICE], h[FFN_SLICE];
-        int64_t n = b1 - b0;
-        dot_rows(F->up, b0, n, x, u);
-        if (F->up_bias)
-            for (int64_t i = 0; i < n; i++) u[i] += F->up_bias[b0 + i];
-        if (m->gated) dot_rows(F->gate, b0, n, x, g);
-        activate(m->act, alpha, m->gated, g, u, h, n);
-        for (int64_t i = 0; i < n; i++) {
-            hbuf[n_act] = h[i]; /* kept when it passes the threshold (branch-free compaction) */
-            idx[n_act] = (int32_t)(b0 + i);
-            n_act += fabsf(h[i]) > thr;
-        }
-    }
+    if (!(P || gate_cut) && F->down && units) {
+        unit_queue slices = phase_units(units, 4, (n_ff + FFN_UNIT - 1) / FFN_UNIT, t, nt);
+        for (int64_t u; (u = next_unit(&slices)) >= 0;)
+            for (int64_t b0 = u * FFN_UNIT; b0 < n_ff && b0 < (u + 1) * FFN_UNIT; b0 += FFN_SLICE)
+                n_act = ffn_slice(m, F, x, b0, hbuf, idx, n_act);
+    } else
+        for (int64_t b0 = s0; !(P || gate_cut) && b0 < s1; b0 += step) n_act = ffn_slice(m, F, x, b0, hbuf, idx, n_act);
     if (F->down) return n_act; /* the caller's dense_down adds them */
     for (int64_t k = 0; k < m->d; k++) part[k] = 0.0f;
     axpy_rows(F->down_t, idx, hbuf, n_act, part);
@@ -92,7 +106,8 @@ static int64_t ffn_rows(const tdm_model *m, const ffn_view *F, const qvec *x, fl
 
 static void moe_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int t, int nt);
 
-static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int t, int nt) {
+static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int64_t *units, int t,
+                      int nt) {
     if (L->moe) {
         moe_block(m, L, sb, tb, t, nt);
         return;
@@ -101,9 +116,9 @@ static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, t
     float *part = sb->partial + t * d;
     norm_and_quantize(m, tb->res, L->ffn_norm, L->ffn_norm_bias, tb);
     ffn_view F = layer_ffn(m, L);
-    int64_t n_act = ffn_rows(m, &F, &tb->x, tb->h, tb->idx, part, t, nt);
+    int64_t n_act = ffn_rows(m, &F, &tb->x, tb->h, tb->idx, part, units, t, nt);
     if (F.down) {
-        dense_down(m, L, sb, tb, t, nt, n_act);
+        dense_down(m, L, sb, tb, units, t, nt, n_act);
         return;
     }
     sb->counts[t] += n_act;

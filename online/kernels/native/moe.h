@@ -82,7 +82,7 @@ static void moe_expert(const tdm_model *m, const tdm_expert *X, float thr, const
                        float *partial, float *y, int64_t *count, int t, int nt) {
     int64_t d = m->d;
     ffn_view F = {&X->gate, &X->up, &X->down_t, X->up_bias, X->n_ff, thr, NULL};
-    *count += ffn_rows(m, &F, x, hbuf, idx, partial + t * d, t, nt);
+    *count += ffn_rows(m, &F, x, hbuf, idx, partial + t * d, NULL, t, nt);
 #pragma omp barrier
     for (int64_t k = 0; k < d; k++) {
         float a = X->down_bias ? X->down_bias[k] : 0.0f;
