@@ -110,7 +110,7 @@ def test_fused_step_interleaves_only_whole_row_ranges():
 @pytest.mark.parametrize("n", [7, 8, 36, 576, 1000, 49152])
 @pytest.mark.parametrize("nt", [1, 2, 3, 5, 16])
 def test_row_ranges_split_on_whole_groups_of_eight(n, nt):
-    """The step splits a matrix's rows between threads on group boundaries (decode.c row_chunk): the ranges
+    """A matrix's rows split between threads on group boundaries (decode.c row_chunk: the probe's passes): the ranges
     tile [0, n) in order, every inner boundary is a multiple of eight (no scalar edge rows), and no thread
     gets more than one group above an even share."""
     fn = native.load_native().lib.tdm_row_chunk

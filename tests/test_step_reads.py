@@ -345,7 +345,7 @@ def test_read_passes_compute_the_step_rows_pass_by_pass(monkeypatch):
     fn = lib.tdm_read_passes
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_int64]
-    split = lib.tdm_row_chunk  # the step's split of a matrix's rows between threads
+    split = lib.tdm_row_chunk  # the probe's split of a matrix's rows between threads
     split.argtypes, split.restype = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p], None
     bounds = np.zeros(2, np.int64)
     for n_passes in (1, 2, 3):  # each call leaves its last pass's rows in out (thread t: its share of that pass)

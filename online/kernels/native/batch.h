@@ -3,7 +3,7 @@
  * (rows_multi.h). Token i's logits, KV rows and FFN counts are bit-identical to tdm_decode on a
  * contiguous cache holding its sequence: the same per-token quantization, the same arithmetic for
  * every row whichever thread computes it (heads, attention, output rows and a dense down's slices are
- * shared out with stealing: next_unit in decode.c), the same attention arithmetic (positions
+ * shared out with stealing: next_unit in units.h), the same attention arithmetic (positions
  * addressed through the token's block table), and where down rows are summed per thread, the same
  * slices per thread, down-row order and cross-thread partial-sum order as the single step.
  *
@@ -137,9 +137,8 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
 #pragma omp barrier
     int64_t rep = m->n_heads / m->n_kv, per = group_heads(m), parts = (rep + per - 1) / per;
     unit_queue groups = phase_units(units, 1, m->n_kv * T * parts, t, nt);
-    for (int64_t e; (e = next_unit(&groups)) >= 0;) { /* e = (KV group, token, part of the
-                                                   * group's heads): those heads of one group and token together,
-                                                   * its rows read once */
+    for (int64_t e; (e = next_unit(&groups)) >= 0;) { /* e = (KV group, token, part of the group's heads):
+                                                        * those heads of one token together, its rows read once */
         int64_t c = e % parts, i = (e / parts) % T, g = e / (parts * T), h = g * rep + c * per, pos = B->pos[i];
         int64_t n_q = rep - c * per < per ? rep - c * per : per;
         attend_group(kv_at(L->k_cache, g * B->kv_rows, hd, half), kv_at(L->v_cache, g * B->kv_rows, hd, half),

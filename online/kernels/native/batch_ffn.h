@@ -126,7 +126,7 @@ static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B
 #pragma omp barrier /* P->z is the next token's */
     }
     if (!(P || gate_cut) && L->down.data) { /* a dense down scatters each kept h to its neuron: which thread
-                                                   * computes a slice does not matter, so the slices go on demand */
+                                             * computes a slice does not matter, so they go out with stealing */
         unit_queue slices = phase_units(units, 4, (nf + FFN_UNIT - 1) / FFN_UNIT, t, nt);
         for (int64_t u; (u = next_unit(&slices)) >= 0;)
             for (int64_t b0 = u * FFN_UNIT; b0 < nf && b0 < (u + 1) * FFN_UNIT; b0 += FFN_SLICE)

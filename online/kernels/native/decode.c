@@ -34,10 +34,9 @@ static void chunk(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
     *hi = n * (t + 1) / nt;
 }
 
-/* chunk for a matrix's rows: boundaries on whole groups of eight (the interleaved kernels' row groups,
- * blocks_x8.h; two of the four-row kernels' groups), so no thread's range starts or ends inside a group
- * that the scalar row (dot_row_x8, ~10x slower per row) would compute: with 16 threads a 576-row matrix
- * would give every odd thread four scalar rows at each end. Each row's value does not depend on the split. */
+/* chunk for a matrix's rows (the probe's passes; the step takes ROW_UNIT units: units.h), on whole groups of
+ * eight (the interleaved kernels' row groups, blocks_x8.h): no range starts or ends inside a group that the
+ * scalar row (dot_row_x8, ~10x slower per row) would compute. Each row's value does not depend on the split. */
 static void row_chunk(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
     int64_t groups = (n + 7) / 8;
     *lo = groups * t / nt * 8;
@@ -365,14 +364,15 @@ static int64_t decode_parts(const tdm_model *m, int64_t first, int64_t last, int
     int nt = (int)m->threads;
     for (int j = 0; j < nt; j++) sb.counts[j] = 0;
     memset(sb.hfull, 0, 4 * (size_t)m->n_ff);
-    memset(sb.units, 0, (size_t)unit_bytes(m));
+    int64_t n_run = last > first ? last - first : 0; /* counters of these layers and the output layer only */
+    memset(sb.units, 0, 8 * (size_t)((n_run * UNIT_PHASES + 1) * nt * UNIT_STRIDE));
 #pragma omp parallel num_threads(nt)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
         thread_bufs tb = get_thread(m, t);
         memcpy(tb.res, res, 4 * m->d);
         for (int64_t l = first; l < last; l++) {
-            int64_t *units = sb.units + l * UNIT_PHASES * n * UNIT_STRIDE;
+            int64_t *units = sb.units + (l - first) * UNIT_PHASES * n * UNIT_STRIDE;
             if (parts & 1) attention_block(m, &m->layers[l], pos, &sb, &tb, units, t, n);
             if (parts & 2) ffn_block(m, &m->layers[l], &sb, &tb, units, t, n);
         }
@@ -380,7 +380,7 @@ static int64_t decode_parts(const tdm_model *m, int64_t first, int64_t last, int
         if (t == 0) memcpy(res, tb.res, 4 * m->d); /* every thread's copy is bit-identical */
         if (logits) {
             norm_and_quantize(m, tb.res, m->final_norm, m->final_norm_bias, &tb);
-            unit_queue head = phase_units(sb.units + m->n_layers * UNIT_PHASES * n * UNIT_STRIDE, 0,
+            unit_queue head = phase_units(sb.units + n_run * UNIT_PHASES * n * UNIT_STRIDE, 0,
                                           (m->vocab + HEAD_UNIT - 1) / HEAD_UNIT, t, n);
             for (int64_t u; (u = next_unit(&head)) >= 0;) {
                 int64_t lo = u * HEAD_UNIT, hi = lo + HEAD_UNIT < m->vocab ? lo + HEAD_UNIT : m->vocab;

@@ -5,7 +5,8 @@
 #define TDM_FFN_H
 
 #define FFN_SLICE 32 /* neurons per slice; dealt to threads in turn under a magnitude threshold (sparsity is
-                        * uneven), one run per thread where every neuron is kept (slice_range) */
+                        * uneven), one run per thread where every neuron is kept (slice_range); with a dense
+                        * down, FFN_UNITs of slices shared out with stealing (units.h) */
 
 /* The down projection as one GEMV over its d rows, GGUF blocks read in place (kquants.h): the kept h
  * of every neuron (0 elsewhere: the neurons the sparse rows would add) quantized like any input.
@@ -89,7 +90,7 @@ static int64_t ffn_rows(const tdm_model *m, const ffn_view *F, const qvec *x, fl
             n_act += fabsf(h) > thr;
         }
     }
-    int64_t s0, s1, step; /* every neuron kept (thr < 0): each thread its own run of slices */
+    int64_t s0, s1, step; /* down rows summed per thread: every neuron kept (thr < 0), each thread its own run */
     slice_range(n_ff, FFN_SLICE, thr < 0.0f, t, nt, &s0, &s1, &step);
     if (!(P || gate_cut) && F->down && units) {
         unit_queue slices = phase_units(units, 4, (n_ff + FFN_UNIT - 1) / FFN_UNIT, t, nt);

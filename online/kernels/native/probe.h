@@ -3,12 +3,12 @@
 #ifndef TDM_PROBE_H
 #define TDM_PROBE_H
 
-/* One thread's part of a read pass: access 0: rows rows[0] .. rows[0] + n - 1 dotted (dot_rows, split as
- * decode.c's row_chunk splits the step's rows); 1: the n rows at rows[] dotted (dot_rows_idx); 2: those rows
- * added with weights h (axpy_rows); 3: two matrices of n rows, rows[0] .. + n - 1 (a layer's up) and the n
- * after them (its gate), read whole together as ffn_rows' dense slice loop reads them: FFN_SLICE rows of
- * one, then the same rows of the other, each thread its own run of slices (the up rows' outputs at o, the
- * gate rows' at o + n). Thread t takes [n t / T, n (t + 1) / T) and writes at o. */
+/* One thread's part of a read pass: access 0: rows rows[0] .. rows[0] + n - 1 dotted (dot_rows, split by
+ * row_chunk into contiguous ranges, as the step's own shares are where no thread steals: units.h); 1: the n rows
+ * at rows[] dotted (dot_rows_idx); 2: those rows added with weights h (axpy_rows); 3: two matrices of n rows,
+ * rows[0] .. + n - 1 (a layer's up) and the n after them (its gate), read whole together as ffn_rows' dense slice
+ * loop reads them: FFN_SLICE rows of one, then the same rows of the other, each thread its own run of slices (the
+ * up rows' outputs at o, the gate rows' at o + n). Thread t takes [n t / T, n (t + 1) / T) and writes at o. */
 static void read_pass_part(const tdm_weight *w, int64_t access, const int32_t *rows, int64_t n, const qvec *v,
                            const float *h, int t, int nt, float *o) {
     int64_t lo = n * t / nt, hi = n * (t + 1) / nt;
@@ -60,8 +60,9 @@ double tdm_read_pass_timed(const tdm_weight *w, int64_t access, const int32_t *r
 /* Benchmark entry (online/kind_probe.py measure_pass_cost): the rows of w read as n_passes consecutive
  * whole passes of pass_rows rows each (the last one shorter), one after another in ONE OpenMP region
  * with a barrier after each, as the step reads a layer's matrices: each pass splits its rows between the
- * threads as the step's row ranges do (so every pass starts each thread's stream anew), thread t writes
- * at out + t * out_stride. x is quantized once, before. n_passes 1 and pass_rows = rows: one pass. */
+ * threads in contiguous ranges, as the step's own shares (units.h) do (so every pass starts each thread's
+ * stream anew), thread t writes at out + t * out_stride. x is quantized once, before. n_passes 1 and
+ * pass_rows = rows: one pass. */
 void tdm_read_passes(const tdm_weight *w, int64_t pass_rows, int64_t n_passes, const float *x, int64_t threads,
                      float *out, int64_t out_stride) {
     int64_t cols = w->cols, nb = cols / QB + 1;

@@ -1,4 +1,4 @@
-/* Units of work shared out with stealing, for the multi-token step (batch.h). Included by decode.c. */
+/* Units of work shared out with stealing, for both fused steps (decode.c, ffn.h, batch.h). Included by decode.c. */
 #ifndef TANDEM_UNITS_H
 #define TANDEM_UNITS_H
 
