@@ -39,6 +39,26 @@ from .cost_model import Placement, evaluate_layer, evaluate_placement
 from .hardware import MiB
 from .problem import PlacementProblem
 
+
+def release_pulp_import_frames() -> int:
+    """Drop the tracebacks of the exceptions pulp keeps from its optional solvers' failed imports
+    (``COPT_DLL.err``, ``CPLEX_PY.err``: the library is absent). Each traceback holds every frame that was on
+    the stack when pulp was first imported, with its locals: under ``tandem plan`` that was the frame holding
+    the float32 checkpoint (4.8 GB for a 1B model, kept to the end of the process, so the plan's quality
+    measurement then loaded two models at once and a 3B model ran out of 24 GB). Returns how many it dropped."""
+    dropped = 0
+    for module in list(vars(pulp.apis).values()):
+        for value in list(vars(module).values()) if isinstance(module, type(pulp)) else ():
+            err = getattr(value, "err", None) if isinstance(value, type) else None
+            while isinstance(err, BaseException):
+                dropped += err.__traceback__ is not None
+                err.__traceback__ = None
+                err = err.__context__ or err.__cause__
+    return dropped
+
+
+release_pulp_import_frames()
+
 MICROSECONDS = 1e6
 # The budget row stops 1 ppm (+ 1 byte) short: where every unit fits exactly, CBC's feasibility tolerance
 # (about 1e-7 relative) let it find the all-GPU point, then "prove" the problem infeasible and hand back the

@@ -55,6 +55,7 @@ SHAPES = {s.name: s for s in (
           note="OPT-6.7B dimensions in the llama layout (RMSNorm, RoPE, gated FFN)"),
     Shape("mixtral-8x7b", 4096, 32, 32, 8, 14336, n_experts=8, n_experts_used=2, rope_theta=1e6,
           note="Mixtral-8x7B dimensions"),
+    Shape("llama-3b", 3072, 28, 24, 8, 8192, note="Llama-3.2-3B-like dimensions"),
     Shape("llama-1b", 2048, 16, 32, 8, 8192, note="Llama-3.2-1B-like dimensions"),
     Shape("llama-350m", 1024, 24, 16, 16, 4096, note="a 350M-parameter Llama"),
     Shape("tiny", 128, 2, 4, 2, 512, context=512, note="test shape"),
