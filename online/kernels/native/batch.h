@@ -150,9 +150,8 @@ static void batch_attention(const tdm_model *m, const tdm_layer *L, const tdm_ba
         tb->x[i].f = sb->attn + i * qn;
         quantize_q8(sb->attn + i * qn, qn, tb->x + i, (float)m->residual_ratio);
     }
-    unit_queue rows = phase_units(units, 2, (m->d + ROW_UNIT - 1) / ROW_UNIT, t, nt);
-    for (int64_t u; (u = next_unit(&rows)) >= 0;) {
-        lo = u * ROW_UNIT, hi = lo + ROW_UNIT < m->d ? lo + ROW_UNIT : m->d;
+    unit_queue rows = row_units(units, 2, m->d, ROW_UNIT, t, nt);
+    while (next_rows(&rows, &lo, &hi)) {
         dot_rows_multi(&L->o, lo, hi - lo, tb->x, T, sb->delta + lo, m->d);
         if (L->o_bias)
             for (int64_t i = 0; i < T; i++)
@@ -192,7 +191,7 @@ int64_t tdm_decode_batch(const tdm_model *m, const tdm_batch *B) {
         }
 #pragma omp barrier
         for (int64_t l = 0; l < m->n_layers; l++) {
-            int64_t *units = sb.units + l * UNIT_PHASES * n * UNIT_STRIDE;
+            int64_t *units = layer_units(sb.units, l, n);
             batch_attention(m, &m->layers[l], B, &sb, &tb, units, t, n);
             batch_ffn(m, &m->layers[l], B, &sb, &tb, t, n, units);
         }
@@ -203,10 +202,8 @@ int64_t tdm_decode_batch(const tdm_model *m, const tdm_batch *B) {
                     batch_norm_quantize(m, tb.res + i * d, m->final_norm, m->final_norm_bias, tb.xn + w * n_in, tb.x + w);
                     w++;
                 }
-            unit_queue head = phase_units(sb.units + m->n_layers * UNIT_PHASES * n * UNIT_STRIDE, 0,
-                                          (m->vocab + HEAD_UNIT - 1) / HEAD_UNIT, t, n);
-            for (int64_t u; (u = next_unit(&head)) >= 0;) {
-                lo = u * HEAD_UNIT, hi = lo + HEAD_UNIT < m->vocab ? lo + HEAD_UNIT : m->vocab;
+            unit_queue head = row_units(layer_units(sb.units, m->n_layers, n), 0, m->vocab, HEAD_UNIT, t, n);
+            while (next_rows(&head, &lo, &hi)) {
                 dot_rows_multi(&m->head, lo, hi - lo, tb.x, n_want, B->logits + lo, m->vocab);
                 for (int64_t i = 0; i < n_want; i++) softcap(m, B->logits + i * m->vocab + lo, hi - lo);
             }

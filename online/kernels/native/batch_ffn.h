@@ -29,11 +29,8 @@ static void batch_dense_down(const tdm_model *m, const tdm_layer *L, int64_t T, 
 #pragma omp barrier
     for (int64_t i = 0; i < T; i++)
         quantize_q8(sb->hfull + i * F, L->n_ff > 0 ? L->n_ff : F, tb->x + i, (float)m->residual_ratio);
-    unit_queue rows = phase_units(units, 3, (d + ROW_UNIT - 1) / ROW_UNIT, t, nt);
-    for (int64_t u; (u = next_unit(&rows)) >= 0;) {
-        lo = u * ROW_UNIT, hi = lo + ROW_UNIT < d ? lo + ROW_UNIT : d;
-        dot_rows_multi(&L->down, lo, hi - lo, tb->x, T, sb->delta + lo, d);
-    }
+    unit_queue rows = row_units(units, 3, d, ROW_UNIT, t, nt);
+    while (next_rows(&rows, &lo, &hi)) dot_rows_multi(&L->down, lo, hi - lo, tb->x, T, sb->delta + lo, d);
 #pragma omp barrier
     for (int64_t i = 0; i < T; i++) {
         for (int64_t j = 0; j < tb->n_act[i]; j++) sb->hfull[i * F + tb->idx[i * F + j]] = 0.0f;
@@ -127,9 +124,9 @@ static void batch_ffn(const tdm_model *m, const tdm_layer *L, const tdm_batch *B
     }
     if (!(P || gate_cut) && L->down.data) { /* a dense down scatters each kept h to its neuron: which thread
                                              * computes a slice does not matter, so they go out with stealing */
-        unit_queue slices = phase_units(units, 4, (nf + FFN_UNIT - 1) / FFN_UNIT, t, nt);
-        for (int64_t u; (u = next_unit(&slices)) >= 0;)
-            for (int64_t b0 = u * FFN_UNIT; b0 < nf && b0 < (u + 1) * FFN_UNIT; b0 += FFN_SLICE)
+        unit_queue slices = row_units(units, 4, nf, FFN_UNIT, t, nt);
+        for (int64_t lo, hi; next_rows(&slices, &lo, &hi);)
+            for (int64_t b0 = lo; b0 < hi; b0 += FFN_SLICE)
                 batch_slice(m, L, T, tb, b0, nf, thr);
     } else if (!(P || gate_cut)) { /* the down rows summed per thread below: ffn_rows' slices, as the single step */
         int64_t s0, s1, step;

@@ -296,9 +296,8 @@ static void attention_block(const tdm_model *m, const tdm_layer *L, int64_t pos,
                                     group_heads(m), window_start(m, L, pos), pos, hd, (float)m->attn_scale, sb->qkv,
                                     sb->attn, sb->parts, tb->scores, m->capacity, half, tb->xn, t, nt);
     quantize_q8(tb->x.f, qn, &tb->x, (float)m->residual_ratio);
-    unit_queue rows = phase_units(units, 2, (m->d + ROW_UNIT - 1) / ROW_UNIT, t, nt);
-    for (int64_t u; (u = next_unit(&rows)) >= 0;) {
-        int64_t lo = u * ROW_UNIT, hi = lo + ROW_UNIT < m->d ? lo + ROW_UNIT : m->d;
+    unit_queue rows = row_units(units, 2, m->d, ROW_UNIT, t, nt);
+    for (int64_t lo, hi; next_rows(&rows, &lo, &hi);) {
         dot_rows(&L->o, lo, hi - lo, &tb->x, sb->delta + lo);
         if (L->o_bias)
             for (int64_t r = lo; r < hi; r++) sb->delta[r] += L->o_bias[r];
@@ -372,7 +371,7 @@ static int64_t decode_parts(const tdm_model *m, int64_t first, int64_t last, int
         thread_bufs tb = get_thread(m, t);
         memcpy(tb.res, res, 4 * m->d);
         for (int64_t l = first; l < last; l++) {
-            int64_t *units = sb.units + (l - first) * UNIT_PHASES * n * UNIT_STRIDE;
+            int64_t *units = layer_units(sb.units, l - first, n);
             if (parts & 1) attention_block(m, &m->layers[l], pos, &sb, &tb, units, t, n);
             if (parts & 2) ffn_block(m, &m->layers[l], &sb, &tb, units, t, n);
         }
@@ -380,10 +379,8 @@ static int64_t decode_parts(const tdm_model *m, int64_t first, int64_t last, int
         if (t == 0) memcpy(res, tb.res, 4 * m->d); /* every thread's copy is bit-identical */
         if (logits) {
             norm_and_quantize(m, tb.res, m->final_norm, m->final_norm_bias, &tb);
-            unit_queue head = phase_units(sb.units + n_run * UNIT_PHASES * n * UNIT_STRIDE, 0,
-                                          (m->vocab + HEAD_UNIT - 1) / HEAD_UNIT, t, n);
-            for (int64_t u; (u = next_unit(&head)) >= 0;) {
-                int64_t lo = u * HEAD_UNIT, hi = lo + HEAD_UNIT < m->vocab ? lo + HEAD_UNIT : m->vocab;
+            unit_queue head = row_units(layer_units(sb.units, n_run, n), 0, m->vocab, HEAD_UNIT, t, n);
+            for (int64_t lo, hi; next_rows(&head, &lo, &hi);) {
                 dot_rows(&m->head, lo, hi - lo, &tb.x, logits + lo);
                 softcap(m, logits + lo, hi - lo);
             }

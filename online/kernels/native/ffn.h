@@ -18,11 +18,9 @@ static void dense_down(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, 
     sb->counts[t] += n_act;
 #pragma omp barrier
     quantize_q8(sb->hfull, L->n_ff > 0 ? L->n_ff : m->n_ff, &tb->x, (float)m->residual_ratio);
-    unit_queue rows = phase_units(units, 3, (d + ROW_UNIT - 1) / ROW_UNIT, t, nt);
-    for (int64_t u; (u = next_unit(&rows)) >= 0;) {
-        int64_t lo = u * ROW_UNIT, hi = lo + ROW_UNIT < d ? lo + ROW_UNIT : d;
+    unit_queue rows = row_units(units, 3, d, ROW_UNIT, t, nt);
+    for (int64_t lo, hi; next_rows(&rows, &lo, &hi);)
         dot_rows(&L->down, lo, hi - lo, &tb->x, sb->delta + lo);
-    }
 #pragma omp barrier
     for (int64_t i = 0; i < n_act; i++) sb->hfull[tb->idx[i]] = 0.0f; /* every thread read it: zero again */
     for (int64_t k = 0; k < d; k++) tb->xn[k] = sb->delta[k] + (L->down_bias ? L->down_bias[k] : 0.0f);
@@ -93,9 +91,9 @@ static int64_t ffn_rows(const tdm_model *m, const ffn_view *F, const qvec *x, fl
     int64_t s0, s1, step; /* down rows summed per thread: every neuron kept (thr < 0), each thread its own run */
     slice_range(n_ff, FFN_SLICE, thr < 0.0f, t, nt, &s0, &s1, &step);
     if (!(P || gate_cut) && F->down && units) {
-        unit_queue slices = phase_units(units, 4, (n_ff + FFN_UNIT - 1) / FFN_UNIT, t, nt);
-        for (int64_t u; (u = next_unit(&slices)) >= 0;)
-            for (int64_t b0 = u * FFN_UNIT; b0 < n_ff && b0 < (u + 1) * FFN_UNIT; b0 += FFN_SLICE)
+        unit_queue slices = row_units(units, 4, n_ff, FFN_UNIT, t, nt);
+        for (int64_t lo, hi; next_rows(&slices, &lo, &hi);)
+            for (int64_t b0 = lo; b0 < hi; b0 += FFN_SLICE)
                 n_act = ffn_slice(m, F, x, b0, hbuf, idx, n_act);
     } else
         for (int64_t b0 = s0; !(P || gate_cut) && b0 < s1; b0 += step) n_act = ffn_slice(m, F, x, b0, hbuf, idx, n_act);

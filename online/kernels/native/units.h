@@ -17,14 +17,27 @@
 #define FFN_UNIT 128   /* FFN neurons per unit (whole FFN_SLICEs) */
 
 typedef struct {
-    int64_t *counters; /* [nt * UNIT_STRIDE] the phase's shares */
-    int64_t n;         /* units */
-    int t, nt, s;      /* this thread, the threads, the share it takes from now (t + s mod nt) */
+    int64_t *counters;      /* [nt * UNIT_STRIDE] the phase's shares */
+    int64_t n;              /* units */
+    int t, nt, s;           /* this thread, the threads, the share it takes from now (t + s mod nt) */
+    int64_t rows, per_unit; /* row_units: the rows [0, rows) in units of per_unit (next_rows) */
 } unit_queue;
+
+/* the counters of layer l of a call (from the first layer it runs; the output layer's after its last) */
+static inline int64_t *layer_units(int64_t *units, int64_t l, int nt) {
+    return units + l * UNIT_PHASES * nt * UNIT_STRIDE;
+}
 
 /* thread t's queue over the n units of phase `phase` of a layer whose counters start at `units` */
 static inline unit_queue phase_units(int64_t *units, int64_t phase, int64_t n, int t, int nt) {
-    unit_queue q = {units + phase * nt * UNIT_STRIDE, n, t, nt, 0};
+    unit_queue q = {units + phase * nt * UNIT_STRIDE, n, t, nt, 0, n, 1};
+    return q;
+}
+
+/* the same over rows [0, rows) in units of per_unit rows (next_rows gives each unit's range) */
+static inline unit_queue row_units(int64_t *units, int64_t phase, int64_t rows, int64_t per_unit, int t, int nt) {
+    unit_queue q = phase_units(units, phase, (rows + per_unit - 1) / per_unit, t, nt);
+    q.rows = rows, q.per_unit = per_unit;
     return q;
 }
 
@@ -37,6 +50,15 @@ static inline int64_t next_unit(unit_queue *q) {
         if (u < hi) return u;
     }
     return -1;
+}
+
+/* the next unit's rows [*lo, *hi) for this thread; 0 when the phase has none left */
+static inline int next_rows(unit_queue *q, int64_t *lo, int64_t *hi) {
+    int64_t u = next_unit(q);
+    if (u < 0) return 0;
+    *lo = u * q->per_unit;
+    *hi = *lo + q->per_unit < q->rows ? *lo + q->per_unit : q->rows;
+    return 1;
 }
 
 #endif
