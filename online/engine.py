@@ -97,7 +97,9 @@ class Engine(LazyModules, Scoring, KVCaches):
         from .engine_build import build_executor
         if args.threads is not None:
             torch.set_num_threads(args.threads)
-        ckpt = load_checkpoint(args.model)
+        # packed weights come from the file's blocks: the float32 matrices are decoded one at a time, when
+        # a format or a slice needs them, instead of all at once (loading/deferred.py)
+        ckpt = load_checkpoint(args.model, deferred=True if args.packed else None)
         if args.expert_slots is not None and not ckpt.config.is_moe:
             raise TandemError(f"expert_slots needs a MoE model; {ckpt.model_id} has no experts")
         net, ffn_layers = build_model(ckpt)

@@ -161,7 +161,7 @@ def plan(model: str | Path, profile_dir: str | Path, hardware: str | Path, *, gp
 
     hw = load_hardware(hardware)
     budget = default_gpu_budget(hw) if gpu_budget is None else parse_bytes(str(gpu_budget))
-    checkpoint = checkpoint if checkpoint is not None else load_checkpoint(model)
+    checkpoint = checkpoint if checkpoint is not None else load_checkpoint(model, deferred=True)  # config, sizes, kinds
     config = checkpoint.config
     prof = load_profile(profile_dir, expected_model_fingerprint=checkpoint.fingerprint)
     preds = (load_predictor_info(predictors_dir, config.num_layers, checkpoint.fingerprint, prof.fingerprint)
@@ -255,7 +255,7 @@ def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str |
         raise TandemError(f"predictors must be auto, on or off, got {predictors!r}")
     from placement.settings import checkpoint_tensor_formats
     from tandem.core.loading import load_checkpoint
-    checkpoint = load_checkpoint(model)
+    checkpoint = load_checkpoint(model, deferred=True)  # its config, fingerprint and block kinds
     cfg, fingerprint = checkpoint.config, checkpoint.fingerprint
     tensor_formats = checkpoint_tensor_formats(checkpoint)  # what `plan` sets (weight format auto)
     base = Path(out) if out else Path("profiles") / checkpoint.model_id

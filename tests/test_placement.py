@@ -549,7 +549,7 @@ def test_cli_plan_reuses_refuses_and_replans(tmp_path, monkeypatch, capsys):
     tensors = {"model.embed_tokens.weight": torch.zeros(64, 32)}
     checkpoint = Checkpoint(config=config, tensors=tensors, source_path=tmp_path, model_id="tiny",
                             quant_types={})
-    monkeypatch.setattr(loading, "load_checkpoint", lambda model: checkpoint)
+    monkeypatch.setattr(loading, "load_checkpoint", lambda model, **kw: checkpoint)
     profile = power_law_profile(config, model_fingerprint=checkpoint.fingerprint)
     save_profile(profile, tmp_path / "profile")
     save_hardware(tiny_hardware(), tmp_path / "hw.json")

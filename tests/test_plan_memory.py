@@ -26,8 +26,8 @@ import tandem.core.loading as loading
 assert "pulp" not in sys.modules, "pulp was imported before plan()"
 held = []
 real = loading.load_checkpoint
-def load_checkpoint(model):
-    ckpt = real(model)
+def load_checkpoint(model, **kw):
+    ckpt = real(model, **kw)
     held.append(weakref.ref(ckpt))
     return ckpt
 loading.load_checkpoint = load_checkpoint

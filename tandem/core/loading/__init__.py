@@ -6,8 +6,11 @@ from pathlib import Path
 from tandem.core.errors import TandemError
 
 
-def load_checkpoint(model: str | Path) -> Checkpoint:
+def load_checkpoint(model: str | Path, deferred: bool | None = False) -> Checkpoint:
     """Load ``model`` (alias such as "smollm2", a .gguf file, or a Hugging Face folder).
+    ``deferred``: a GGUF's layer matrices and output layer stay in their blocks until used
+    (loading/deferred.py); None: when their float32 copy would crowd the memory available
+    (``deferred.defer_wanted``). A Hugging Face folder loads as usual.
 
     Example::
 
@@ -20,7 +23,7 @@ def load_checkpoint(model: str | Path) -> Checkpoint:
         from .hf_loader import load_hf_folder
         return load_hf_folder(path)
     from .gguf_loader import load_gguf
-    return load_gguf(path)
+    return load_gguf(path, deferred=deferred)
 
 
 __all__ = ["Checkpoint", "TandemError", "load_checkpoint", "model_fingerprint"]

@@ -20,6 +20,7 @@ import os
 import re
 import struct
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 from tandem.core.errors import TandemError
 from ..config import ModelConfig, freeze_mapping
 from .checkpoint import Checkpoint, RawQuantTensor
+from .deferred import DeferredTensor, defer_wanted
 from .gguf_header import GGUFHeader, read_gguf_header
 from .quants import SUPPORTED_QTYPES, dequantize, qtype_name
 from .tokenizer import Tokenizer
@@ -47,6 +49,7 @@ _LAYER_PARTS = {  # GGUF per-layer tensor stem -> canonical suffix
 }
 _GLOBAL_PARTS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _IGNORED = {"rope_freqs.weight"}
+DECODE_SPLIT_ELEMENTS = 1 << 20  # a deferred decode uses a thread per this many elements (up to _decode_workers)
 _LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+?)(?:\.(\d+))?\.(weight|bias)")
 _READER_ERRORS = (ValueError, KeyError, IndexError, TypeError, OverflowError, struct.error, OSError,
                   MemoryError, UnicodeDecodeError, AttributeError)
@@ -91,8 +94,12 @@ def _release_pages(reader: Any, offset: int, nbytes: int) -> None:
         mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
 
-def load_gguf(path: str | Path, with_tokenizer: bool = True) -> Checkpoint:
-    """Read a GGUF checkpoint (Llama/SmolLM2/Mistral, Qwen2, Mixtral, Qwen2-MoE) into a Checkpoint."""
+def load_gguf(path: str | Path, with_tokenizer: bool = True, deferred: bool | None = False) -> Checkpoint:
+    """Read a GGUF checkpoint (Llama/SmolLM2/Mistral, Qwen2, Mixtral, Qwen2-MoE) into a Checkpoint.
+
+    ``deferred``: the layers' weight matrices and the output layer stay in their blocks as DeferredTensors
+    (decoded on each use; deferred.py), so the float32 model never exists whole. None: deferred when
+    their float32 copy would take over half the memory available (``deferred.defer_wanted``)."""
     path = Path(path)
     reader, fields = read_gguf(path)
     arch = fields.get("general.architecture")
@@ -102,9 +109,12 @@ def load_gguf(path: str | Path, with_tokenizer: bool = True) -> Checkpoint:
     by_name = {t.name: t for t in reader.tensors}
     tokenizer = Tokenizer.from_gguf_metadata(fields) if with_tokenizer else None
     config = config_from_gguf(fields, by_name, tokenizer)
+    if deferred is None:
+        deferred = defer_wanted(4 * sum(math.prod(int(s) for s in t.shape.tolist()) for t in reader.tensors))
     tensors: dict[str, torch.Tensor] = {}
     raw: dict[str, RawQuantTensor] = {}
     # numpy's decoding releases the GIL: tensors decode on a few threads, each file's pages dropped once decoded
+    # (a deferred tensor's pages are read when it is used)
     with ThreadPoolExecutor(max_workers=_decode_workers()) as pool:
         pending = []
         for t in reader.tensors:
@@ -112,6 +122,10 @@ def load_gguf(path: str | Path, with_tokenizer: bool = True) -> Checkpoint:
                 continue
             jobs = []
             for name, qtype, shape, data in _canonical_pieces(t, config, arch):
+                if deferred and _deferrable(name, shape):
+                    tensors[name] = DeferredTensor(shape, partial(decode_float32, data, qtype, shape))
+                    raw[name] = RawQuantTensor(qtype=qtype, shape=shape, data=data)
+                    continue
                 out = torch.empty(shape, dtype=torch.float32)
                 jobs.append(pool.submit(dequantize, data, qtype, shape, out.numpy()))
                 if name.endswith("shared_expert_gate.weight"):
@@ -119,7 +133,8 @@ def load_gguf(path: str | Path, with_tokenizer: bool = True) -> Checkpoint:
                     shape = tuple(out.shape)
                 tensors[name] = out
                 raw[name] = RawQuantTensor(qtype=qtype, shape=shape, data=data)
-            pending.append((t, jobs))
+            if jobs:
+                pending.append((t, jobs))
         for t, jobs in pending:
             for job in jobs:
                 job.result()  # (re-raises a decoding error)
@@ -128,6 +143,29 @@ def load_gguf(path: str | Path, with_tokenizer: bool = True) -> Checkpoint:
     return Checkpoint(config=config, tensors=tensors, source_path=path.resolve(),
                       model_id=path.stem, tokenizer=tokenizer, quant_types={k: v.qtype for k, v in raw.items()},
                       raw=raw)
+
+
+def _deferrable(name: str, shape: tuple[int, ...]) -> bool:
+    """Weights a deferred load keeps in their blocks: every layer matrix (attention, FFN, experts) and the
+    output layer. The embeddings stay decoded (a token's lookup would otherwise decode the whole table)."""
+    return len(shape) == 2 and (name.startswith("model.layers.") or name == "lm_head.weight")
+
+
+def decode_float32(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor's blocks decoded to a new float32 tensor, the rows split over the decode threads."""
+    out = np.empty(shape, dtype=np.float32)
+    rows = shape[0]
+    workers = min(_decode_workers(), max(1, math.prod(shape) // DECODE_SPLIT_ELEMENTS))
+    if workers <= 1 or len(shape) != 2:
+        dequantize(data, qtype, shape, out)
+        return torch.from_numpy(out)
+    bounds = [rows * k // workers for k in range(workers + 1)]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        jobs = [pool.submit(dequantize, data[a:b], qtype, (b - a, shape[1]), out[a:b])
+                for a, b in zip(bounds, bounds[1:]) if b > a]
+        for job in jobs:
+            job.result()
+    return torch.from_numpy(out)
 
 
 def _canonical_pieces(t: Any, config: ModelConfig, arch: str):
