@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from tandem.core.ffn.weights import MoELayerWeights
+from tandem.core.loading.deferred import DeferredTensor
 from offline.collect import base_executor, iter_calibration_batches, split_windows
 from tandem.core.errors import TandemError
 from .evaluate import HeldOutScorer, Quality, choose_prefix
@@ -71,7 +72,8 @@ def model_param_count(engine) -> int:
             tensors += [w.router] + ([w.shared_expert_gate] if w.shared_expert_gate is not None else [])
         tensors += [t for f in ffns for t in vars(f).values() if isinstance(t, torch.Tensor)]
     for t in tensors:
-        key = (t.data_ptr(), t.numel())
+        # a deferred weight has no storage of its own (each use decodes a new one): the object is its identity
+        key = ("deferred", id(t)) if isinstance(t, DeferredTensor) else (t.data_ptr(), t.numel())
         if key not in seen:
             seen.add(key)
             total += t.numel()

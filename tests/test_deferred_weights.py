@@ -16,6 +16,7 @@ from online.engine_build import build_executor
 from online.engine_args import EngineArgs
 from online.execution.fused_decode import FusedDecodeStep
 from online.execution.step_cache import describe_step
+from predictors.pipeline import model_param_count
 from tandem.core.loading import load_checkpoint
 from tandem.core.loading.deferred import DEFER_ENV, DeferredTensor, defer_wanted
 from tandem.core.model.build import build_model
@@ -79,16 +80,20 @@ def test_deferred_checkpoint_decodes_the_same_values(smollm2_path):
         n_deferred += isinstance(d, DeferredTensor)
         assert torch.equal(torch.as_tensor(np.asarray(d)), t), name
     assert n_deferred == 7 * eager.config.num_layers  # q, k, v, o, gate, up, down (the head is tied)
+    assert lazy.deferred_bytes == 4 * sum(t.numel() for k, t in eager.tensors.items() if k.startswith("model.layers.")
+                                          and t.dim() == 2)
 
 
 def test_dense_engine_on_deferred_weights_matches_eager(smollm2_path, monkeypatch):
     from online import Engine
     ids = [1, 504, 3458, 28, 9]
-    eager = Engine.load(smollm2_path).logits(ids)
+    eager = Engine.load(smollm2_path)
     monkeypatch.setenv(DEFER_ENV, "1")
     deferred = Engine.load(smollm2_path)
     assert isinstance(deferred.model.layers[0].self_attn.q_proj.weight, DeferredTensor)
-    assert torch.equal(deferred.logits(ids), eager)
+    assert torch.equal(deferred.logits(ids), eager.logits(ids))
+    # counted by identity: each use of a deferred weight decodes it anew, often at a freed tensor's address
+    assert model_param_count(deferred) == model_param_count(eager)
 
 
 def test_defer_wanted_follows_the_environment_then_available_memory(monkeypatch):
@@ -136,3 +141,12 @@ def _tracking(load, live: list[int], peak: list[int]):
 
 def _dec(live: list[int]) -> None:
     live[0] -= 1
+
+
+def test_dense_engine_says_when_it_decodes_on_use(smollm2_path, monkeypatch, capsys):
+    from online import Engine
+    monkeypatch.setenv(DEFER_ENV, "1")
+    Engine.load(smollm2_path)
+    assert "decodes each matrix when it uses it" in capsys.readouterr().err
+    Engine.load(smollm2_path, weight_format="int4", step_cache=False)  # packed: deferred, nothing to say
+    assert "decodes each matrix" not in capsys.readouterr().err

@@ -54,6 +54,12 @@ class Checkpoint:
     def __post_init__(self) -> None:
         self.fingerprint = model_fingerprint(self.config, {k: tuple(v.shape) for k, v in self.tensors.items()})
 
+    @property
+    def deferred_bytes(self) -> int:
+        """Float32 bytes of the tensors still in their blocks (decoded on use; loading/deferred.py)."""
+        from .deferred import DeferredTensor
+        return sum(4 * t.numel() for t in self.tensors.values() if isinstance(t, DeferredTensor))
+
 
 def model_fingerprint(config: ModelConfig, tensor_shapes: dict[str, tuple[int, ...]]) -> str:
     """Hash of the architecture config and tensor names/shapes (what artifacts are built for)."""
