@@ -104,8 +104,9 @@ class Engine(LazyModules, Scoring, KVCaches):
         ckpt = load_checkpoint(args.model, deferred=True if packed else None)
         if not packed and ckpt.deferred_bytes:
             print(f"note: {ckpt.model_id}'s float32 weights ({ckpt.deferred_bytes / 2**30:.1f} GiB) would crowd this "
-                  "machine's memory, so the dense runtime decodes each matrix when it uses it (slow); a plan or "
-                  "--weight-format int4/int8 runs the file's blocks on the fused step", file=sys.stderr)
+                  "machine's memory, so the dense runtime decodes each matrix when it uses it (slower); to "
+                  "generate, a plan or --weight-format int4/int8 runs the file's blocks on the fused step",
+                  file=sys.stderr)
         if args.expert_slots is not None and not ckpt.config.is_moe:
             raise TandemError(f"expert_slots needs a MoE model; {ckpt.model_id} has no experts")
         net, ffn_layers = build_model(ckpt)

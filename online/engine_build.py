@@ -61,7 +61,28 @@ def build_executor(args: EngineArgs, ckpt, net, ffn_layers: list) -> BuiltExecut
                                                    head_weight=head, raw=raw))
     if settings.weight_format != "fp32":
         quantize_attention(net, settings.weight_format, settings.threads, raw)
+    pin_float_leftovers(net, built.executor, ffn_layers)
     return built
+
+
+def pin_float_leftovers(net, executor, ffn_layers: list) -> int:
+    """Decode once, and keep, the deferred weights a packed engine still computes with in float32 on every token
+    (loading/deferred.py): attention left as float modules (fp32), the float output layer when nothing packed
+    it, MoE routers and shared experts, and float MoE layers without an expert runtime. Returns how many."""
+    from torch import nn
+    from tandem.core.ffn.weights import FFNWeights, MoELayerWeights
+    from tandem.core.loading.deferred import pin_deferred
+    packed_head = getattr(executor, "head", None) is not None or getattr(executor, "tier_head", None) is not None
+    weights = [m.weight for name, m in net.named_modules()
+               if isinstance(m, nn.Linear) and not (name == "lm_head" and packed_head)]
+    float_moe = getattr(executor, "float_moe", {})
+    for i, w in enumerate(ffn_layers):
+        if not isinstance(w, MoELayerWeights):
+            continue
+        ffns = [w.shared_expert] + (list(w.experts) if i in float_moe else [])
+        weights += [w.router, w.shared_expert_gate] + [t for f in ffns if isinstance(f, FFNWeights)
+                                                       for t in vars(f).values()]
+    return pin_deferred(weights)
 
 
 def _layer_offload(args: EngineArgs, ckpt, net, ffn_layers: list) -> BuiltExecutor:
@@ -76,6 +97,7 @@ def _layer_offload(args: EngineArgs, ckpt, net, ffn_layers: list) -> BuiltExecut
     executor, gpu_layers = build_layer_offload(net, ffn_layers, settings, args.gpu_budget_bytes, capacity, raw)
     if settings.weight_format != "fp32":
         quantize_attention(net, settings.weight_format, settings.threads, raw)
+    pin_float_leftovers(net, executor, ffn_layers)
     return BuiltExecutor(executor, gpu_layers=gpu_layers)
 
 

@@ -186,8 +186,9 @@ def build_predictors(engine, profile, calib, settings: TrainSettings, *, window_
             if isinstance(w, MoELayerWeights):
                 entries.append(LayerEntry(stats={"kind": "moe"}))
                 continue
-            stats, layer_opts = layer_options(cfg, w, i, profile.activity, x_tr[i], x_va[i], float(thresholds[i]),
-                                              settings, bar)
+            # decoded once for the layer's training and option checks (deferred weights decode on each use)
+            stats, layer_opts = layer_options(cfg, w.decoded(), i, profile.activity, x_tr[i], x_va[i],
+                                              float(thresholds[i]), settings, bar)
             stats["reason"] = "end-to-end quality over the limit" if layer_opts else "costs more work than the exact path"
             entries.append(LayerEntry(stats=stats))
             options += layer_opts

@@ -17,7 +17,8 @@ from online.engine_args import EngineArgs
 from online.execution.fused_decode import FusedDecodeStep
 from online.execution.step_cache import describe_step
 from predictors.pipeline import model_param_count
-from tandem.core.loading import load_checkpoint
+from tandem.core.loading import gguf_loader, load_checkpoint
+from tandem.core.loading import deferred
 from tandem.core.loading.deferred import DEFER_ENV, DeferredTensor, defer_wanted
 from tandem.core.model.build import build_model
 
@@ -87,6 +88,7 @@ def test_deferred_checkpoint_decodes_the_same_values(smollm2_path):
 def test_dense_engine_on_deferred_weights_matches_eager(smollm2_path, monkeypatch):
     from online import Engine
     ids = [1, 504, 3458, 28, 9]
+    monkeypatch.setenv(DEFER_ENV, "0")
     eager = Engine.load(smollm2_path)
     monkeypatch.setenv(DEFER_ENV, "1")
     deferred = Engine.load(smollm2_path)
@@ -102,7 +104,10 @@ def test_defer_wanted_follows_the_environment_then_available_memory(monkeypatch)
     monkeypatch.setenv(DEFER_ENV, "0")
     assert not defer_wanted(1 << 60)
     monkeypatch.delenv(DEFER_ENV)
-    assert defer_wanted(1 << 60) and not defer_wanted(1)
+    monkeypatch.setattr(deferred, "available_memory_bytes", lambda: 8 << 30)
+    assert defer_wanted(5 << 30) and not defer_wanted(3 << 30)  # over half of what is available
+    monkeypatch.setattr(deferred, "available_memory_bytes", lambda: None)
+    assert not defer_wanted(1 << 60)  # unknown: load as before
 
 
 def _packed_step_arrays(ckpt, args: EngineArgs):
@@ -112,35 +117,103 @@ def _packed_step_arrays(ckpt, args: EngineArgs):
     return arrays
 
 
+class DecodeLedger:
+    """Counts decodes, and decoded float32 storages alive at once: each decode's numpy buffer is watched, and
+    torch.from_numpy's tensor (and every view or alias of it) keeps that buffer alive."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.decodes = self.live = self.peak = 0
+        real = gguf_loader.decode_float32
+
+        def decode(data, qtype, shape):
+            buf = np.empty(shape, np.float32)  # watched: the tensor handed out owns it
+            buf[...] = real(data, qtype, shape).numpy()
+            self.decodes += 1
+            self.live += 1
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(buf, self._freed)
+            return torch.from_numpy(buf)
+        monkeypatch.setattr(gguf_loader, "decode_float32", decode)  # what load_gguf binds into each DeferredTensor
+
+    def _freed(self) -> None:
+        self.live -= 1
+
+
+def test_threaded_decode_equals_one_pass(smollm2_path, monkeypatch):
+    from tandem.core.loading.quants import dequantize
+    monkeypatch.setattr(gguf_loader, "DECODE_SPLIT_ELEMENTS", 1 << 12)
+    monkeypatch.setattr(gguf_loader, "_decode_workers", lambda: 3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        raw = load_checkpoint(smollm2_path, deferred=True).raw
+        for name in ("model.layers.2.mlp.down_proj.weight", "model.embed_tokens.weight",
+                     "model.layers.0.self_attn.k_proj.weight"):
+            r = raw[name]
+            assert torch.equal(gguf_loader.decode_float32(r.data, r.qtype, r.shape),
+                               torch.from_numpy(dequantize(r.data, r.qtype, r.shape))), name
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_ledger_sees_a_held_alias(smollm2_path, monkeypatch):
+    ledger = DecodeLedger(monkeypatch)
+    ckpt = load_checkpoint(smollm2_path, deferred=True)
+    held = [ckpt.tensors[f"model.layers.{i}.mlp.up_proj.weight"].float().numpy() for i in range(3)]
+    assert (ledger.decodes, ledger.peak, ledger.live) == (3, 3, 3)
+    del held
+    assert ledger.live == 0
+
+
 @pytest.mark.parametrize("weight_format", ["int4", "int8"])
-def test_packed_build_from_deferred_weights_is_byte_identical(smollm2_path, weight_format):
-    """int4 reads the Q4_1 blocks as they are; int8 re-quantizes from the decoded floats, one matrix at a time."""
+def test_packed_build_from_deferred_weights_is_byte_identical(smollm2_path, weight_format, monkeypatch):
+    """int4 reads the Q4_1 blocks as they are (nothing decoded); int8 re-quantizes from the decoded floats, one
+    matrix at a time."""
     args = EngineArgs.create(str(smollm2_path), weight_format=weight_format, threads=1)
     eager = _packed_step_arrays(load_checkpoint(smollm2_path), args)
-    lazy_ckpt = load_checkpoint(smollm2_path, deferred=True)
-    live, peak = [0], [0]
-    for t in lazy_ckpt.tensors.values():
-        if isinstance(t, DeferredTensor):
-            t._load = _tracking(t._load, live, peak)
-    lazy = _packed_step_arrays(lazy_ckpt, args)
+    ledger = DecodeLedger(monkeypatch)
+    lazy = _packed_step_arrays(load_checkpoint(smollm2_path, deferred=True), args)
     assert eager.keys() == lazy.keys()
     for key in eager:
         assert np.array_equal(eager[key], lazy[key]), key
-    assert peak[0] <= 2  # matrices decoded at the same time while packing: the point of deferring
+    if weight_format == "int8":
+        assert ledger.decodes >= 7 * 30  # every layer matrix, re-quantized from float
+    assert ledger.peak <= 2  # decoded matrices alive at once while packing: the point of deferring
 
 
-def _tracking(load, live: list[int], peak: list[int]):
-    def wrapped() -> torch.Tensor:
-        out = load()
-        live[0] += 1
-        peak[0] = max(peak[0], live[0])
-        weakref.finalize(out, _dec, live)
-        return out
-    return wrapped
+@pytest.fixture(scope="module")
+def tiny_ggufs(tmp_path_factory, smollm2_path):
+    from synth import SynthSpec, get_shape, synthesize
+    out = tmp_path_factory.mktemp("deferred")
+    return {name: synthesize(SynthSpec(get_shape(name), sparsity=0.9, sample_seqs=4), out / name,
+                             str(smollm2_path)).path for name in ("tiny", "tiny-moe")}
 
 
-def _dec(live: list[int]) -> None:
-    live[0] -= 1
+def _engine(path, monkeypatch, defer: str, **kw):
+    from online import Engine
+    monkeypatch.setenv(DEFER_ENV, defer)
+    return Engine.load(path, threads=1, step_cache=False, **kw)
+
+
+@pytest.mark.parametrize("shape,kw", [
+    ("tiny", {}), ("tiny", {"weight_format": "fp32"}), ("tiny", {"weight_format": "int8"}),
+    ("tiny-moe", {}), ("tiny-moe", {"weight_format": "int8"}),
+    ("tiny-moe", {"expert_slots": 2, "gpu_device": "cpu"}),
+])
+def test_engines_on_deferred_weights_match_eager_and_decode_nothing_per_token(tiny_ggufs, monkeypatch, shape, kw):
+    """Untied output layer (synth's), MoE routers / experts / fp32 runtimes: the same logits, and once built a
+    packed engine decodes nothing per token (what it still uses in float32 was pinned)."""
+    ids = [5, 17, 99, 3, 250, 41]
+    eager = _engine(tiny_ggufs[shape], monkeypatch, "0", **kw)
+    ledger = DecodeLedger(monkeypatch)
+    lazy = _engine(tiny_ggufs[shape], monkeypatch, "1", **kw)
+    assert torch.equal(lazy.logits(ids), eager.logits(ids))
+    assert ledger.decodes > 0  # dense: on use; packed: to pack the Q4_0 file as int8 / fp32 (nothing is in place)
+    before = ledger.decodes
+    lazy.generate(ids, max_new_tokens=4)
+    assert lazy.logits(ids).shape[0] == len(ids)
+    if kw:  # packed: float leftovers pinned (a dense engine decodes on every use by design)
+        assert ledger.decodes == before
 
 
 def test_dense_engine_says_when_it_decodes_on_use(smollm2_path, monkeypatch, capsys):

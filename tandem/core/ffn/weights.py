@@ -23,6 +23,17 @@ class FFNWeights:
     def n_neurons(self) -> int:
         return self.up.shape[0]
 
+    def decoded(self) -> "FFNWeights":
+        """These weights with deferred ones decoded (loading/deferred.py): for work that reads them many times.
+
+        Example::
+
+            w = ffn_layers[3].decoded()   # holds the layer's float32 matrices until w goes
+        """
+        from ..loading.deferred import DeferredTensor
+        fields = {k: (v.materialize() if isinstance(v, DeferredTensor) else v) for k, v in vars(self).items()}
+        return FFNWeights(**fields)
+
     @property
     def nbytes(self) -> int:
         tensors = (self.up, self.down, self.gate, self.up_bias, self.gate_bias, self.down_bias)

@@ -31,8 +31,8 @@ _METADATA = frozenset({
     torch.Tensor.layout.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.size, torch.Tensor.dim,
     torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.element_size, torch.Tensor.is_floating_point,
     torch.Tensor.is_complex, torch.Tensor.__len__, torch.Tensor.is_sparse.__get__,
-    torch.Tensor.is_quantized.__get__, torch.Tensor.grad.__get__,
-    torch.Tensor.is_leaf.__get__, torch.Tensor.grad_fn.__get__, torch.Tensor.itemsize.__get__, torch.Tensor.nbytes.__get__,
+    torch.Tensor.is_quantized.__get__, torch.Tensor.grad.__get__, torch.Tensor.is_leaf.__get__,
+    torch.Tensor.grad_fn.__get__, torch.Tensor.itemsize.__get__, torch.Tensor.nbytes.__get__,
 })
 _CPU = torch.device("cpu")
 _ON_CPU = {torch.Tensor.device.__get__: _CPU, torch.Tensor.is_meta.__get__: False, torch.Tensor.is_cpu.__get__: True,
@@ -50,10 +50,19 @@ class DeferredTensor(torch.Tensor):
         t = torch.Tensor._make_subclass(cls, stand_in, False)
         t._load = load
         t._decoded = None  # weakref to the last decoded tensor: reused while someone still holds it
+        t._pinned = None  # the decoded tensor, kept for good (pin)
         return t
+
+    def pin(self) -> torch.Tensor:
+        """Decode once and keep the values: for a weight that a float path then uses on every token."""
+        if self._pinned is None:
+            self._pinned = self.materialize()
+        return self._pinned
 
     def materialize(self) -> torch.Tensor:
         """The float32 values (a plain tensor; decoded again once no one holds the last one)."""
+        if self._pinned is not None:
+            return self._pinned
         ref = self._decoded
         out = ref() if ref is not None else None
         if out is None:
@@ -91,7 +100,8 @@ def _decoded(value: Any) -> Any:
     if isinstance(value, DeferredTensor):
         return value.materialize()
     if isinstance(value, (list, tuple)):
-        return type(value)(_decoded(v) for v in value)
+        items = [_decoded(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuples too
     if isinstance(value, dict):
         return {k: _decoded(v) for k, v in value.items()}
     return value
@@ -111,6 +121,16 @@ def available_memory_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def pin_deferred(tensors) -> int:
+    """Pin every DeferredTensor among ``tensors`` (None and plain tensors are skipped); returns how many."""
+    n = 0
+    for t in tensors:
+        if isinstance(t, DeferredTensor):
+            t.pin()
+            n += 1
+    return n
 
 
 def defer_wanted(float32_bytes: int) -> bool:

@@ -155,7 +155,7 @@ def decode_float32(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> torc
     """A tensor's blocks decoded to a new float32 tensor, the rows split over the decode threads."""
     out = np.empty(shape, dtype=np.float32)
     rows = shape[0]
-    workers = min(_decode_workers(), max(1, math.prod(shape) // DECODE_SPLIT_ELEMENTS))
+    workers = min(_decode_workers(), torch.get_num_threads(), max(1, math.prod(shape) // DECODE_SPLIT_ELEMENTS))
     if workers <= 1 or len(shape) != 2:
         dequantize(data, qtype, shape, out)
         return torch.from_numpy(out)
