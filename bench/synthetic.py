@@ -20,6 +20,7 @@ from pathlib import Path
 from bench.run import BENCH_DIR, PEER_PYTHON, REPO, assemble_results, machine_line, run_system
 
 HOT_SHARE = 0.8
+RECORDS = BENCH_DIR / "synthetic-records.jsonl"  # every row's JSON record, appended by each run (committed)
 QUIET_SHARE = 0.9  # rows whose read bandwidth fell below this share of the calibration probe's (the probe runs
 # alone) ran under contention and are not modeled from (before 2026-11-29: an absolute 25 GB/s, the AMD host's)
 
@@ -79,7 +80,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=48)
-    ap.add_argument("--from-log", nargs="+", help="re-render the table from the JSON lines previous runs printed")
+    ap.add_argument("--from-log", nargs="+", help="re-render the table from the JSON lines previous runs printed "
+                    f"(each run also appends them to {RECORDS.relative_to(REPO)})")
     args = ap.parse_args()
     models_dir = Path(args.models_dir)
     calibration = models_dir / f"fused-calibration-{args.threads}t.json"
@@ -108,8 +110,11 @@ def main() -> None:
             peer = run_system([str(PEER_PYTHON), "bench/systems/llamacpp.py", "--gguf", str(gguf), *timing]) \
                 if PEER_PYTHON.exists() else None
             rows.append((shape, sparsity, gguf, tandem, peer, predictor_quality(work)))
-            print(json.dumps({"shape": shape, "sparsity": sparsity, "gguf": str(gguf), "tandem": tandem,
-                              "llama.cpp": peer}), flush=True)
+            record = json.dumps({"shape": shape, "sparsity": sparsity, "gguf": str(gguf), "tandem": tandem,
+                                 "llama.cpp": peer})
+            print(record, flush=True)
+            with RECORDS.open("a") as f:  # kept: the table can be re-rendered from them (--from-log)
+                f.write(record + "\n")
     write_table(rows, args, calibration)
 
 

@@ -108,7 +108,9 @@ def _decoded(value: Any) -> Any:
 
 
 DEFER_ENV = "TANDEM_DEFER_WEIGHTS"
-DEFER_SHARE_OF_AVAILABLE = 0.5
+# a dense load defers above this share of the memory available: the float32 weights plus what the offline stages
+# hold beside them (activations, a second engine while a plan's quality is measured) would not fit
+DEFER_SHARE_OF_AVAILABLE = 0.75
 
 
 def available_memory_bytes() -> int | None:
@@ -135,8 +137,8 @@ def pin_deferred(tensors) -> int:
 
 def defer_wanted(float32_bytes: int) -> bool:
     """Whether a dense (float32 modules) load should keep its layer weights deferred:
-    ``$TANDEM_DEFER_WEIGHTS`` = 1 / 0 decides; otherwise when the float32 weights would take over half of
-    the memory available now (decoding on use costs time, running out of memory costs the run)."""
+    ``$TANDEM_DEFER_WEIGHTS`` = 1 / 0 decides; otherwise when the float32 weights would take over three quarters
+    of the memory available now (decoding on use costs time, running out of memory costs the run)."""
     choice = os.environ.get(DEFER_ENV, "").strip()
     if choice in ("0", "1"):
         return choice == "1"

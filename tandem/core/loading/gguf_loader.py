@@ -99,7 +99,7 @@ def load_gguf(path: str | Path, with_tokenizer: bool = True, deferred: bool | No
 
     ``deferred``: the layers' weight matrices and the output layer stay in their blocks as DeferredTensors
     (decoded on each use; deferred.py), so the float32 model never exists whole. None: deferred when
-    their float32 copy would take over half the memory available (``deferred.defer_wanted``)."""
+    their float32 copy would take over 3/4 of the memory available (``deferred.defer_wanted``)."""
     path = Path(path)
     reader, fields = read_gguf(path)
     arch = fields.get("general.architecture")
