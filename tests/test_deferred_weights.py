@@ -17,6 +17,7 @@ from online.engine_args import EngineArgs
 from online.execution.fused_decode import FusedDecodeStep
 from online.execution.step_cache import describe_step
 from predictors.pipeline import model_param_count
+from tandem.core import loading
 from tandem.core.loading import gguf_loader, load_checkpoint
 from tandem.core.loading import deferred
 from tandem.core.loading.deferred import DEFER_ENV, DeferredTensor, defer_wanted
@@ -190,9 +191,18 @@ def tiny_ggufs(tmp_path_factory, smollm2_path):
 
 
 def _engine(path, monkeypatch, defer: str, **kw):
+    """An engine on deferred weights ("1"), or on eagerly decoded ones ("0"; packed engines defer whatever the
+    environment says, so the eager reference forces the loader)."""
     from online import Engine
     monkeypatch.setenv(DEFER_ENV, defer)
-    return Engine.load(path, threads=1, step_cache=False, **kw)
+    real = loading.load_checkpoint
+    with monkeypatch.context() as m:
+        if defer == "0":
+            m.setattr(loading, "load_checkpoint", lambda model, deferred=False: real(model, deferred=False))
+        engine = Engine.load(path, threads=1, step_cache=False, **kw)
+    if defer == "0":
+        assert not any(isinstance(p, DeferredTensor) for p in engine.model.parameters())
+    return engine
 
 
 @pytest.mark.parametrize("shape,kw", [
