@@ -18,6 +18,7 @@ from online.execution.fused_decode import FusedDecodeStep
 from online.execution.step_cache import describe_step
 from predictors.pipeline import model_param_count
 from tandem.core import loading
+from tandem.core.errors import TandemError
 from tandem.core.loading import gguf_loader, load_checkpoint
 from tandem.core.loading import deferred
 from tandem.core.loading.deferred import DEFER_ENV, DeferredTensor, defer_wanted
@@ -109,6 +110,9 @@ def test_defer_wanted_follows_the_environment_then_available_memory(monkeypatch)
     assert defer_wanted(7 << 30) and not defer_wanted(5 << 30)  # over 3/4 of what is available
     monkeypatch.setattr(deferred, "available_memory_bytes", lambda: None)
     assert not defer_wanted(1 << 60)  # unknown: load as before
+    monkeypatch.setenv(DEFER_ENV, "yes")
+    with pytest.raises(TandemError, match="TANDEM_DEFER_WEIGHTS must be 1"):
+        defer_wanted(1)
 
 
 def _packed_step_arrays(ckpt, args: EngineArgs):

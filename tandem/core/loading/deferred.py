@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from tandem.core.errors import TandemError
+
 # metadata that the meta-device stand-in answers exactly (shape, dtype, layout, sizes)
 _METADATA = frozenset({
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.ndim.__get__,
@@ -142,5 +144,8 @@ def defer_wanted(float32_bytes: int) -> bool:
     choice = os.environ.get(DEFER_ENV, "").strip()
     if choice in ("0", "1"):
         return choice == "1"
+    if choice:
+        raise TandemError(f"{DEFER_ENV} must be 1 (decode each weight on use) or 0 (decode all at load), "
+                          f"or unset to decide by the memory available; got {choice!r}")
     available = available_memory_bytes()
     return available is not None and float32_bytes > DEFER_SHARE_OF_AVAILABLE * available
