@@ -149,7 +149,8 @@ def main() -> None:
     from bench.run import assemble_results, machine_line
     from online.plan_measure import fixed_cost_engines, measure_fused_calibration
     from placement.fused_calibration import best_of, calibrated_plan_tokens_per_s
-    from placement.step_reads import WHOLE_ACCESSES, format_reads, modeled_passes, modeled_reads, read_fractions
+    from placement.step_reads import (WHOLE_ACCESSES, format_reads, modeled_passes, modeled_reads, modeled_rows,
+                                      read_fractions)
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plans", default=",".join(PLANS))
@@ -181,9 +182,11 @@ def main() -> None:
                 fractions = set_mode(p, mode)
                 reads, shares = modeled_reads(p["units"], fractions, p["relu"]), read_fractions(p["units"], fractions, p["relu"])
                 passes = modeled_passes(p["units"], fractions, p["relu"])
+                n_rows = modeled_rows(p["units"], fractions, p["relu"])
                 rec = rows.setdefault((p["name"], mode), dict(modeled=[], measured=[], old=[], step=[], counted=[], reads=reads,
-                                                              shares=shares, passes=passes, p=p))
-                rec["modeled"].append(1.0 / cal.reads_seconds(n_layers, reads, fractions=shares, passes=passes))
+                                                              shares=shares, passes=passes, rows=n_rows, p=p))
+                rec["modeled"].append(1.0 / cal.reads_seconds(n_layers, reads, fractions=shares, passes=passes,
+                                                              rows=n_rows))
                 rec["old"].append(calibrated_plan_tokens_per_s(p["plan"], cal, "int4") if mode == "plan" else float("nan"))
                 rec["measured"].append(measure(p, args.tokens))
                 best_s, counted = best_token_s(p, args.tokens, mode)
@@ -227,7 +230,7 @@ def main() -> None:
     for (name, mode), rec in rows.items():
         p = rec["p"]
         best = 1.0 / best_of(p["cals"]).reads_seconds(p["engine"].config.num_layers, rec["reads"], fractions=rec["shares"],
-                                                      passes=rec["passes"])
+                                                      passes=rec["passes"], rows=rec["rows"])
         ratios = [m / x for m, x in zip(rec["modeled"], rec["measured"])]
         lines.append(f"| {name} | {mode} | {p['plan'].modeled['tokens_per_s']:.1f} | {max(rec['old']):.1f} | "
                      f"{best:.1f} | {max(rec['measured']):.1f} | **{best / max(rec['measured']):.2f}** | {med(ratios):.2f} "

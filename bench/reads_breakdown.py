@@ -43,7 +43,7 @@ def main() -> None:
     if args.runs < 1 or args.decode_tokens < 1 or args.threads < 1:
         raise TandemError("--runs, --decode-tokens and --threads must be >= 1")
     from bench.prompt import BENCH_PROMPT
-    from bench.systems.tandem_synthetic import counted_reads, run_mode
+    from bench.systems.tandem_synthetic import counted_reads, run_bandwidths, run_modes
     from online import Engine
     from placement.fused_calibration import load_calibration
     from placement.probe import measure_read_bandwidth
@@ -55,27 +55,29 @@ def main() -> None:
     step = engine.compiled_decode
     preds = [ctypes.pointer(layer.pred.contents) if layer.pred else None for layer in step._layers]
     ids = engine.tokenizer.encode(BENCH_PROMPT)[:64]
-    rec = run_mode(engine, step, args.mode, ids, args.decode_tokens, args.runs, preds,
-                   lambda: measure_read_bandwidth("cpu"))
-    bandwidth = statistics.median(rec["read_bandwidth_samples"])
+    rec, = run_modes(engine, step, (args.mode,), ids, args.decode_tokens, args.runs, preds,
+                     lambda: measure_read_bandwidth("cpu"))
+    bandwidth = statistics.median(run_bandwidths(rec))
     context = len(ids) + (args.decode_tokens + 1) / 2
-    reads, shares, passes = counted_reads(engine, step, args.mode, rec, context)
+    reads, shares, passes, rows = counted_reads(engine, step, args.mode, rec, context)
     at_run = replace(cal, read_bandwidth_bytes_per_s=bandwidth)
     measured_ms = 1e3 / statistics.median(rec["decode_tok_s"])
     step_bytes = sum(reads.values())
     print(f"{base.name} {args.mode}: measured {measured_ms:.2f} ms/token; read bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"(calibration's {cal.read_bandwidth_bytes_per_s / 1e9:.1f}); cache speedup on the whole-matrix and KV reads "
           f"{at_run.residency_at(step_bytes):.2f}x")
-    print("| format | access | MB/token | row share | rate GB/s | modeled ms |")
-    print("|---|---|---|---|---|---|")
+    print("| format | access | MB/token | row share | bytes a row | rate GB/s | modeled ms |")
+    print("|---|---|---|---|---|---|---|")
     for (kind, access), nbytes in sorted(reads.items(), key=lambda kv: -kv[1]):
-        rate = at_run.rate(kind, access, shares.get((kind, access))).share * bandwidth
-        rate *= at_run.access_speedup(access, step_bytes)
-        print(f"| {kind} | {access} | {nbytes / 1e6:.1f} | {shares.get((kind, access), 1.0):.3f} | {rate / 1e9:.1f} "
-              f"| {1e3 * nbytes / rate:.2f} |")
+        kr = at_run.rate(kind, access, shares.get((kind, access)))
+        n_rows = rows.get((kind, access))
+        seconds = kr.pass_seconds(nbytes, bandwidth, n_rows) / at_run.access_speedup(access, step_bytes)
+        row_bytes = nbytes / n_rows if n_rows else float("nan")
+        print(f"| {kind} | {access} | {nbytes / 1e6:.1f} | {shares.get((kind, access), 1.0):.3f} | {row_bytes:.0f} | "
+              f"{nbytes / seconds / 1e9:.1f} | {1e3 * seconds:.2f} |")
     layers = engine.config.num_layers
     fixed = at_run.reads_seconds(layers, {}, passes=passes)  # the model's own sum: its fixed costs alone, then all
-    modeled_ms = 1e3 * at_run.reads_seconds(layers, reads, fractions=shares, passes=passes)
+    modeled_ms = 1e3 * at_run.reads_seconds(layers, reads, fractions=shares, passes=passes, rows=rows)
     print(f"fixed costs {1e3 * fixed:.2f} ms ({passes} passes); modeled {modeled_ms:.2f} ms/token; "
           f"modeled / measured tok/s {measured_ms / modeled_ms:.2f}")
 

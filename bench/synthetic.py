@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--sparsities", nargs="+", type=float, default=[0.5, 0.8, 0.9, 0.95])
     ap.add_argument("--models-dir", default=str(BENCH_DIR / "synthetic-models"))
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--from-log", nargs="+", help="re-render the table from the JSON lines previous runs printed "
                     f"(each run also appends them to {RECORDS.relative_to(REPO)})")
@@ -134,15 +134,20 @@ def write_table(rows, args, calibration: Path) -> None:
              "- bytes/token: weight bytes each mode reads per token (attention, output layer, FFN rows, predictor), "
              "and the KV cache (float16, the default) every mode reads at the run's mean context (placement.step_reads.kv_read_bytes); "
              "limit: weight + KV bytes per token against the read bandwidth measured in the same process (after "
-             "the slash: weights only, the table's limit before 2026-11-28); achieved = tok/s / limit. Since 2026-11-28 the "
-             "bandwidth is the median of samples taken before each of the mode's runs (before: one snapshot per process).",
+             "the slash: weights only, the table's limit before 2026-11-28); achieved = tok/s / limit. Since "
+             "2026-11-29 the bandwidth is the median over the mode's runs of the mean of samples right before and "
+             "right after each "
+             "run, and the three modes are timed round by round (2026-11-28: samples before each run, the modes one "
+             "after another; before: one snapshot per process).",
              "- modeled: `tandem probe --fused`'s terms (fixed cost per call and per layer from tiny random Llama "
              "models; the row kernels' rate per packed format and access: dense rows, gathered rows, added down rows) "
              "applied to each mode's reads by format and access (the step's own packed tensors at the rows the run "
              "counted; placement.step_reads), at the read bandwidth sampled beside the mode's runs (the probe's "
              "shares and fixed costs are the model; the host's bandwidth, which drifts by a third within minutes "
-             "here, is its input, as it is the limit's); in brackets modeled / measured (goal: 0.75-1.25). The same "
-             "model at the probe's own bandwidth is summarized under the table.",
+             "here, is its input, as it is the limit's); in brackets modeled / measured (goal: 0.75-1.25): since "
+             "2026-11-29 the median over runs of each run's modeled / measured, the model at that run's own "
+             "bandwidth (before: the medians' ratio). The same model at the probe's own bandwidth is summarized "
+             "under the table.",
              "- read GB/s: torch-sum read bandwidth measured inside the Tandem process of that row (predictor mode's "
              "median): the 2 cores are "
              "shared with other jobs, and rows where it falls far below ~30 GB/s ran under contention (all "
@@ -166,14 +171,23 @@ def write_table(rows, args, calibration: Path) -> None:
             f"{e['decode_tok_s_median']:.1f} | {p['decode_tok_s_median']:.1f} | {p['decode_tok_s_median'] / ll:.2f}x | {pq} | "
             f"{d['bytes_per_token'] / 1e6:.0f} / {e['bytes_per_token'] / 1e6:.0f} / {p['bytes_per_token'] / 1e6:.0f} "
             f"(+ {p.get('kv_bytes_per_token', 0.0) / 1e6:.0f}) | {limits(p)} | "
-            + " / ".join(f"{m.get('modeled_tok_s', float('nan')):.1f} ({m.get('modeled_tok_s', float('nan')) / m['decode_tok_s_median']:.2f})"
-                         for m in (d, e, p)) + f" | {p['read_bandwidth'] / 1e9:.1f} |")
+            + " / ".join(f"{m.get('modeled_tok_s', float('nan')):.1f} ({modeled_over_measured(m):.2f})"
+                         for m in (d, e, p))
+            + f" | {p['read_bandwidth'] / 1e9:.1f} |")
     lines += probe_bandwidth_line(rows)
     lines += modeled_7b(rows, calibration)
     (BENCH_DIR / "synthetic.md").write_text("\n".join(lines) + "\n")
     assemble_results()
     print("\n".join(lines))
 
+
+
+def modeled_over_measured(mode: dict) -> float:
+    """The median over runs of modeled / measured, each run against the model at its own bandwidth (records
+    from before 2026-11-29: the median modeled over the median measured)."""
+    if "modeled_over_measured" in mode:
+        return mode["modeled_over_measured"]
+    return mode.get("modeled_tok_s", float("nan")) / mode["decode_tok_s_median"]
 
 
 def probe_bandwidth_line(rows) -> list[str]:

@@ -48,6 +48,7 @@ from .step_inventory import kind_name, weight_bytes
 PROBE_BYTES = 48 * 2**20
 EVICT_MARGIN_BYTES = 96 * 2**20  # read before each timed pass beyond the last-level cache's size
 COLS = 2048
+NARROW_COLS = 512  # the second width each row kernel is timed at: what a row costs beyond its bytes (KindRate.row_s)
 SPARSE_SHARES = (0.1, 0.4, 1.0)  # shares of the rows a gather / axpy pass reads (rates interpolate between)
 ATTEND_GROUPS = (8, 4, 1)  # query heads per KV head an attend pass serves (its KindRate fraction: 1 / group)
 ATTEND_CONTEXT_TOKENS, ATTEND_HEAD_DIM = 2048, 64  # the pass's cached positions; PROBE_BYTES sets its KV heads
@@ -94,21 +95,24 @@ def random_gguf(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> n
 
 
 @functools.lru_cache(maxsize=None)
-def cached_weight(fmt: str, axpy: bool):
+def cached_weight(fmt: str, axpy: bool, cols: int | None = None):
     """probe_weight, packed once per process (a bench's rounds reuse it)."""
-    return probe_weight(fmt, "axpy" if axpy else "dense", np.random.default_rng(sorted(PROBE_FORMAT.values()).index(fmt)))
+    rng = np.random.default_rng(sorted(PROBE_FORMAT.values()).index(fmt))
+    return probe_weight(fmt, "axpy" if axpy else "dense", rng, cols)
 
 
-def probe_weight(fmt: str, access: str, rng: np.random.Generator):
-    """(packed weight, its descriptor ref) of about PROBE_BYTES in format ``fmt`` (a GGUF type or a re-pack)."""
+def probe_weight(fmt: str, access: str, rng: np.random.Generator, cols: int | None = None):
+    """(packed weight, its descriptor ref) of about PROBE_BYTES in format ``fmt`` (a GGUF type or a re-pack),
+    rows of ``cols`` weights (None: COLS)."""
+    cols = COLS if cols is None else cols
     if fmt in GGUF_BLOCKS:
         per, nbytes, _ = GGUF_BLOCKS[fmt]
-        rows = max(64, PROBE_BYTES // (COLS // per * nbytes))
-        w = weight_from_gguf(random_gguf(fmt, rows, COLS, rng), fmt, (rows, COLS))
+        rows = max(64, PROBE_BYTES // (cols // per * nbytes))
+        w = weight_from_gguf(random_gguf(fmt, rows, cols, rng), fmt, (rows, cols))
     else:
-        per_row = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int8b": 34 / 32, "int4": 0.625}[fmt] * COLS
+        per_row = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int8b": 34 / 32, "int4": 0.625}[fmt] * cols
         rows = int(PROBE_BYTES // per_row)
-        w = quantize(rng.standard_normal((rows, COLS), dtype=np.float32) * 0.05, fmt)
+        w = quantize(rng.standard_normal((rows, cols), dtype=np.float32) * 0.05, fmt)
     return w, describe(w, dot_input=access != "axpy")
 
 
@@ -154,6 +158,7 @@ class ReadPass:
         self.out = np.zeros((threads, max(rows, cols)), np.float32)
         self.h = rng.standard_normal(len(self.picks[0]), dtype=np.float32)
         self.nbytes = int(len(self.picks[0]) * weight_bytes(d) / rows)
+        self.rows_read = len(self.picks[0])  # rows one pass reads (gu: both matrices' rows)
         self.kind = kind_name(d)  # the step inventory's name of the probed format
         self._idx = self.picks[0]
         self._read_pass = _read_pass(lib)  # None for kernels from before it (bench/native_ab.py's baselines)
@@ -258,13 +263,14 @@ def measure_pass_cost(threads: int, pass_bytes: int = PASS_BYTES) -> float:
 
 
 def read_pass(lib, fmt: str, access: str, threads: int, rng: np.random.Generator, share: float = 1.0,
-              picks: int = REPEATS + 1) -> ReadPass:
-    """A pass over probe format ``fmt``'s matrix read as the step reads it for ``access`` (placement.step_reads):
-    ``dense`` over the eight-row interleaved copy the step streams, ``rows`` over the same blocks in place (the
-    matrices it keeps row by row for gathered reads), gathered and added rows in place."""
+              picks: int = REPEATS + 1, cols: int | None = None) -> ReadPass:
+    """A pass over probe format ``fmt``'s matrix (rows of ``cols`` weights; None: COLS) read as the step reads
+    it for ``access`` (placement.step_reads): ``dense`` over the eight-row interleaved copy the step streams,
+    ``rows`` over the same blocks in place (the matrices it keeps row by row for gathered reads), gathered and
+    added rows in place."""
     if access == "attend":
         return AttendPass(lib, fmt, threads, rng, group=round(1 / share))
-    ref = cached_weight(fmt, access == "axpy")[1]
+    ref = cached_weight(fmt, access == "axpy", cols)[1]
     if access in ("dense", "dense_gu"):
         ref = interleave(ref, lib)
     kernel = "gu" if access in ("dense_gu", "rows_gu") else "dense" if access in WHOLE_ACCESSES else access
@@ -312,7 +318,9 @@ def time_reads(one: ReadPass) -> tuple[int, float]:
 
 
 def measure_kind_rates(threads: int, bandwidth: float, plan=DEFAULT_PLAN, seed: int = 0) -> tuple[KindRate, ...]:
-    """One KindRate per (format, access) of ``plan``; names as the step inventory names them."""
+    """One KindRate per (format, access) of ``plan``; names as the step inventory names them. Each row kernel
+    is timed over rows of COLS and of NARROW_COLS weights: the share is the wide pass's, and the two per-row
+    times give what a row costs beyond its bytes (row_cost)."""
     if threads < 1:
         raise TandemError(f"threads must be >= 1, got {threads}")
     lib, rng, out = load_native().lib, np.random.default_rng(seed), []
@@ -326,6 +334,32 @@ def measure_kind_rates(threads: int, bandwidth: float, plan=DEFAULT_PLAN, seed: 
             for share in shares:
                 one = read_pass(lib, fmt, access, threads, rng, share)
                 read, seconds = time_reads(one)
+                row_s = row_bytes = 0.0
+                if access != "attend":
+                    narrow = read_pass(lib, fmt, access, threads, rng, share, cols=NARROW_COLS)
+                    narrow_read, narrow_seconds = time_reads(narrow)
+                    row_bytes = read / one.rows_read
+                    row_s = row_cost((row_bytes, seconds / one.rows_read),
+                                     (narrow_read / narrow.rows_read, narrow_seconds / narrow.rows_read))
                 out.append(KindRate(kind=one.kind, access=access, share=read / seconds / bandwidth,
-                                    bytes=read, seconds=seconds, fraction=share))
+                                    bytes=read, seconds=seconds, fraction=share, row_s=row_s,
+                                    row_bytes=row_bytes if row_s > 0 else 0.0))
     return tuple(out)
+
+
+def row_cost(wide: tuple[float, float], narrow: tuple[float, float]) -> float:
+    """Seconds each row costs beyond its bytes, from (bytes per row, seconds per row) of passes over wide and
+    narrow rows of one kernel: per-row seconds = bytes / rate + row_s, solved for row_s; kept between 0 (noise
+    that made narrow rows look faster) and 90% of a wide row's time (the bytes' rate stays finite).
+
+    Example::
+
+        row_cost((2052, 77.7e-9), (516, 25.0e-9))   # ~7.3e-9: a row pays ~7 ns beyond its bytes
+    """
+    (b_wide, t_wide), (b_narrow, t_narrow) = wide, narrow
+    if not (b_wide > b_narrow > 0 and t_wide > 0 and t_narrow > 0):
+        return 0.0
+    per_byte = (t_wide - t_narrow) / (b_wide - b_narrow)
+    if per_byte <= 0:  # narrow rows as slow as wide ones per row: the whole time is per row
+        return 0.9 * t_wide
+    return float(min(max(t_wide - b_wide * per_byte, 0.0), 0.9 * t_wide))

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from placement.fused_calibration import FIXED_SIZES, FORMATS, FusedCalibration, fit_fixed_terms
-from placement.step_reads import modeled_passes, modeled_reads
+from placement.step_reads import modeled_passes, modeled_reads, modeled_rows
 from placement.plan import read_plan
 from placement.probe import measure_read_bandwidth, torch_threads
 from placement.quality import DEFAULT_QUALITY_TOKENS, WINDOW_TOKENS, held_out_tokens, scores
@@ -156,7 +156,9 @@ def measure_fused_calibration(threads: int, formats: tuple[str, ...] = FORMATS, 
     samples, byte_s = {f: [] for f in formats}, {f: [] for f in formats}
     for layers, fmt, engine, units in engines:
         step_reads = modeled_reads(units, None, relu=False)
-        byte_s[fmt].append(partial.reads_seconds(0, step_reads, fixed=False) + modeled_passes(units, None, False) * pass_s)
+        rows = modeled_rows(units, None, relu=False)
+        byte_s[fmt].append(partial.reads_seconds(0, step_reads, fixed=False, rows=rows)
+                           + modeled_passes(units, None, False) * pass_s)
         samples[fmt].append((layers, float(sum(step_reads.values())), _time_generate(engine)))
     dense_share = {"int4": partial.rate("q4_1", "dense").share, "int8": partial.rate("int8", "dense").share}
     terms = tuple(fit_fixed_terms(fmt, samples[fmt], byte_s[fmt], dense_share.get(fmt, 1.0)) for fmt in formats)

@@ -49,7 +49,7 @@ def weight_bytes(w) -> int:
 
 
 def _unit(role: str, layer: int, w) -> StepUnit:
-    return StepUnit(role=role, layer=layer, kind=kind_name(w), packed_bytes=weight_bytes(w),
+    return StepUnit(role=role, layer=layer, kind=kind_name(w), packed_bytes=weight_bytes(w), rows=int(w.rows),
                     in_place=w.kind in (KIND_I4H, KIND_I8H))  # kinds the step interleaves elsewhere (blocks_x8.h)
 
 
@@ -75,5 +75,5 @@ def step_units(step, cfg) -> list[StepUnit]:
             pred = layer.pred.contents
             units += [_unit("pred", i, pred.w1), _unit("pred", i, pred.w2)]
     units.append(_unit("head", -1, step._desc.head))
-    units.append(StepUnit("embed_row", -1, "f32", 4 * cfg.hidden_size))  # one float32 row of the table
+    units.append(StepUnit("embed_row", -1, "f32", 4 * cfg.hidden_size, rows=1))  # one float32 row of the table
     return units

@@ -215,6 +215,9 @@ def cmd_probe(args: argparse.Namespace) -> int:
               + ", ".join(f"{size >> 20} MB {speedup:.2f}x" for size, speedup in cal.residency))
         print(f"row kernels, share of {cal.read_bandwidth_bytes_per_s / 1e9:.1f} GB/s per packed format and access: "
               + ", ".join(f"{r.kind} {r.access}{_rate_note(r, WHOLE_ACCESSES)} {r.share:.0%}" for r in cal.rates))
+        print("what a row costs beyond its bytes (ns, rows of the probe's width against narrower ones): "
+              + ", ".join(f"{r.kind} {r.access}{_rate_note(r, WHOLE_ACCESSES)} {1e9 * r.row_s:.1f}"
+                          for r in cal.rates if r.row_s > 0))
         print(f"fused-step calibration written to {args.fused} (use it with show-plan --calibration)")
     return 0
 

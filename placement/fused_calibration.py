@@ -6,13 +6,16 @@ fixed costs; it overrated the cpu-only SmolLM2 plan by 1.5-2.5x. ``tandem probe 
 
     seconds per token = call_s + n_layers * layer_s + passes * pass_s
                         + sum over (format, access) of bytes / (share(format, access, row fraction) * read_bandwidth)
+                                                       + row_s(format, access) * (rows - bytes / probe's row bytes)
 
 (call_s: one OpenMP region, embedding, output setup, the token loop; layer_s: the barriers and small
 vectors of a layer, both fitted on tiny random Llama models; pass_s: what each matrix read costs beyond its
 bytes (every pass restarts the threads' streams and ends at a barrier; online.kind_probe.measure_pass_cost),
 times the step's passes per token (step_reads.modeled_passes); share: the row kernels' rate on that packed
 format and access pattern (dense / gather / axpy, at 10 / 40 / 100% of the rows) over the probe's read
-bandwidth). The bytes are the step's own packed tensors at the plan's row shares (placement.step_reads).
+bandwidth; row_s: what each row costs beyond its bytes, from passes over rows of two widths, so that the
+narrow rows of a small model's matrices and of predictors, and the wide rows of a 7B's, are priced at their
+length). The bytes are the step's own packed tensors at the plan's row shares (placement.step_reads).
 The reads a step repeats every token (whole matrices, the KV cache: RESIDENT_ACCESSES) are divided by the
 cache's speedup at the step's bytes per token (``residency``: online.residency_probe; on the Intel VM ~2x up
 to 16 MB, 1.3-1.4x at 64 MB, 1.0-1.15x at SmolLM2's ~100 MB, 1.0 from 128 MB); gathered and added rows change
@@ -67,13 +70,20 @@ class FusedTerms:
 class KindRate:
     """The share of the read bandwidth the step's row kernels reach on one packed format and access
     pattern (placement.step_reads: dense / gather / axpy / ...), from one timed pass (online.kind_probe);
-    ``attend``: the attention kernel over a KV cache of that element type (kind f16 / f32)."""
+    ``attend``: the attention kernel over a KV cache of that element type (kind f16 / f32).
+
+    ``row_s``: what each row read costs beyond its bytes, in seconds (the threads together), where the
+    probe's rows are ``row_bytes`` long: a pass over rows of b bytes takes bytes / (share x bandwidth) +
+    row_s x (rows - bytes / row_bytes), so narrower rows than the probe's run slower and wider ones faster
+    (kind_probe times two widths; 0: files from before it, one rate whatever the width)."""
     kind: str
     access: str
     share: float
     bytes: int = 0
     seconds: float = 0.0
     fraction: float = 1.0  # share of the matrix's rows the timed pass read (gather / axpy); attend: KV heads / query heads
+    row_s: float = 0.0
+    row_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.access not in ACCESSES:
@@ -82,6 +92,17 @@ class KindRate:
             raise TandemError(f"invalid fused-step rate for {self.kind} {self.access}: share {self.share!r}")
         if not (isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1):
             raise TandemError(f"invalid fused-step rate for {self.kind} {self.access}: row fraction {self.fraction!r}")
+        if not all(isinstance(v, (int, float)) and 0 <= v < 1e9 for v in (self.row_s, self.row_bytes)) or \
+                self.row_s >= 1e-3 or (self.row_s > 0 and not self.row_bytes > 0):
+            raise TandemError(f"invalid fused-step rate for {self.kind} {self.access}: row cost {self.row_s!r} s "
+                              f"at {self.row_bytes!r} bytes a row")
+
+    def pass_seconds(self, nbytes: float, bandwidth: float, rows: float | None = None) -> float:
+        """Seconds to read ``nbytes`` in ``rows`` rows at ``bandwidth`` (rows None: at the probe's row length)."""
+        seconds = nbytes / (self.share * bandwidth)
+        if rows and self.row_s > 0:
+            seconds += self.row_s * (rows - nbytes / self.row_bytes)
+        return max(seconds, 0.0)
 
 
 @dataclass(frozen=True)
@@ -160,26 +181,31 @@ class FusedCalibration:
             if hi.fraction == lo.fraction:
                 return lo
             w = (fraction - lo.fraction) / (hi.fraction - lo.fraction)
-            return KindRate(kind, want, lo.share + w * (hi.share - lo.share), fraction=fraction)
+            row_bytes = lo.row_bytes or hi.row_bytes  # the probe's row length (0 where a pass found no row cost)
+            row_s = lo.row_s + w * (hi.row_s - lo.row_s) if row_bytes else 0.0
+            return KindRate(kind, want, lo.share + w * (hi.share - lo.share), fraction=fraction, row_s=row_s,
+                            row_bytes=row_bytes)
         raise TandemError(f"no fused-step rate for {kind} ({access}) in this calibration "
                           f"(have {', '.join(sorted({r.kind for r in self.rates})) or 'none'}; rerun `tandem probe --fused`)")
 
     def reads_seconds(self, n_layers: int, reads: dict, fixed: bool = True, fractions: dict | None = None,
-                      passes: int = 0, working_set_bytes: float | None = None) -> float:
+                      passes: int = 0, working_set_bytes: float | None = None, rows: dict | None = None) -> float:
         """Modeled seconds per token: the fixed costs (the int4 term's call_s and layer_s, and ``passes``
         matrix passes at pass_s; ``fixed`` False: none) plus each (format, access)'s bytes at its measured
         share of the read bandwidth (placement.step_reads), at the row fraction ``fractions`` gives it
-        (step_reads.read_fractions); the resident accesses' at the cache's speedup (residency_at) over
-        ``working_set_bytes`` (None: the step's bytes per token, the sum of ``reads``)."""
+        (step_reads.read_fractions), in the rows ``rows`` gives it (step_reads.modeled_rows: the per-row
+        cost, KindRate.pass_seconds; None: at the probe's row length); the resident accesses' at the cache's
+        speedup (residency_at) over ``working_set_bytes`` (None: the step's bytes per token, the sum of
+        ``reads``)."""
         seconds = 0.0
         if fixed:
             term = self.term("int4")
             seconds = term.call_s + n_layers * term.layer_s + passes * self.pass_s
         working_set = sum(reads.values()) if working_set_bytes is None else working_set_bytes
         for (kind, access), nbytes in reads.items():
-            f = (fractions or {}).get((kind, access))
-            speed = self.rate(kind, access, f).share * self.read_bandwidth_bytes_per_s
-            seconds += nbytes / (speed * self.access_speedup(access, working_set))
+            rate = self.rate(kind, access, (fractions or {}).get((kind, access)))
+            pass_s = rate.pass_seconds(nbytes, self.read_bandwidth_bytes_per_s, (rows or {}).get((kind, access)))
+            seconds += pass_s / self.access_speedup(access, working_set)
         return seconds
 
     def to_dict(self) -> dict:
@@ -267,7 +293,8 @@ def best_of(cals: list[FusedCalibration]) -> FusedCalibration:
             rate = r.share * c.read_bandwidth_bytes_per_s
             if rate > fastest.get((r.kind, r.access, r.fraction), (0.0, None))[0]:
                 fastest[(r.kind, r.access, r.fraction)] = (rate, r)
-    rates = tuple(KindRate(k, a, rate / bandwidth, r.bytes, r.seconds, f) for (k, a, f), (rate, r) in fastest.items())
+    rates = tuple(KindRate(k, a, rate / bandwidth, r.bytes, r.seconds, f, r.row_s, r.row_bytes)
+                  for (k, a, f), (rate, r) in fastest.items())
     terms = []
     for t in cals[0].terms:
         same = [c.term(t.weight_format) for c in cals]

@@ -35,9 +35,10 @@ Example::
     reads = modeled_reads(units, fractions, relu=True)    # {("q4_0", "dense"): 3.1e8, ("f16", "axpy"): ...}
     shares = read_fractions(units, fractions, relu=True)  # {("f16", "axpy"): 0.1, ...}: rows read, byte-weighted
     passes = modeled_passes(units, fractions, relu=True)  # matrix passes per token
+    rows = modeled_rows(units, fractions, relu=True)      # rows read per token (each row's own cost)
     reads = with_kv(reads, kv_reads(cfg, context_tokens=88))  # the KV cache at the tokens' mean position
     shares = with_kv(shares, kv_shares(cfg))                   # its rate's key: query heads per KV head
-    cal.reads_seconds(n_layers, reads, fractions=shares, passes=passes)  # placement.fused_calibration
+    cal.reads_seconds(n_layers, reads, fractions=shares, passes=passes, rows=rows)  # placement.fused_calibration
 
 (``step_read_terms`` gives those reads, shares and passes, the KV cache's included, in one call.)
 """
@@ -66,12 +67,13 @@ class StepUnit:
     packed_bytes: int
     in_place: bool = False  # GGUF blocks the step could interleave eight rows at a time but keeps row by row
     paired: bool = False  # a gate / up whose predicted rows the step reads from its paired copy (predict.h)
+    rows: int = 0  # the matrix's rows (0: not known; modeled_rows leaves such a unit's format and access out)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise TandemError(f"unknown step unit role {self.role!r}")
-        if self.packed_bytes < 0:
-            raise TandemError(f"step unit {self.role} of layer {self.layer} has negative bytes")
+        if self.packed_bytes < 0 or self.rows < 0:
+            raise TandemError(f"step unit {self.role} of layer {self.layer} has negative bytes or rows")
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,21 @@ def modeled_reads(units: list[StepUnit], fractions: list[LayerFractions] | None,
     for _, key, nbytes, _ in _unit_reads(units, fractions, relu):
         reads[key] += nbytes
     return dict(reads)
+
+
+def modeled_rows(units: list[StepUnit], fractions: list[LayerFractions] | None,
+                 relu: bool) -> dict[tuple[str, str], float]:
+    """Rows read per token by (format, access), each unit's rows at its row share (FusedCalibration prices
+    each row's own cost with them: KindRate.row_s). A (format, access) with any unit of unknown rows is left
+    out (priced at the probe's row length)."""
+    rows: dict[tuple[str, str], float] = defaultdict(float)
+    unknown = set()
+    for u, key, _, share in _unit_reads(units, fractions, relu):
+        if u.rows > 0:
+            rows[key] += share * u.rows
+        else:
+            unknown.add(key)
+    return {key: n for key, n in rows.items() if key not in unknown}
 
 
 def read_fractions(units: list[StepUnit], fractions: list[LayerFractions] | None, relu: bool) -> dict[tuple[str, str], float]:
@@ -223,7 +240,8 @@ def with_kv(reads: dict, kv: dict) -> dict:
 def step_read_terms(units: list[StepUnit], fractions: list[LayerFractions] | None, relu: bool, cfg,
                     context_tokens: float, kv_cache_type: str = "f16") -> tuple[dict, dict, int]:
     """(bytes per token, row shares, matrix passes per token) of a step's weights and its KV cache at
-    ``context_tokens``: FusedCalibration.reads_seconds' reads, fractions and passes in one call."""
+    ``context_tokens``: FusedCalibration.reads_seconds' reads, fractions and passes in one call (its rows:
+    ``modeled_rows``; the KV cache's attention has none)."""
     reads = with_kv(modeled_reads(units, fractions, relu), kv_reads(cfg, context_tokens, kv_cache_type))
     shares = with_kv(read_fractions(units, fractions, relu), kv_shares(cfg, kv_cache_type))
     return reads, shares, modeled_passes(units, fractions, relu)

@@ -69,6 +69,8 @@ def test_step_bytes_per_format_equal_the_packed_tensors(wide_llama, qtype):
     assert by_kind["f32"] == 4 * D  # one embedding row
     assert set(by_kind) == {name, "f16", "f32"}
     assert {u.role for u in units} == {"qkv", "o", "gate", "up", "down_t", "head", "embed_row"}
+    want_rows = {**{k: w.shape[0] for k, w in weights.items()}, "down_t": N_FF, "embed_row": 1}
+    assert {u.role: u.rows for u in units} == want_rows
 
     # the dense GGUF down of non-ReLU layers: the same blocks, read dense in place
     down = blocks(D, N_FF)
@@ -181,13 +183,15 @@ def test_calibration_rates_model_and_schema(tmp_path):
     path = save_calibration(cal, tmp_path / "cal.json")
     assert load_calibration(path) == cal
     data = json.loads(path.read_text())
-    assert set(data["rates"][0]) == {"kind", "access", "share", "bytes", "seconds", "fraction"}
+    assert set(data["rates"][0]) == {"kind", "access", "share", "bytes", "seconds", "fraction", "row_s", "row_bytes"}
     del data["rates"]  # files from before the per-format rates still load
     (tmp_path / "old.json").write_text(json.dumps(data))
     assert load_calibration(tmp_path / "old.json").rates == ()
     for bad in ([{"kind": "q8_0", "access": "sideways", "share": 0.5}], [{"kind": "q8_0", "access": "dense", "share": 0}],
                 [{"kind": "q8_0", "access": "dense", "share": 0.5, "extra": 1}], ["q8_0"],
-                [{"kind": "q8_0", "access": "axpy", "share": 0.5, "fraction": 0}]):
+                [{"kind": "q8_0", "access": "axpy", "share": 0.5, "fraction": 0}],
+                [{"kind": "q8_0", "access": "dense", "share": 0.5, "row_s": 1e-9}],  # a row cost needs its row length
+                [{"kind": "q8_0", "access": "dense", "share": 0.5, "row_s": -1e-9, "row_bytes": 100}]):
         (tmp_path / "bad.json").write_text(json.dumps({**data, "rates": bad}))
         with pytest.raises(TandemError, match="invalid fused-step"):
             load_calibration(tmp_path / "bad.json")

@@ -38,12 +38,12 @@ def main() -> None:
     residency_probe = None
     if terms is not None:
         from online.residency_probe import RESIDENCY_SIZES, ResidencyProbe
-        residency_probe = ResidencyProbe(args.threads, min(terms[-1], RESIDENCY_SIZES[-1]))
+        residency_probe = ResidencyProbe(args.threads, min(terms[4], RESIDENCY_SIZES[-1]))
     prefill, decode, samples = [], [], []
     for _ in range(args.runs):
         if terms is not None:
             with torch_threads(args.threads):
-                samples.append((measure_read_bandwidth("cpu"), *host_state(residency_probe, terms[-1])))
+                samples.append((measure_read_bandwidth("cpu"), *host_state(residency_probe, terms[4])))
         out = engine.generate(prompt_ids, max_new_tokens=args.decode_tokens, ignore_eos=True)
         prefill.append(out.stats["prefill_tokens_per_s"])
         decode.append(out.stats["decode_tokens_per_s"])
@@ -55,12 +55,12 @@ def main() -> None:
 
 
 def step_terms(engine, args, prompt_tokens: int) -> tuple | None:
-    """(calibration, reads, shares, passes, bytes per token) of the fused step the engine built (None for
-    another decode path, or a read the calibration did not time)."""
+    """(calibration, reads, shares, passes, bytes per token, rows) of the fused step the engine built (None
+    for another decode path, or a read the calibration did not time)."""
     from online.step_inventory import step_units
     from placement.fused_calibration import load_calibration
     from placement.plan_check import plan_fractions
-    from placement.step_reads import step_read_terms
+    from placement.step_reads import modeled_rows, step_read_terms
     from tandem.core.errors import TandemError
 
     if engine.decode_path != "fused":
@@ -70,12 +70,13 @@ def step_terms(engine, args, prompt_tokens: int) -> tuple | None:
     fractions, relu = plan_fractions(args.plan, cfg) if args.plan and not args.no_sparse else (None, False)
     context = prompt_tokens + (args.decode_tokens + 1) / 2  # keys a decode step attends to, on average
     reads, shares, passes = step_read_terms(units, fractions, relu, cfg, context, engine.kv_cache_type)
+    rows = modeled_rows(units, fractions, relu)
     try:
-        cal.reads_seconds(cfg.num_layers, reads, fractions=shares, passes=passes)
+        cal.reads_seconds(cfg.num_layers, reads, fractions=shares, passes=passes, rows=rows)
         cal.rate("q4_1", "dense")  # the host-state sample's kernel
     except TandemError:
         return None
-    return cal, reads, shares, passes, float(sum(reads.values()))
+    return cal, reads, shares, passes, float(sum(reads.values())), rows
 
 
 def host_state(probe, step_bytes: float, pairs: int = 5) -> tuple[float, float]:
@@ -93,13 +94,13 @@ def modeled(engine, args, terms: tuple, samples: list[tuple[float, float, float]
     "residency_samples"}."""
     from dataclasses import replace
 
-    cal, reads, shares, passes, step_bytes = terms
+    cal, reads, shares, passes, step_bytes, rows = terms
     q4_share = cal.rate("q4_1", "dense").share
 
     def tok_s(bandwidth: float, speedup: float) -> float:
         table = ((max(1, int(step_bytes)), min(max(speedup, 1.0), 49.0)),)  # the model clamps it at 1 anyway
         at = replace(cal, read_bandwidth_bytes_per_s=bandwidth, residency=table)
-        return 1.0 / at.reads_seconds(engine.config.num_layers, reads, fractions=shares, passes=passes)
+        return 1.0 / at.reads_seconds(engine.config.num_layers, reads, fractions=shares, passes=passes, rows=rows)
 
     return {"modeled_tok_s": [tok_s(b, r) for b, _, r in samples],
             "modeled_tok_s_kernel_bandwidth": [tok_s(k / q4_share, r) for _, k, r in samples],

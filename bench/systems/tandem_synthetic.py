@@ -3,8 +3,9 @@
 One engine (the cpu-only plan with predictors) is loaded once; the three modes toggle the step's
 per-layer threshold and predictor pointer. For each mode: decode tok/s (greedy, after a module-path
 prefill of the benchmark prompt), FFN rows read and the weight bytes read per token, and the
-bytes-limit tok/s (weight and KV-cache bytes per token against the median read bandwidth sampled
-before each of the mode's runs in the same process; the weights-only limit beside it).
+bytes-limit tok/s (weight and KV-cache bytes per token against the median of the runs' read bandwidths,
+each the mean of samples right before and right after the run, in the same process; the weights-only limit
+beside it). The modes are timed round by round, so each sees the host's states alike.
 """
 from __future__ import annotations
 
@@ -33,71 +34,100 @@ def ffn_bytes(engine) -> tuple[float, float, float, float]:
     return gate, up, down, engine.weight_bytes_per_token - ffn_total
 
 
-def run_mode(engine, step, mode: str, ids: list[int], n_tokens: int, runs: int, preds: list, bandwidth) -> dict:
-    """``bandwidth()``: the read bandwidth now; it is sampled before every counted run (the host's bandwidth
-    drifts by a third within minutes, so one snapshot per process made the bytes limit a lottery)."""
-    from tandem.core.generate import prefill
+def set_mode(step, mode: str, preds: list) -> None:
+    """Toggle the step's per-layer threshold and predictor pointer to ``mode``."""
     from online.kernels.native.structs import TdmPredictor
 
     null = ctypes.POINTER(TdmPredictor)()
     for i, layer in enumerate(step._layers):
         layer.threshold = -1.0 if mode == "dense" else 0.0
         layer.pred = preds[i] if mode == "predictor" and preds[i] else null
-    rates, samples, counters = [], [], engine.executor.counters
-    active = total = predicted = computed = 0
+
+
+def run_modes(engine, step, modes: tuple[str, ...], ids: list[int], n_tokens: int, runs: int, preds: list,
+              bandwidth) -> list[dict]:
+    """Time ``modes`` round by round (a warm-up round, then ``runs`` rounds of every mode in turn), so each
+    mode sees the host's states alike. ``bandwidth()``: the read bandwidth now, sampled right before and right
+    after every counted run; the run's bandwidth is the mean of the two (the host's bandwidth drifts by a third
+    within minutes, and a single sample beside a run missed a fifth of it either way)."""
+    from tandem.core.generate import prefill
+
+    counters = engine.executor.counters
+    recs = {m: {"mode": m, "decode_tok_s": [], "read_bandwidth_samples": [], "read_bandwidth_after": []}
+            for m in modes}
+    sums = {m: [0, 0, 0, 0] for m in modes}  # active, total, predicted, computed
     for run in range(runs + 1):
-        if run:
-            samples.append(bandwidth())
-        cache = engine._kv_cache(len(ids) + n_tokens + 1)
-        tok = int(prefill(engine.model, engine.executor, cache, ids).argmax())
-        act0, tot0, rows0 = counters.ffn_neurons_active, counters.ffn_neurons_total, step.predictor_rows()
-        t0 = time.perf_counter()
-        for i in range(n_tokens):
-            tok = int(step(tok, len(ids) + i, cache).argmax())
-        elapsed = time.perf_counter() - t0
-        if run:  # the first run warms up
-            rates.append(n_tokens / elapsed)
-            rows = step.predictor_rows()
-            active += counters.ffn_neurons_active - act0
-            total += counters.ffn_neurons_total - tot0
-            predicted += rows[0] - rows0[0]
-            computed += rows[1] - rows0[1]
+        for mode in modes:
+            set_mode(step, mode, preds)
+            rec, acc = recs[mode], sums[mode]
+            cache = engine._kv_cache(len(ids) + n_tokens + 1)
+            tok = int(prefill(engine.model, engine.executor, cache, ids).argmax())
+            act0, tot0, rows0 = counters.ffn_neurons_active, counters.ffn_neurons_total, step.predictor_rows()
+            before = bandwidth() if run else None
+            t0 = time.perf_counter()
+            for i in range(n_tokens):
+                tok = int(step(tok, len(ids) + i, cache).argmax())
+            elapsed = time.perf_counter() - t0
+            if run:  # the first round warms up
+                rec["read_bandwidth_after"].append(bandwidth())
+                rec["read_bandwidth_samples"].append(before)
+                rec["decode_tok_s"].append(n_tokens / elapsed)
+                rows = step.predictor_rows()
+                acc[0] += counters.ffn_neurons_active - act0
+                acc[1] += counters.ffn_neurons_total - tot0
+                acc[2] += rows[0] - rows0[0]
+                acc[3] += rows[1] - rows0[1]
     steps = runs * n_tokens
-    return {"mode": mode, "decode_tok_s": rates, "down_rows": active / steps, "predicted_rows": predicted / steps,
-            "computed_up_rows": computed / steps, "neurons": total / steps, "read_bandwidth_samples": samples}
+    for mode in modes:
+        active, total, predicted, computed = sums[mode]
+        recs[mode].update(down_rows=active / steps, predicted_rows=predicted / steps, computed_up_rows=computed / steps,
+                          neurons=total / steps)
+    return [recs[m] for m in modes]
 
 
-def counted_reads(engine, step, mode: str, rec: dict, context_tokens: float) -> tuple[dict, dict, int]:
+def run_bandwidths(rec: dict) -> list[float]:
+    """Each run's read bandwidth: the mean of the samples before and after it (records from before 2026-11-29
+    hold only the sample before)."""
+    after = rec.get("read_bandwidth_after") or rec["read_bandwidth_samples"]
+    return [(b + a) / 2 for b, a in zip(rec["read_bandwidth_samples"], after)]
+
+
+def counted_reads(engine, step, mode: str, rec: dict, context_tokens: float) -> tuple[dict, dict, int, dict]:
     """(bytes per token, row share) by (packed format, access) of this mode (placement.step_reads), every
-    layer at the row shares the run counted, the KV cache at the run's mean context, and the matrix passes
-    per token."""
+    layer at the row shares the run counted, the KV cache at the run's mean context, the matrix passes
+    per token, and the rows read per token by (format, access)."""
     from online.step_inventory import step_units
-    from placement.step_reads import LayerFractions, step_read_terms
+    from placement.step_reads import LayerFractions, modeled_rows, step_read_terms
 
     total = rec["neurons"]
     down = rec["down_rows"] / total
     fractions = {"dense": None, "relu-exact": LayerFractions(1.0, down, down),
                  "predictor": LayerFractions(rec["predicted_rows"] / total, rec["computed_up_rows"] / total, down, True)}[mode]
     units, layers = step_units(step, engine.config), None if fractions is None else [fractions] * engine.config.num_layers
-    return step_read_terms(units, layers, True, engine.config, context_tokens, engine.kv_cache_type)
+    reads, shares, passes = step_read_terms(units, layers, True, engine.config, context_tokens, engine.kv_cache_type)
+    return reads, shares, passes, modeled_rows(units, layers, True)
 
 
-def modeled(cal, engine, step, mode: str, rec: dict, context: float, read_bytes: float, bandwidth: float) -> dict:
+def modeled(cal, engine, step, mode: str, rec: dict, context: float, read_bytes: float) -> dict:
     """Modeled tok/s of one mode: the calibration's fixed costs and its kernels' shares of the read bandwidth,
-    applied to the bandwidth sampled beside this mode's runs (``modeled_tok_s``) and to the bandwidth of the
-    calibration's own probe (``modeled_tok_s_probe_bandwidth``). The shares are what the model claims; the
-    host's bandwidth is an input that drifts by a third within minutes here, as the bytes limit's does."""
+    applied to each run's bandwidth (``modeled_tok_s_runs``; their median ``modeled_tok_s``; the median of the
+    runs' modeled / measured ``modeled_over_measured``, each run against the model at its own bandwidth) and to
+    the bandwidth of the calibration's own probe (``modeled_tok_s_probe_bandwidth``). The shares are what the
+    model claims; the host's bandwidth is an input that drifts by a third within minutes here, as the bytes
+    limit's does."""
     from dataclasses import replace
 
     if cal.rates:  # the step's own tensors at the rows counted, priced under both bandwidths below
-        reads, shares, passes = counted_reads(engine, step, mode, rec, context)
+        reads, shares, passes, rows = counted_reads(engine, step, mode, rec, context)
 
     def tok_s(c) -> float:
         if not c.rates:  # files from before the per-format rates: one share per weight format
             return 1.0 / c.step_seconds(engine.executor.settings.weight_format, engine.config.num_layers, read_bytes)
-        return 1.0 / c.reads_seconds(engine.config.num_layers, reads, fractions=shares, passes=passes)
+        return 1.0 / c.reads_seconds(engine.config.num_layers, reads, fractions=shares, passes=passes, rows=rows)
 
-    return {"modeled_tok_s": tok_s(replace(cal, read_bandwidth_bytes_per_s=bandwidth)),
+    runs = [tok_s(replace(cal, read_bandwidth_bytes_per_s=b)) for b in run_bandwidths(rec)]
+    return {"modeled_tok_s": statistics.median(runs), "modeled_tok_s_runs": runs,
+            "modeled_over_measured": statistics.median(m / d for m, d in zip(runs, rec["decode_tok_s"])),
             "modeled_tok_s_probe_bandwidth": tok_s(cal), "calibration_bandwidth": cal.read_bandwidth_bytes_per_s}
 
 
@@ -130,10 +160,12 @@ def main() -> None:
     n_layers, n_ff = engine.config.num_layers, engine.executor.splits[0].cpu.n_neurons
     context = len(ids) + (args.decode_tokens + 1) / 2  # keys each decode step attends to, on average
     kv = kv_read_bytes(engine.config, context, engine.kv_cache_type)  # keys and values: read by every mode alike
-    out = []
-    for mode in ("dense", "relu-exact", "predictor"):
-        rec = run_mode(engine, step, mode, ids, args.decode_tokens, args.runs, preds, lambda: measure_read_bandwidth("cpu"))
-        bandwidth = statistics.median(rec["read_bandwidth_samples"])  # beside this mode's runs
+    modes = ("dense", "relu-exact", "predictor")
+    out = run_modes(engine, step, modes, ids, args.decode_tokens, args.runs, preds,
+                    lambda: measure_read_bandwidth("cpu"))
+    for rec in out:
+        mode = rec["mode"]
+        bandwidth = statistics.median(run_bandwidths(rec))  # beside this mode's runs
         if mode == "dense":
             gate_rows = up_rows = down_rows = n_layers * n_ff
             extra = 0
@@ -147,8 +179,7 @@ def main() -> None:
                    sparsity=1 - rec["down_rows"] / (n_layers * n_ff))
         rec["decode_tok_s_median"] = statistics.median(rec["decode_tok_s"])
         if args.calibration:
-            rec.update(modeled(load_calibration(args.calibration), engine, step, mode, rec, context, read + kv, bandwidth))
-        out.append(rec)
+            rec.update(modeled(load_calibration(args.calibration), engine, step, mode, rec, context, read + kv))
     emit({"system": "tandem", "modes": out, "weight_format": engine.executor.settings.weight_format})
 
 
