@@ -17,13 +17,15 @@ matrix in that cache (48 MB against the AMD host's 32 MB L3: passes back to back
 there and read "faster than memory", up to 1.6x the read bandwidth; the 96 MB read used until 2026-11-29 left
 most of it cached on the Intel VM's 300 MB L3 whenever the host gave this process much of it: passes after it
 read at 35-55 GB/s against ~25 from memory). Rates are bytes read / the median pass's
-seconds; the share is that over the probe's torch read bandwidth, itself a median of repeated reads. (Until
+seconds; the share is that over the probe's torch read bandwidth: since 2026-11-29 the median of samples taken
+before each format and access's passes (before: one sample ahead of them all), each a median of repeated reads. (Until
 2026-11-28 the best pass was taken: over a median bandwidth on a host whose bandwidth drifts, that rated
 dense rows ~10-15% fast, and the synthetic table's dense mode 1.3-1.5x.)
 
 Example::
 
-    rates = measure_kind_rates(threads=2, bandwidth=19e9)     # ~3 s: KindRate per (format, access)
+    rates = measure_kind_rates(threads=2, bandwidth=19e9)     # KindRate per (format, access) of DEFAULT_PLAN
+    rates, samples = measure_kind_rates_sampled(2, lambda: measure_read_bandwidth("cpu"))  # over the samples' median
 """
 from __future__ import annotations
 
@@ -318,17 +320,28 @@ def time_reads(one: ReadPass) -> tuple[int, float]:
 
 
 def measure_kind_rates(threads: int, bandwidth: float, plan=DEFAULT_PLAN, seed: int = 0) -> tuple[KindRate, ...]:
-    """One KindRate per (format, access) of ``plan``; names as the step inventory names them. Each row kernel
-    is timed over rows of COLS and of NARROW_COLS weights: the share is the wide pass's, and the two per-row
-    times give what a row costs beyond its bytes (row_cost)."""
+    """One KindRate per (format, access) of ``plan``, its share over ``bandwidth``; names as the step inventory
+    names them (measure_kind_rates_sampled, with the bandwidth fixed)."""
+    return measure_kind_rates_sampled(threads, lambda: bandwidth, plan, seed)[0]
+
+
+def measure_kind_rates_sampled(threads: int, sample_bandwidth, plan=DEFAULT_PLAN,
+                               seed: int = 0) -> tuple[tuple[KindRate, ...], list[float]]:
+    """(one KindRate per (format, access) of ``plan``, the read bandwidths sampled). ``sample_bandwidth()``
+    gives the read bandwidth now; it is sampled before each format and access's passes and once after the
+    last, and every share is over the samples' median (one sample taken before the passes read 5-15% off
+    their median on the Intel VM, and with it every share, which rated every read a run made that much off).
+    Each row kernel is timed over rows of COLS and of NARROW_COLS weights: the share is the wide pass's, and
+    the two per-row times give what a row costs beyond its bytes (row_cost)."""
     if threads < 1:
         raise TandemError(f"threads must be >= 1, got {threads}")
-    lib, rng, out = load_native().lib, np.random.default_rng(seed), []
+    lib, rng, timed, samples = load_native().lib, np.random.default_rng(seed), [], []
     by_format: dict[str, list[str]] = {}
     for fmt, access in plan:
         by_format.setdefault(fmt, []).append(access)
     for fmt, accesses in by_format.items():
         for access in accesses:
+            samples.append(float(sample_bandwidth()))
             shares = (1.0,) if access in WHOLE_ACCESSES else tuple(1 / g for g in ATTEND_GROUPS) if access == "attend" \
                 else SPARSE_SHARES
             for share in shares:
@@ -341,10 +354,13 @@ def measure_kind_rates(threads: int, bandwidth: float, plan=DEFAULT_PLAN, seed: 
                     row_bytes = read / one.rows_read
                     row_s = row_cost((row_bytes, seconds / one.rows_read),
                                      (narrow_read / narrow.rows_read, narrow_seconds / narrow.rows_read))
-                out.append(KindRate(kind=one.kind, access=access, share=read / seconds / bandwidth,
-                                    bytes=read, seconds=seconds, fraction=share, row_s=row_s,
-                                    row_bytes=row_bytes if row_s > 0 else 0.0))
-    return tuple(out)
+                timed.append((one.kind, access, share, read, seconds, row_s, row_bytes))
+    samples.append(float(sample_bandwidth()))
+    bandwidth = statistics.median(samples)
+    rates = tuple(KindRate(kind=kind, access=access, share=read / seconds / bandwidth, bytes=read, seconds=seconds,
+                           fraction=share, row_s=row_s, row_bytes=row_bytes if row_s > 0 else 0.0)
+                  for kind, access, share, read, seconds, row_s, row_bytes in timed)
+    return rates, samples
 
 
 def row_cost(wide: tuple[float, float], narrow: tuple[float, float]) -> float:

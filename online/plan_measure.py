@@ -139,16 +139,21 @@ def measure_fused_calibration(threads: int, formats: tuple[str, ...] = FORMATS, 
     Llama models' decode time through ``generate`` (~40 s the first time, ~20 s with ``engines`` from
     fixed_cost_engines). ``reads``: only these (kind, access)
     pairs and the tiny models' own; None: every format the step reads."""
-    from .kind_probe import DEFAULT_PLAN, measure_kind_rates, measure_pass_cost, plan_for
+    from .kind_probe import DEFAULT_PLAN, measure_kind_rates_sampled, measure_pass_cost, plan_for
     from .residency_probe import measure_residency
 
     if engines is None:
         with tempfile.TemporaryDirectory(prefix="tandem-probe-") as tmp:
             return measure_fused_calibration(threads, formats, reads, fixed_cost_engines(threads, Path(tmp), formats))
-    with torch_threads(threads):
-        bandwidth = measure_read_bandwidth("cpu")
     fixed_reads = [("q4_1", "dense"), ("q4_1", "dense_gu"), ("int8", "dense"), ("f16", "axpy"), ("f32", "dense")]  # the tiny models'
-    rates = measure_kind_rates(threads, bandwidth, DEFAULT_PLAN if reads is None else plan_for([*fixed_reads, *reads]))
+
+    def sample() -> float:
+        with torch_threads(threads):
+            return measure_read_bandwidth("cpu")
+
+    rates, read_samples = measure_kind_rates_sampled(threads, sample, DEFAULT_PLAN if reads is None else
+                                                     plan_for([*fixed_reads, *reads]))
+    bandwidth = statistics.median(read_samples)  # the shares' denominator (kind_probe)
     pass_s = measure_pass_cost(threads)
     residency = measure_residency(threads)
     partial = FusedCalibration(threads=threads, read_bandwidth_bytes_per_s=bandwidth, terms=(), rates=rates,
@@ -164,5 +169,7 @@ def measure_fused_calibration(threads: int, formats: tuple[str, ...] = FORMATS, 
     terms = tuple(fit_fixed_terms(fmt, samples[fmt], byte_s[fmt], dense_share.get(fmt, 1.0)) for fmt in formats)
     stamp = time.strftime("%Y-%m-%d %H:%M")
     return FusedCalibration(threads=threads, read_bandwidth_bytes_per_s=bandwidth, terms=terms, rates=rates,
-                            description=f"measured by `tandem probe --fused` on {stamp} ({threads} threads)",
+                            description=f"measured by `tandem probe --fused` on {stamp} ({threads} threads; read "
+                                        f"bandwidth the median of {len(read_samples)} samples, "
+                                        f"{min(read_samples) / 1e9:.1f}-{max(read_samples) / 1e9:.1f} GB/s)",
                             pass_s=pass_s, residency=residency)

@@ -1,5 +1,5 @@
-"""What a row costs beyond its bytes: the probe's two widths, the calibration's per-row term, and the rows a
-step reads (placement.step_reads.modeled_rows)."""
+"""What a row costs beyond its bytes (the probe times two widths; the calibration prices rows), the rows a
+step reads (placement.step_reads.modeled_rows), and the probe's bandwidth samples under its shares."""
 from __future__ import annotations
 
 import numpy as np
@@ -109,3 +109,29 @@ def test_a_fraction_whose_pass_found_no_row_cost_interpolates_from_zero():
     mid = cal.rate("q4_0", "gather", 0.55)
     assert mid.share == pytest.approx(0.6) and mid.row_s == pytest.approx(10e-9) and mid.row_bytes == 1152
     assert cal.rate("q4_0", "gather", 1.0).row_s == 0.0
+
+
+def test_the_probe_divides_every_share_by_the_median_of_its_bandwidth_samples(monkeypatch):
+    """A sample before each format and access's passes and one after the last; every share over their median
+    (not over the first sample alone)."""
+    from online import kind_probe
+
+    monkeypatch.setattr(kind_probe, "PROBE_BYTES", 256 * 1024)
+    monkeypatch.setattr(kind_probe, "REPEATS", 2)
+    script = iter([12e9, 30e9, 18e9, 24e9, 99e9])
+    calls = []
+
+    def sample() -> float:
+        calls.append(next(script))
+        return calls[-1]
+
+    kind_probe.cached_weight.cache_clear()
+    try:
+        plan = (("Q4_0", "dense"), ("Q4_0", "gather"), ("int8", "dense"))
+        rates, samples = kind_probe.measure_kind_rates_sampled(2, sample, plan)
+    finally:
+        kind_probe.cached_weight.cache_clear()
+    assert samples == calls == [12e9, 30e9, 18e9, 24e9]  # three groups, then one after
+    assert len(rates) == 1 + len(kind_probe.SPARSE_SHARES) + 1
+    for r in rates:
+        assert r.share == pytest.approx(r.bytes / r.seconds / 21e9)  # median of the four
