@@ -80,6 +80,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--decode-tokens", type=int, default=48)
+    ap.add_argument("--probe-each-row", action="store_true",
+                    help="a fresh `tandem probe --fused` right before each row, its model priced on that calibration "
+                         "(the host drifts within minutes; default: one calibration for the whole table)")
     ap.add_argument("--from-log", nargs="+", help="re-render the table from the JSON lines previous runs printed "
                     f"(each run also appends them to {RECORDS.relative_to(REPO)})")
     args = ap.parse_args()
@@ -104,14 +107,18 @@ def main() -> None:
     for shape in args.shapes:
         for sparsity in args.sparsities:
             gguf, work = prepare(shape, sparsity, models_dir)
+            row_calibration = calibration
+            if args.probe_each_row:  # kept beside the model's folder: the row's record names it
+                row_calibration = work / f"fused-calibration-{args.threads}t.json"
+                cli("probe", "--threads", str(args.threads), "--fused", str(row_calibration))
             tandem = run_system([sys.executable, "bench/systems/tandem_synthetic.py", "--gguf", str(gguf), "--plan",
                                  str(work / "plan"), "--predictors", str(work / "predictors"),
-                                 "--calibration", str(calibration), *timing])
+                                 "--calibration", str(row_calibration), *timing])
             peer = run_system([str(PEER_PYTHON), "bench/systems/llamacpp.py", "--gguf", str(gguf), *timing]) \
                 if PEER_PYTHON.exists() else None
             rows.append((shape, sparsity, gguf, tandem, peer, predictor_quality(work)))
             record = json.dumps({"shape": shape, "sparsity": sparsity, "gguf": str(gguf), "tandem": tandem,
-                                 "llama.cpp": peer})
+                                 "llama.cpp": peer, "calibration": str(row_calibration)})
             print(record, flush=True)
             with RECORDS.open("a") as f:  # kept: the table can be re-rendered from them (--from-log)
                 f.write(record + "\n")
@@ -152,6 +159,7 @@ def write_table(rows, args, calibration: Path) -> None:
              "median): the 2 cores are "
              "shared with other jobs, and rows where it falls far below ~30 GB/s ran under contention (all "
              "systems of a row share it, so compare within a row).",
+             *calibrations_line(rows),
              "",
              "| shape | sparsity (measured) | llama.cpp tok/s | dense tok/s | exact tok/s | predictor tok/s | predictor / llama.cpp "
              "| predictor recall / precision (rank) | MB/token dense / exact / predictor (+ KV) "
@@ -180,6 +188,17 @@ def write_table(rows, args, calibration: Path) -> None:
     assemble_results()
     print("\n".join(lines))
 
+
+
+def calibrations_line(rows) -> list[str]:
+    """A bullet where the rows were priced on more than one calibration (``--probe-each-row``)."""
+    probes = {round(m["calibration_bandwidth"]) for *_, t, _, _ in rows if t for m in t["modes"]
+              if "calibration_bandwidth" in m}
+    if len(probes) < 2:
+        return []
+    return [f"- Each row's model is priced on its own `tandem probe --fused`, taken right before the row "
+            f"(`--probe-each-row`: {len(probes)} calibrations, the probe's bandwidth "
+            f"{min(probes) / 1e9:.1f}-{max(probes) / 1e9:.1f} GB/s)."]
 
 
 def modeled_over_measured(mode: dict) -> float:
