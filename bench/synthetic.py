@@ -220,8 +220,10 @@ def probe_bandwidth_line(rows) -> list[str]:
                 bandwidths.add(round(m["calibration_bandwidth"] / 1e9, 1))
     if not ratios:
         return []
-    return ["", f"At the probe's own bandwidth ({', '.join(f'{b} GB/s' for b in sorted(bandwidths))}) instead of the "
-                f"run's, modeled / measured spans {min(ratios):.2f}-{max(ratios):.2f} over the same rows."]
+    named = ", ".join(f"{b} GB/s" for b in sorted(bandwidths)) if len(bandwidths) < 4 else \
+        f"{len(bandwidths)} probes, {min(bandwidths)}-{max(bandwidths)} GB/s"
+    return ["", f"At the probe's own bandwidth ({named}) instead of the run's, modeled / measured spans "
+                f"{min(ratios):.2f}-{max(ratios):.2f} over the same rows."]
 
 
 def limits(mode: dict) -> str:
@@ -231,6 +233,11 @@ def limits(mode: dict) -> str:
         if key in mode:
             out.append(f"{mode[key]:.1f} ({tok_s / mode[key]:.0%})")
     return " / ".join(out)
+
+
+def row_bandwidth(tandem: dict, cal) -> float:
+    """The read bandwidth of the probe a row was priced on (its own with --probe-each-row), else ``cal``'s."""
+    return tandem["modes"][0].get("calibration_bandwidth", cal.read_bandwidth_bytes_per_s)
 
 
 def modeled_7b(rows, calibration: Path, shapes=("llama-2-7b", "llama-2-13b")) -> list[str]:
@@ -249,32 +256,36 @@ def modeled_7b(rows, calibration: Path, shapes=("llama-2-7b", "llama-2-13b")) ->
         d, kv = shape.hidden, shape.n_kv_heads * shape.head_dim
         return (shape.n_layers * (2 * d * d + 2 * d * kv + 3 * d * shape.n_ff) + 49152 * d) * q4
 
-    measured = {}  # sparsity -> (shape, tandem, peer) of the largest shape measured quietly at that sparsity
-    for shape, sparsity, gguf, tandem, peer, q in rows:
-        quiet = tandem and peer and tandem["modes"][0]["read_bandwidth"] >= QUIET_SHARE * cal.read_bandwidth_bytes_per_s
-        if quiet and (sparsity not in measured
-                      or q4_dense_bytes(get_shape(shape)) > q4_dense_bytes(get_shape(measured[sparsity][0]))):
-            measured[sparsity] = (shape, tandem, peer)
-    if not measured:
+    quiet_rows = [(shape, sparsity, tandem, peer) for shape, sparsity, _, tandem, peer, _ in rows
+                  if tandem and peer and tandem["modes"][0]["read_bandwidth"] >= QUIET_SHARE * row_bandwidth(tandem, cal)]
+    measured_here = {(shape, sparsity) for shape, sparsity, _, tandem, _, _ in rows if tandem}
+
+    def source(big, sparsity):  # the largest shape smaller than ``big`` measured quietly at that sparsity
+        smaller = [r for r in quiet_rows if r[1] == sparsity and q4_dense_bytes(get_shape(r[0])) < q4_dense_bytes(big)]
+        return max(smaller, key=lambda r: q4_dense_bytes(get_shape(r[0])), default=None)
+
+    if not quiet_rows:
         return []
 
     def kv_scale(a, b) -> float:  # KV bytes per token of context (same element type), shape a over shape b
         return (a.n_layers * a.n_kv_heads * a.head_dim) / (b.n_layers * b.n_kv_heads * b.head_dim)
 
-    out = ["", "### 7B-class shapes: **modeled** (not measured: no GPU machine was lent to this run)", "",
-           "Each mode's bytes per token measured above on the named smaller shape at the same sparsity, scaled by the "
+    out = ["", "### 7B-class shapes: **modeled** where the table above has no row (no GPU machine was lent to this run)",
+           "", "Each mode's bytes per token measured above on the named smaller shape at the same sparsity, scaled by the "
            "ratio of the two shapes' Q4_0 sizes (same row fractions, same formats), plus the big shape's KV cache at "
            "the same context; time = the fused-step terms of "
            f"`tandem probe --fused` (this machine, {cal.threads} threads); llama.cpp = the big shape's Q4_0 bytes at "
            "the read rate llama.cpp reached on the smaller shape (rows whose read bandwidth fell below "
-           f"{QUIET_SHARE:.0%} of the probe's {cal.read_bandwidth_bytes_per_s / 1e9:.1f} GB/s ran under contention "
-           "and are skipped).", "",
+           f"{QUIET_SHARE:.0%} of their probe's ran under contention and are skipped).", "",
            "| shape | sparsity | from | modeled llama.cpp tok/s | modeled Tandem dense | modeled Tandem exact "
            "| modeled Tandem predictor | predictor / llama.cpp |",
            "|---|---|---|---|---|---|---|---|"]
     for name in shapes:
         big = get_shape(name)
-        for sparsity, (src, tandem, peer) in sorted(measured.items()):
+        for sparsity in sorted({r[1] for r in quiet_rows}):
+            if (name, sparsity) in measured_here or source(big, sparsity) is None:  # measured above / nothing smaller
+                continue
+            src, _, tandem, peer = source(big, sparsity)
             modes = {m["mode"]: m for m in tandem["modes"]}
             scale = q4_dense_bytes(big) / q4_dense_bytes(get_shape(src))
             ll = statistics.median(peer["decode_tok_s"]) * q4_dense_bytes(get_shape(src)) / q4_dense_bytes(big)
