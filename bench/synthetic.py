@@ -130,7 +130,8 @@ def write_table(rows, args, calibration: Path) -> None:
     lines = ["## Synthetic-weights models: sparse Tandem vs llama.cpp (synthetic weights, measured)", "",
              f"- Date: {dt.date.today().isoformat()}; machine: {machine_line()}; threads: {args.threads}; command: "
              f"`python -m bench.synthetic --shapes {' '.join(args.shapes)} --sparsities "
-             f"{' '.join(str(s) for s in args.sparsities)}`; decode tok/s = median of {args.runs} runs of "
+             f"{' '.join(str(s) for s in args.sparsities)}`; decode tok/s = median of {runs_of(rows, args.runs)} "
+             "runs of "
              f"{args.decode_tokens} greedy tokens after a 64-token prompt, every system on the same GGUF in one run.",
              "- **Synthetic weights**: random ReLU-sparse models of the named shape from `tandem synth` (not trained; "
              "the text they produce is meaningless). llama.cpp computes the file's FFN as SiLU-gated; inactive gates "
@@ -190,6 +191,12 @@ def write_table(rows, args, calibration: Path) -> None:
 
 
 
+def runs_of(rows, default: int) -> int:
+    """The runs per mode the records hold (a --from-log render of older records: theirs, not --runs')."""
+    counts = {len(t["modes"][0]["decode_tok_s"]) for *_, t, _, _ in rows if t}
+    return counts.pop() if len(counts) == 1 else default
+
+
 def calibrations_line(rows) -> list[str]:
     """A bullet where the rows were priced on more than one calibration (``--probe-each-row``)."""
     probes = {round(m["calibration_bandwidth"]) for *_, t, _, _ in rows if t for m in t["modes"]
@@ -244,6 +251,8 @@ def modeled_7b(rows, calibration: Path, shapes=("llama-2-7b", "llama-2-13b")) ->
     """7B-class rows, **modeled** (no machine here holds them with room to spare, no GPU lent): the
     measured row fractions of the largest quiet measured shape at each sparsity, applied to the big shape's
     bytes, at the fused-step rates of the calibration; llama.cpp at the bandwidth share it reached."""
+    from dataclasses import replace
+
     from placement.fused_calibration import load_calibration
     from synth import get_shape
 
@@ -256,8 +265,8 @@ def modeled_7b(rows, calibration: Path, shapes=("llama-2-7b", "llama-2-13b")) ->
         d, kv = shape.hidden, shape.n_kv_heads * shape.head_dim
         return (shape.n_layers * (2 * d * d + 2 * d * kv + 3 * d * shape.n_ff) + 49152 * d) * q4
 
-    quiet_rows = [(shape, sparsity, tandem, peer) for shape, sparsity, _, tandem, peer, _ in rows
-                  if tandem and peer and tandem["modes"][0]["read_bandwidth"] >= QUIET_SHARE * row_bandwidth(tandem, cal)]
+    quiet_rows = [(shape, sparsity, tandem, peer) for shape, sparsity, _, tandem, peer, _ in rows if tandem and peer
+                  and tandem["modes"][0]["read_bandwidth"] >= QUIET_SHARE * row_bandwidth(tandem, cal)]
     measured_here = {(shape, sparsity) for shape, sparsity, _, tandem, _, _ in rows if tandem}
 
     def source(big, sparsity):  # the largest shape smaller than ``big`` measured quietly at that sparsity
@@ -290,11 +299,12 @@ def modeled_7b(rows, calibration: Path, shapes=("llama-2-7b", "llama-2-13b")) ->
             scale = q4_dense_bytes(big) / q4_dense_bytes(get_shape(src))
             ll = statistics.median(peer["decode_tok_s"]) * q4_dense_bytes(get_shape(src)) / q4_dense_bytes(big)
             kv = modes["dense"].get("kv_bytes_per_token", 0.0) * kv_scale(big, get_shape(src))  # same context
-            rates = [1 / cal.step_seconds("int4", big.n_layers, modes[m]["bytes_per_token"] * scale + kv)
+            at = replace(cal, read_bandwidth_bytes_per_s=row_bandwidth(tandem, cal))  # the source row's host state
+            rates = [1 / at.step_seconds("int4", big.n_layers, modes[m]["bytes_per_token"] * scale + kv)
                      for m in ("dense", "relu-exact", "predictor")]
             out.append(f"| {name} (modeled) | {sparsity:.0%} | {src} | {ll:.2f} | {rates[0]:.2f} | {rates[1]:.2f} | "
                        f"{rates[2]:.2f} | {rates[2] / ll:.2f}x |")
-    return out
+    return out if out[-1].startswith("| llama") else []  # every big shape measured above, or nothing smaller
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ between tokens and are priced from memory.
 Example::
 
     cal = measure_fused_calibration(threads=2)              # ~40 s (online.plan_measure: it times engines)
-    cal.reads_seconds(n_layers, reads, fractions=shares, passes=passes)  # reads, shares, passes: placement.step_reads
+    cal.reads_seconds(n_layers, reads, fractions=shares, passes=passes, rows=rows)  # placement.step_reads' terms
     cal.residency_at(97e6)                                    # the cache's speedup for a 97 MB step
     cal.step_seconds("int4", n_layers=16, read_bytes=600e6)
     calibrated_plan_tokens_per_s(plan, cal)                   # cpu-only plans, nominal bytes
@@ -194,9 +194,9 @@ class FusedCalibration:
         matrix passes at pass_s; ``fixed`` False: none) plus each (format, access)'s bytes at its measured
         share of the read bandwidth (placement.step_reads), at the row fraction ``fractions`` gives it
         (step_reads.read_fractions), in the rows ``rows`` gives it (step_reads.modeled_rows: the per-row
-        cost, KindRate.pass_seconds; None: at the probe's row length); the resident accesses' at the cache's
-        speedup (residency_at) over ``working_set_bytes`` (None: the step's bytes per token, the sum of
-        ``reads``)."""
+        cost, KindRate.pass_seconds; None: at the probe's row length); the resident accesses' whole passes (row
+        costs included: a row read from the cache starts sooner too) at the cache's speedup (residency_at) over
+        ``working_set_bytes`` (None: the step's bytes per token, the sum of ``reads``)."""
         seconds = 0.0
         if fixed:
             term = self.term("int4")

@@ -89,12 +89,19 @@ def test_the_probe_times_two_widths_and_keeps_the_wide_rows_length(monkeypatch):
 
     monkeypatch.setattr(kind_probe, "PROBE_BYTES", 256 * 1024)
     monkeypatch.setattr(kind_probe, "REPEATS", 2)
+    seen = []  # (wide, narrow) (bytes per row, seconds per row) pairs row_cost was given
+    real_row_cost = kind_probe.row_cost
+    monkeypatch.setattr(kind_probe, "row_cost",
+                        lambda wide, narrow: seen.append((wide, narrow)) or real_row_cost(wide, narrow))
     kind_probe.cached_weight.cache_clear()
     try:
         rates = kind_probe.measure_kind_rates(2, 10e9, (("Q4_0", "dense"), ("int8", "dense"), ("fp16", "axpy")))
     finally:
         kind_probe.cached_weight.cache_clear()
     row = {"q4_0": kind_probe.COLS // 32 * 18, "int8": kind_probe.COLS + 4, "f16": 2 * kind_probe.COLS}
+    cols = kind_probe.NARROW_COLS
+    narrow = {"q4_0": cols // 32 * 18, "int8": cols + 4, "f16": 2 * cols}
+    assert [(w[0], n[0]) for w, n in seen] == [(row[r.kind], narrow[r.kind]) for r in rates]  # two widths timed each
     for r in rates:
         rows = r.bytes / row[r.kind]
         assert rows == int(rows) > 0
