@@ -15,7 +15,7 @@ from pathlib import Path
 from tandem.core.errors import TandemError
 
 from .fused_calibration import calibrated_plan_tokens_per_s, load_calibration
-from .step_reads import format_reads, layer_fractions, modeled_rows, step_read_terms
+from .step_reads import format_reads, layer_fractions, step_read_terms
 
 
 def plan_fractions(plan_dir: str | Path, cfg, predictors_dir: str | Path | None = None) -> tuple[list, bool]:
@@ -56,11 +56,11 @@ def print_modeled_and_measured(plan, args, measure=None) -> None:
         if cal is not None and cal.rates and step is not None and plan.gpu_bytes == 0:
             units, cfg, context, kv_type = step
             fractions, relu = plan_fractions(args.plan_dir, cfg, args.predictors)
-            reads, shares, passes = step_read_terms(units, fractions, relu, cfg, context, kv_type)
+            reads, shares, passes, rows = step_read_terms(units, fractions, relu, cfg, context, kv_type)
             reads_line = f"modeled reads per token: {format_reads(reads)}"
             try:
                 calibrated = 1.0 / cal.reads_seconds(cfg.num_layers, reads, fractions=shares, passes=passes,
-                                                     rows=modeled_rows(units, fractions, relu))
+                                                     rows=rows)
                 line.append(f"modeled (by packed format) {calibrated:.1f}")
             except TandemError as exc:  # a format the calibration did not time
                 line.append(f"modeled (by packed format): n/a ({exc})")

@@ -40,7 +40,7 @@ Example::
     shares = with_kv(shares, kv_shares(cfg))                   # its rate's key: query heads per KV head
     cal.reads_seconds(n_layers, reads, fractions=shares, passes=passes, rows=rows)  # placement.fused_calibration
 
-(``step_read_terms`` gives those reads, shares and passes, the KV cache's included, in one call.)
+(``step_read_terms`` gives those reads, shares, passes and rows, the KV cache's included, in one call.)
 """
 from __future__ import annotations
 
@@ -238,10 +238,10 @@ def with_kv(reads: dict, kv: dict) -> dict:
 
 
 def step_read_terms(units: list[StepUnit], fractions: list[LayerFractions] | None, relu: bool, cfg,
-                    context_tokens: float, kv_cache_type: str = "f16") -> tuple[dict, dict, int]:
-    """(bytes per token, row shares, matrix passes per token) of a step's weights and its KV cache at
-    ``context_tokens``: FusedCalibration.reads_seconds' reads, fractions and passes in one call (its rows:
-    ``modeled_rows``; the KV cache's attention has none)."""
+                    context_tokens: float, kv_cache_type: str = "f16") -> tuple[dict, dict, int, dict]:
+    """(bytes per token, row shares, matrix passes per token, rows per token) of a step's weights and its KV
+    cache at ``context_tokens``: FusedCalibration.reads_seconds' reads, fractions, passes and rows in one call
+    (the KV cache's attention has no rows)."""
     reads = with_kv(modeled_reads(units, fractions, relu), kv_reads(cfg, context_tokens, kv_cache_type))
     shares = with_kv(read_fractions(units, fractions, relu), kv_shares(cfg, kv_cache_type))
-    return reads, shares, modeled_passes(units, fractions, relu)
+    return reads, shares, modeled_passes(units, fractions, relu), modeled_rows(units, fractions, relu)

@@ -60,7 +60,7 @@ def step_terms(engine, args, prompt_tokens: int) -> tuple | None:
     from online.step_inventory import step_units
     from placement.fused_calibration import load_calibration
     from placement.plan_check import plan_fractions
-    from placement.step_reads import modeled_rows, step_read_terms
+    from placement.step_reads import step_read_terms
     from tandem.core.errors import TandemError
 
     if engine.decode_path != "fused":
@@ -69,8 +69,7 @@ def step_terms(engine, args, prompt_tokens: int) -> tuple | None:
     cfg, units = engine.config, step_units(engine.compiled_decode, engine.config)
     fractions, relu = plan_fractions(args.plan, cfg) if args.plan and not args.no_sparse else (None, False)
     context = prompt_tokens + (args.decode_tokens + 1) / 2  # keys a decode step attends to, on average
-    reads, shares, passes = step_read_terms(units, fractions, relu, cfg, context, engine.kv_cache_type)
-    rows = modeled_rows(units, fractions, relu)
+    reads, shares, passes, rows = step_read_terms(units, fractions, relu, cfg, context, engine.kv_cache_type)
     try:
         cal.reads_seconds(cfg.num_layers, reads, fractions=shares, passes=passes, rows=rows)
         cal.rate("q4_1", "dense")  # the host-state sample's kernel

@@ -97,15 +97,14 @@ def counted_reads(engine, step, mode: str, rec: dict, context_tokens: float) -> 
     layer at the row shares the run counted, the KV cache at the run's mean context, the matrix passes
     per token, and the rows read per token by (format, access)."""
     from online.step_inventory import step_units
-    from placement.step_reads import LayerFractions, modeled_rows, step_read_terms
+    from placement.step_reads import LayerFractions, step_read_terms
 
     total = rec["neurons"]
     down = rec["down_rows"] / total
     fractions = {"dense": None, "relu-exact": LayerFractions(1.0, down, down),
                  "predictor": LayerFractions(rec["predicted_rows"] / total, rec["computed_up_rows"] / total, down, True)}[mode]
     units, layers = step_units(step, engine.config), None if fractions is None else [fractions] * engine.config.num_layers
-    reads, shares, passes = step_read_terms(units, layers, True, engine.config, context_tokens, engine.kv_cache_type)
-    return reads, shares, passes, modeled_rows(units, layers, True)
+    return step_read_terms(units, layers, True, engine.config, context_tokens, engine.kv_cache_type)
 
 
 def modeled(cal, engine, step, mode: str, rec: dict, context: float, read_bytes: float) -> dict:
