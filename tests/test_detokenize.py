@@ -93,3 +93,25 @@ def test_byte_fallback_pieces_complete_before_they_are_shown(tmp_path):
         assert (got_text, stopped) == (want_text, want_stopped)
         assert "".join(pieces) == got_text and "\ufffd" not in got_text
     assert decoded(tok, ids, ())[1] == full
+
+
+def test_only_a_tail_that_may_begin_a_stop_string_waits(smol_tok):
+    """After every token the text shown is everything decoded so far but its longest tail that is a proper
+    prefix of a stop string (brute force over all tails); a long stop string the text never approaches
+    holds nothing back (it held back len(stop) - 1 characters once, so an 80-character stop string delayed
+    a whole short answer to its end)."""
+    text = TEXTS[2] + " " + TEXTS[0]
+    ids = smol_tok.encode(text, add_special_tokens=False)
+    for stop in [("z" * 80,), ("i j k l X",), ("e f", "f g h Q", "\n\nW"), ("Waves fold over waves, 🚀 and 中文 and X",)]:
+        dec, shown = TextDecoder(smol_tok, stop), ""
+        for n, i in enumerate(ids, 1):
+            piece, stopped = dec.push(i)
+            shown += piece
+            if stopped:
+                break
+            so_far = smol_tok.decode(ids[:n])
+            if so_far.endswith("\ufffd"):  # a partial character: its token's text waits in any case
+                continue
+            held = max((k for s in stop for k in range(1, min(len(s), len(so_far) + 1))
+                        if so_far.endswith(s[:k])), default=0)
+            assert shown == so_far[:len(so_far) - held], (stop, n)

@@ -367,6 +367,36 @@ def test_auto_tool_choice_parses_a_call_the_model_writes():
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_a_call_cut_by_max_tokens_reads_the_same_streamed_and_whole():
+    """max_tokens ending inside a call's arguments: the full reply and the stream both give the call with the
+    arguments generated so far and finish_reason "length" (the full reply once put the raw <tool_call> text
+    in content, while the stream sent the call)."""
+    import asyncio
+    from types import SimpleNamespace
+    from online.server.responses import Reply
+    tools = (ToolSpec.from_openai(WEATHER), ToolSpec.from_openai(CLOCK))
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    result = SimpleNamespace(text=text, token_ids=[0] * 9, prompt_tokens=5, finish_reason="length", choices=[])
+    full = Reply("c", "m", chat=True, tools=tools).full(result)["choices"][0]
+    assert full["finish_reason"] == "length" and full["message"]["content"] is None
+    assert [c["function"] for c in full["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Par'}]
+    job = SimpleNamespace(events=asyncio.Queue(), deadline_s=float("inf"), cancel=lambda *a: None)
+
+    async def run():
+        for piece in (text[20:40], text[40:]):
+            job.events.put_nowait(("piece", (piece, [])))
+        job.events.put_nowait(("done", result))
+        return [e async for e in Reply("c", "m", chat=True, tools=tools).events(job, ("piece", (text[:20], [])),
+                                                                               False, 60)]
+    events = [json.loads(e[6:]) for e in asyncio.run(run()) if e.startswith("data: {")]
+    deltas = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert [d["function"]["name"] for d in deltas if "id" in d] == ["get_weather"]
+    assert "".join(d["function"]["arguments"] for d in deltas) == full["message"]["tool_calls"][0]["function"]["arguments"]
+    assert not any(e["choices"][0]["delta"].get("content") for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
 def test_tool_call_arguments_stream_in_pieces_that_join_to_the_parsed_call():
     """Fed a character at a time, a stream names each call once and then sends argument fragments whose
     concatenation parses to what parse_tool_calls (the whole-text reference) finds; parallel calls get

@@ -39,3 +39,17 @@ def test_draws_follow_the_distribution_and_the_seed():
     assert np.abs(freq - probs).max() < 0.03
     again = make_rng(params)
     assert [sample_next_np(logits, params, again) for _ in range(20)] == draws[:20].tolist()
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1e-300), dict(temperature=5e-324), dict(temperature=1e-31),
+                                dict(temperature=1.0, top_p=1e-300), dict(temperature=0.7, top_p=5e-324)])
+def test_vanishing_temperature_or_top_p_samples_the_argmax(kw):
+    """The limits of temperature -> 0 and top_p -> 0 are the argmax (np.argmax the reference): a value under
+    float32's range once divided the logits into inf / nan (torch.multinomial then raised, failing a request)."""
+    params = SamplingParams(seed=3, **kw)
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(5)) * 3
+    best = int(np.argmax(logits.numpy()))
+    for probs in (sampling_probs(logits, params).double().numpy(), sampling_probs_np(logits.numpy(), params)):
+        assert probs[best] == 1.0 and probs.sum() == 1.0
+    assert sample_next(logits, params, torch.Generator().manual_seed(3)) == best
+    assert sample_next_np(logits.numpy(), params, make_rng(params)) == best

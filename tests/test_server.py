@@ -320,6 +320,40 @@ def _bad_cases(model_id: str, max_context: int) -> list[tuple[str, str, bytes, i
         ("token id out of range", "/v1/completions", json.dumps({"prompt": [1, 2, 10**9]}).encode(), 400),
         ("10 MB body", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "' + b"a" * (10 << 20) + b'"}]}', 413),
         ("n = 3.5 while streaming", "/v1/chat/completions", _chat(model=model_id, stream=True, n=3.5), 400),
+        # fields OpenAI does not know, or knows with another type: never silently dropped
+        ("unknown field", "/v1/chat/completions", _chat(foo="bar"), 400),
+        ("misspelt field", "/v1/completions", json.dumps({"prompt": "x", "max_tokenz": 1}).encode(), 400),
+        ("user not a string", "/v1/chat/completions", _chat(user=5), 400),
+        ("store true", "/v1/chat/completions", _chat(store=True), 400),
+        ("stream_options without stream", "/v1/chat/completions", _chat(stream_options={"include_usage": True}), 400),
+        ("unknown stream_options", "/v1/chat/completions", _chat(stream=True, stream_options={"x": 1}), 400),
+        ("audio output", "/v1/chat/completions", _chat(modalities=["text", "audio"]), 400),
+        ("message name not a string", "/v1/chat/completions",
+         json.dumps({"messages": [{"role": "user", "content": "x", "name": 5}]}).encode(), 400),
+        ("unknown message field", "/v1/chat/completions",
+         json.dumps({"messages": [{"role": "user", "content": "x", "mood": "sad"}]}).encode(), 400),
+        ("user message without content", "/v1/chat/completions", json.dumps({"messages": [{"role": "user"}]}).encode(), 400),
+        ("tool message without tool_call_id", "/v1/chat/completions",
+         json.dumps({"messages": [{"role": "tool", "content": "1"}]}).encode(), 400),
+        ("tool call without arguments", "/v1/chat/completions", json.dumps({"messages": msg + [
+            {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}]}]}).encode(), 400),
+        ("tool parameters not an object schema", "/v1/chat/completions", _chat(tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], tool_choice="required"), 400),
+        ("tool strict not a boolean", "/v1/chat/completions",
+         _chat(tools=[{"type": "function", "function": {"name": "f", "strict": "yes"}}]), 400),
+        ("tool_choice a number", "/v1/chat/completions", _chat(tool_choice=5), 400),
+        ("json_schema without a name", "/v1/chat/completions",
+         _chat(response_format={"type": "json_schema", "json_schema": {}}), 400),
+        ("json_schema unknown field", "/v1/chat/completions", _chat(response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "extra": 1}}), 400),
+        # lone surrogates anywhere in the body (each of these once stopped the generation worker for good)
+        ("surrogate in a tool description", "/v1/chat/completions",
+         _chat()[:-1] + b', "tools": [{"type": "function", "function": {"name": "f", "description": "\\ud800"}}]}', 400),
+        ("surrogate in tool call arguments", "/v1/chat/completions", json.dumps({"messages": msg + [
+            {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                  "function": {"name": "f", "arguments": "@"}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "1"}]}).encode().replace(b'"@"', b'"\\udc00"'), 400),
+        ("surrogate in a stop string", "/v1/chat/completions", _chat()[:-1] + b', "stop": "\\ud800"}', 400),
     ]
 
 
@@ -337,6 +371,9 @@ def test_bad_request_corpus(srv, ref_engine):
         assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
         assert http.get("/v1/chat/completions").status_code == 405
         assert http.get("/v2/nothing").json()["error"]["code"] == "not_found"
+        slash = http.post("/v1/chat/completions/", content=_chat())  # a JSON 404, not a bodiless redirect
+        assert slash.status_code == 404 and slash.json()["error"]["code"] == "not_found"
+        assert http.head("/health").status_code == 200
         # the unknown-model error names the model parameter, OpenAI-style
         error = http.post("/v1/chat/completions", content=_chat(model="gpt-17")).json()["error"]
         assert error["code"] == "model_not_found" and error["param"] == "model"
@@ -566,3 +603,45 @@ def test_smollm2_chat_over_http_matches_engine(smollm2_path):
             model=engine.model_id, messages=question, max_tokens=24, temperature=0, stream=True))
         assert streamed == ref.text
     assert "Paris" in ref.text
+
+
+def test_a_request_that_fails_fails_alone(tiny_dir, ref_engine, long_prompts, monkeypatch):
+    """An unexpected error while starting a request, or while sampling one sequence of the batch, answers
+    that request with a 500 and nothing else: the stream running beside it finishes with its served-alone
+    text, and the worker keeps serving (it once died on a tokenizer error, and one sampler's error failed
+    every running stream)."""
+    import online.server.batch_loop as batch_loop
+    from tandem.core import sampling
+    engine = Engine.load(str(tiny_dir))
+    encode = engine.encode_prompt
+
+    def encode_or_fail(prompt):
+        if prompt == "fail to start":
+            raise RuntimeError("tokenizer broke")
+        return encode(prompt)
+
+    def choose_or_fail(logits, params, *rest):
+        if params.temperature == 0.125:
+            raise RuntimeError("sampler broke")
+        return sampling.choose_token(logits, params, *rest)
+
+    monkeypatch.setattr(engine, "encode_prompt", encode_or_fail)
+    monkeypatch.setattr(batch_loop, "choose_token", choose_or_fail)
+    prompt, max_tokens = long_prompts["prompt"], LONG_TOKENS
+    expected = ref_engine.generate(prompt, max_new_tokens=max_tokens).text
+    with LiveServer(create_app(engine)) as server, server.http() as http:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as running:
+            lines = running.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            started = http.post("/v1/completions", json={"prompt": "fail to start", "max_tokens": 4})
+            sampled = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0.125})
+            rest = [line for line in lines if line.startswith("data: ")]
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in [first] + rest[:-1])
+        assert rest[-1] == "data: [DONE]" and text == expected
+        for failed in (started, sampled):
+            assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+        assert http.get("/health").json()["status"] == "ok"
+        again = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0})
+        assert again.status_code == 200
+        assert again.json()["choices"][0]["text"] == ref_engine.generate("hi", max_new_tokens=4).text

@@ -43,6 +43,9 @@ SYSTEM_PREAMBLE = (
     "</tool_call>")
 
 
+TOOL_FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
+
+
 @dataclass(frozen=True)
 class ToolSpec:
     """One function tool: name, description and its JSON-schema parameters (validated for the grammar)."""
@@ -65,9 +68,16 @@ class ToolSpec:
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             raise TandemError('each tool must be {"type": "function", "function": {...}}')
         fn = tool["function"]
+        unknown = sorted(set(tool) - {"type", "function"}) or sorted(set(fn) - TOOL_FUNCTION_FIELDS)
+        if unknown:
+            raise TandemError(f"tool {fn.get('name')!r}: unsupported fields {unknown} "
+                              f"(a function takes {', '.join(sorted(TOOL_FUNCTION_FIELDS))})")
         params = fn.get("parameters", EMPTY_PARAMETERS)
-        if not isinstance(params, dict):
-            raise TandemError(f"tool {fn.get('name')!r}: parameters must be a JSON-schema object")
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise TandemError(f"tool {fn.get('name')!r}: parameters must be a JSON schema of type \"object\" "
+                              "(the arguments are one JSON object)")
+        if not isinstance(fn.get("strict", False), (bool, type(None))):
+            raise TandemError(f"tool {fn.get('name')!r}: strict must be a boolean")
         description = fn.get("description", "")
         if not isinstance(description, str):
             raise TandemError(f"tool {fn.get('name')!r}: description must be a string")

@@ -72,7 +72,8 @@ def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, req
         finally:
             await asyncio.get_running_loop().run_in_executor(None, scheduler.close)
 
-    app = FastAPI(title="Tandem", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Tandem", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)  # "/v1/models/" is a 404 with a JSON body, not a bodiless 307
     app.state.scheduler = scheduler
     app.state.metrics = metrics
     app.add_middleware(MetricsMiddleware, metrics=metrics)
@@ -94,8 +95,9 @@ def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, req
     async def serve(request: Request, req: Any, prompt: Any, chat: bool) -> Response:
         max_tokens = req.requested_max_tokens()
         if max_tokens is not None and max_tokens > max_context:
-            raise ApiError(400, f"max_tokens ({max_tokens}) exceeds the model's context of {max_context} tokens",
-                           param="max_tokens")
+            field = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+            raise ApiError(400, f"{field} ({max_tokens}) exceeds the model's context of {max_context} tokens",
+                           param=field)
         if max_tokens is None and not chat:
             max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
         tools = req.tools if chat and req.tool_mode()[0] != "none" else None
@@ -161,7 +163,7 @@ def create_app(engine: Any, api_key: str | None = None, max_queue: int = 64, req
         check_model(name)
         return model_card()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         ok = scheduler.alive
         return JSONResponse({"status": "ok" if ok else "unavailable", "model": model_name,

@@ -12,7 +12,8 @@ Example::
 
     loop = BatchLoop(engine, pool, make_policy("fcfs", 128), metrics, prefill_chunk_tokens=128, max_batch_seqs=32,
                      on_piece=lambda seq, text: print(text, end=""), on_finish=print,
-                     on_first_admit=lambda seq: None, on_fork=lambda parent: [])
+                     on_first_admit=lambda seq: None, on_fork=lambda parent: [],
+                     on_error=lambda seq, exc: loop.drop(seq))
     loop.add(seq)             # a Sequence (online/server/sequence.py)
     while loop.sequences:
         loop.iteration()      # finished sequences go to on_finish(seq)
@@ -33,13 +34,15 @@ class BatchLoop:
     def __init__(self, engine: Any, pool: KVPool, policy: Any, metrics: Any, prefill_chunk_tokens: int,
                  max_batch_seqs: int, on_piece: Callable[[Sequence, str], None],
                  on_finish: Callable[[Sequence], None], on_first_admit: Callable[[Any], None],
-                 on_fork: Callable[[Sequence], list[Sequence]], prefill: str = "modules",
+                 on_fork: Callable[[Sequence], list[Sequence]],
+                 on_error: Callable[[Sequence, Exception], None], prefill: str = "modules",
                  speculation: Any = None, spec_max_seqs: int = DEFAULT_SPEC_MAX_SEQS) -> None:
         self.engine, self.pool, self.policy, self.metrics = engine, pool, policy, metrics
         self.step = BatchStep(engine, pool, prefill_chunk_tokens, prefill)
         self.spec = BatchSpeculation.create(engine, speculation, spec_max_seqs, self.step.fused)
         self.prefill_chunk_tokens, self.max_batch_seqs = prefill_chunk_tokens, max_batch_seqs
         self.on_piece, self.on_finish, self.on_first_admit, self.on_fork = on_piece, on_finish, on_first_admit, on_fork
+        self.on_error = on_error  # a sequence whose sampling or streaming failed: it must leave the loop
         self.sequences: list[Sequence] = []
         self._plain_spec: set = set()  # eligible sequences that took a plain step this iteration (auto's cost)
 
@@ -201,18 +204,28 @@ class BatchLoop:
             for seq, _ in items:
                 self._register_blocks(seq)
         for seq, row in logits.items():
-            if seq.draft:
-                self._emit_verified(seq, self.spec.verify(seq, row, step_s))
+            if seq not in self.sequences:  # dropped meanwhile: a sibling choice of a request that failed
                 continue
-            if seq in self._plain_spec:
-                self.spec.record_plain(seq, step_s)
-            group = [seq]
-            if seq.n_generated == 0 and seq.job.n > 1 and not seq.job.forked:
-                group += self.on_fork(seq)
-            for member in group:
-                self._sample(member, row)
+            try:
+                self._advance(seq, row, step_s)
+            except Exception as exc:  # this request alone fails (e.g. its sampler or grammar); the others go on
+                self.on_error(seq, exc)
         self.metrics.observe_batch(len(items))
         return len(items)
+
+    def _advance(self, seq: Sequence, row, step_s: float) -> None:
+        """The step's logits row(s) of ``seq``: verify its drafts, or sample its next token (and its
+        siblings' first tokens where ``n`` > 1 forks now)."""
+        if seq.draft:
+            self._emit_verified(seq, self.spec.verify(seq, row, step_s))
+            return
+        if seq in self._plain_spec:
+            self.spec.record_plain(seq, step_s)
+        group = [seq]
+        if seq.n_generated == 0 and seq.job.n > 1 and not seq.job.forked:
+            group += self.on_fork(seq)
+        for member in group:
+            self._sample(member, row)
 
     def _register_blocks(self, seq: Sequence) -> None:
         full = self.step.reusable_blocks(seq)

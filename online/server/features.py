@@ -9,10 +9,14 @@ Example::
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from online.constrain import Grammar, ToolSpec, native_tool_messages, render_tool_messages
 from tandem.core.errors import TandemError
+
+
+JSON_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 
 
 def response_format_grammar(fmt: dict[str, Any]) -> Any:
@@ -26,8 +30,14 @@ def response_format_grammar(fmt: dict[str, Any]) -> Any:
             return Grammar.json_object()
         if kind == "json_schema":
             spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                raise ValueError('json_schema must be {"name": ..., "schema": {...}, "strict": ...}')
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict) \
+                    or not isinstance(spec.get("name"), str) or not JSON_SCHEMA_NAME.fullmatch(spec["name"]):
+                raise ValueError('json_schema must be {"name": ..., "schema": {...}, "strict": ...} (name: up to '
+                                 '64 letters, digits, _ or -)')
+            unknown = sorted(set(spec) - {"name", "description", "schema", "strict"})
+            if unknown:
+                raise ValueError(f"unsupported json_schema fields {unknown} (supported: name, description, schema, "
+                                 "strict)")
             if not isinstance(spec.get("strict", False), (bool, type(None))):
                 raise ValueError("json_schema.strict must be a boolean")
             return Grammar.json_schema(spec.get("schema", {}))
@@ -59,8 +69,8 @@ def parse_tool_choice(choice: Any, tools: Any) -> Any:
         if choice != "none" and not tools:
             raise ValueError(f"tool_choice {choice!r} needs tools")
         return choice
-    fn = choice.get("function")
-    if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
     if not tools or fn["name"] not in {t.name for t in tools}:
         raise ValueError(f"tool_choice names {fn['name']!r}, which is not among the tools")

@@ -26,7 +26,7 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from online.server.scheduler import GenerationJob, timeout_error
-from online.server.tool_stream import CALL_TAG, ToolCallStream
+from online.server.tool_stream import CALL_TAG, ToolCallStream, scan_tool_calls
 
 
 class Reply:
@@ -79,12 +79,24 @@ class Reply:
         return out
 
     def tool_calls(self, result: Any) -> list[dict[str, Any]]:
+        """The calls in a result's text; a last call that max_tokens cut off keeps the arguments generated so
+        far (as a stream has sent them), with finish_reason "length" (see :meth:`finish_reason`)."""
         from online.constrain import parse_tool_calls
         if not self.tools:
             return []
+        found = parse_tool_calls(result.text, list(self.tools))
+        if result.finish_reason == "length":
+            scanned = scan_tool_calls(result.text, {t.name for t in self.tools})
+            if len(scanned) > len(found) and not scanned[-1][2]:
+                found.append(scanned[-1][:2])
         return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                  "function": {"name": name, "arguments": args}}
-                for name, args in parse_tool_calls(result.text, list(self.tools))[:self.max_tool_calls]]
+                for name, args in found[:self.max_tool_calls]]
+
+    @staticmethod
+    def finish_reason(result: Any, calls: list[dict[str, Any]]) -> str:
+        """"tool_calls" for an answer that called tools, unless max_tokens cut it ("length")."""
+        return "tool_calls" if calls and result.finish_reason != "length" else result.finish_reason
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -111,7 +123,7 @@ class Reply:
                 if calls:
                     before = r.text.split(CALL_TAG)[0].strip() if CALL_TAG in r.text else ""
                     message = {"role": "assistant", "content": before or None, "tool_calls": calls}
-                    finish = "tool_calls"
+                    finish = self.finish_reason(r, calls)
                 choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
                 choices.append({"index": i, "text": r.text, "logprobs": logprobs, "finish_reason": r.finish_reason})
@@ -165,7 +177,7 @@ class Reply:
                     if held is not None:  # the held-back tail: calls not streamed yet, or content after all
                         calls, streamed = self.tool_calls(result), calls_out[i].streamed
                         if calls or streamed:
-                            finish = "tool_calls" if calls else finish
+                            finish = self.finish_reason(result, calls)
                             if calls[streamed:] or held[i].choices:
                                 yield sse(self.chunk(tool_calls=calls[streamed:], first_call=streamed, index=i,
                                                      choices=held[i].choices))

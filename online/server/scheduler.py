@@ -64,7 +64,7 @@ class Scheduler:
         self.policy = make_policy(self.batch.schedule, self.batch.prefill_chunk_tokens)
         self.loop = BatchLoop(engine, self.pool, self.policy, metrics, self.batch.prefill_chunk_tokens,
                               self.batch.max_batch_seqs, on_piece=self._on_piece, on_finish=self._on_finish,
-                              on_first_admit=self._on_first_admit, on_fork=self._fork,
+                              on_first_admit=self._on_first_admit, on_fork=self._fork, on_error=self._on_error,
                               prefill=self.batch.prefill, speculation=getattr(engine, "default_speculation", None),
                               spec_max_seqs=self.batch.spec_max_seqs)
         metrics.speculation = self.loop.spec
@@ -172,7 +172,15 @@ class Scheduler:
                     break
                 new, self._incoming = list(self._incoming), collections.deque()
             for job in new:
-                self._start(job)
+                try:
+                    self._start(job)
+                except Exception as exc:  # one request's failure: answer it, never stop the worker
+                    log.exception("starting a request failed")
+                    job.emit("error", internal_error(exc))
+                    if job in self._active:
+                        self._end(job)
+                    else:
+                        self._unqueue(job)
             self._reap()
             try:
                 if not self.loop.iteration() and self.loop.sequences:
@@ -181,7 +189,7 @@ class Scheduler:
             except BaseException as exc:  # never let the worker die: fail the jobs in the loop
                 log.exception("generation failed")
                 for job in list(self._active):
-                    job.emit("error", ApiError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+                    job.emit("error", internal_error(exc))
                     self._end(job)
         for job in list(self._active):
             job.emit("error", shutting_down())
@@ -292,6 +300,12 @@ class Scheduler:
             choices, seq.sent_choices = seq.choices[seq.sent_choices:], len(seq.choices)
             seq.job.emit("piece", (piece, choices) if seq.job.n == 1 else (seq.index, piece, choices))
 
+    def _on_error(self, seq: Sequence, exc: Exception) -> None:
+        """One sequence failed after its step: its request gets a 500, the batch goes on."""
+        log.error("request failed", exc_info=exc)
+        seq.job.emit("error", internal_error(exc))
+        self._end(seq.job)
+
     def _on_finish(self, seq: Sequence) -> None:
         job = seq.job
         end_s = time.monotonic()
@@ -312,6 +326,11 @@ class Scheduler:
                                         results[0].stats, queue_wait_s=seq.started_s - job.submitted_s)
         self._end(job)
         job.emit("done", results[0] if job.n == 1 else results)
+
+
+def internal_error(exc: BaseException) -> ApiError:
+    """The 500 a request gets when the server fails on it (the traceback goes to the log)."""
+    return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error")
 
 
 def decode_options_for(engine: Any, sampling: dict[str, Any]) -> Any:

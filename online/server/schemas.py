@@ -40,21 +40,39 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _check_utf8(text: str, what: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"{what} is not valid Unicode (lone surrogate escape)") from None
-    return text
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The path (``messages.0.tool_calls.0.function.arguments``) of the first string in a decoded JSON value,
+    key or value, holding a lone surrogate (a ``\\ud800`` escape: valid JSON, not Unicode; the tokenizer and
+    every encoder fail on it), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{path}.{key}" if path else str(key)
+        found = lone_surrogate_at(key, where) if isinstance(key, str) else None
+        found = found or lone_surrogate_at(item, where)
+        if found:
+            return found
+    return None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     role: str
-    content: Any = None
+    content: Any = Field(default=None, validate_default=True)
+    name: str | None = None  # the participant's name: OpenAI's templates and ours do not render it
     tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
-    tool_call_id: str | None = None  # role "tool": the call this result answers
+    tool_call_id: str | None = Field(default=None, validate_default=True)  # role "tool": the call it answers
+    # what an OpenAI assistant message carries back when a client returns it into the history; only empty
+    refusal: None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
     @field_validator("tool_calls")
     @classmethod
@@ -62,8 +80,9 @@ class ChatMessage(BaseModel):
         for call in calls or ():
             fn = call.get("function")
             if call.get("type", "function") != "function" or not isinstance(fn, dict) \
-                    or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), (str, dict)):
-                raise ValueError('each tool call must be {"id", "type": "function", "function": {"name", "arguments"}}')
+                    or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), (str, dict)):
+                raise ValueError('each tool call must be {"id", "type": "function", "function": {"name", "arguments"}} '
+                                 "(arguments: a JSON string)")
         return calls or None
 
     @field_validator("role")
@@ -75,25 +94,36 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _content(cls, content: Any) -> str:
-        if content is None:
+    def _content(cls, content: Any, info: Any) -> str:
+        if content is None:  # an assistant turn may carry tool calls alone
+            role = info.data.get("role")
+            if role not in (None, "assistant"):  # (None: the role itself was wrong, and says so first)
+                raise ValueError(f"required for role {role!r}")
             return ""
         if isinstance(content, str):
-            return _check_utf8(content, "content")
+            return content
         if isinstance(content, list):  # [{"type": "text", "text": "..."}, ...]
             texts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
-                texts.append(_check_utf8(part["text"], "content"))
+                texts.append(part["text"])
             return "\n".join(texts)
         raise ValueError("content must be a string or a list of text parts")
 
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, call_id: str | None, info: Any) -> str | None:
+        if call_id is None and info.data.get("role") == "tool":
+            raise ValueError("required for role 'tool' (the id of the call this result answers)")
+        return call_id
+
 
 class _SamplingRequest(BaseModel):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions. A field this server does not know is a 400, as OpenAI
+    answers it ("unrecognized request argument"), never silently dropped."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -109,6 +139,24 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
+    user: str | None = None  # an end-user id (OpenAI uses it to monitor abuse): no effect on the output
+    store: bool | None = None
+    metadata: dict[str, str] | None = None  # tags for stored completions: kept nowhere here
+    service_tier: str | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, store: bool | None) -> None:
+        if store:
+            raise ValueError("storing completions (store: true) is not supported")
+        return None
+
+    @field_validator("service_tier")
+    @classmethod
+    def _service_tier(cls, tier: str | None) -> None:
+        if tier not in (None, "auto", "default"):
+            raise ValueError(f"service_tier {tier!r} is not supported (this server has one tier: auto, default)")
+        return None
 
     @field_validator("logit_bias")
     @classmethod
@@ -129,7 +177,7 @@ class _SamplingRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
-        return [_check_utf8(s, "stop") for s in stops] or None
+        return stops or None
 
     @field_validator("n")
     @classmethod
@@ -147,8 +195,15 @@ class _SamplingRequest(BaseModel):
 
     @field_validator("stream_options")
     @classmethod
-    def _stream_options(cls, options: dict[str, Any] | None) -> dict[str, Any] | None:
-        if options is not None and not isinstance(options.get("include_usage", False), bool):
+    def _stream_options(cls, options: dict[str, Any] | None, info: Any) -> dict[str, Any] | None:
+        if options is None:
+            return None
+        if not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        unknown = sorted(set(options) - {"include_usage"})
+        if unknown:
+            raise ValueError(f"unsupported stream_options {unknown} (supported: include_usage)")
+        if not isinstance(options.get("include_usage", False), bool):
             raise ValueError("stream_options.include_usage must be a boolean")
         return options
 
@@ -182,10 +237,18 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
     functions: Any = None
     function_call: Any = None
+
+    @field_validator("modalities")
+    @classmethod
+    def _modalities(cls, modalities: list[str] | None) -> None:
+        if modalities not in (None, ["text"]):
+            raise ValueError('only text output is supported (modalities: ["text"])')
+        return None
 
     @field_validator("functions", "function_call")
     @classmethod
@@ -294,7 +357,7 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return _check_utf8(prompt, "prompt")
+            return prompt
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             return prompt  # token ids, range-checked by the engine
         raise ValueError("prompt must be a non-empty string, a list of one string, or a list of token ids")
@@ -325,6 +388,9 @@ def parse_request(model: type[BaseModel], payload: Any) -> Any:
     """Validate a decoded JSON payload; raise :class:`ApiError` (400) naming the first bad field."""
     if not isinstance(payload, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    bad = lone_surrogate_at(payload)
+    if bad is not None:
+        raise ApiError(400, f"{bad}: not valid Unicode (a lone surrogate escape)", param=bad)
     try:
         return model.model_validate(payload)
     except ValidationError as exc:
@@ -334,4 +400,6 @@ def parse_request(model: type[BaseModel], payload: Any) -> Any:
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         if err.get("type") == "missing":
             msg = "field required"
+        if err.get("type") == "extra_forbidden":
+            raise ApiError(400, f"unrecognized request argument supplied: {param}", param=param) from None
         raise ApiError(400, f"{param}: {msg}" if param else msg, param=param) from None

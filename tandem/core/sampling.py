@@ -51,7 +51,8 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.top_p < 1.0:
         sorted_scores, order = torch.sort(scores, descending=True)
         cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
-        drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= params.top_p  # keep the first token always
+        drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= params.top_p  # [vocab]
+        drop[0] = False  # the first token always stays (a top_p under float32's smallest value compares as 0)
         scores = scores.scatter(0, order[drop], float("-inf"))
     return torch.softmax(scores, dim=-1)
 

@@ -34,7 +34,8 @@ def sampling_probs_np(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if params.top_p < 1.0:
         order = np.argsort(-scores, kind="stable")  # descending
         probs_sorted = _softmax(scores[order])
-        drop = np.cumsum(probs_sorted) - probs_sorted >= params.top_p  # keep the first token always
+        drop = np.cumsum(probs_sorted) - probs_sorted >= params.top_p  # [vocab]
+        drop[0] = False  # the first token always stays
         scores = scores.copy()
         scores[order[drop]] = -np.inf
     return _softmax(scores)

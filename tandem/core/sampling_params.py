@@ -15,6 +15,10 @@ from typing import Any
 from tandem.core.errors import TandemError
 
 
+# Logits of |l| <= 1e8 over a temperature of at least this stay finite in float32 (max 3.4e38)
+GREEDY_BELOW_TEMPERATURE = 1e-30
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Validated decoding settings. temperature 0 means greedy.
@@ -48,7 +52,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one so small that logits / temperature leave float32's range (it samples as its
+        limit, the argmax)."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 MAX_TOP_LOGPROBS = 20

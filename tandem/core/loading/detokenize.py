@@ -20,16 +20,15 @@ from .tokenizer import IncrementalDecoder
 
 
 class TextDecoder:
-    """``push`` returns (new text safe to show, whether a stop string ended the text): the last
-    ``len(longest stop) - 1`` characters are held back (they may begin a stop string), as is a character
-    still incomplete (IncrementalDecoder); ``flush`` returns the rest, cut before a stop string found in it.
-    ``tokenizer`` None: no text (token ids only)."""
+    """``push`` returns (new text safe to show, whether a stop string ended the text): the longest tail of the
+    text that begins some stop string is held back (it may grow into one; text that cannot is shown at once),
+    as is a character still incomplete (IncrementalDecoder); ``flush`` returns the rest, cut before a stop
+    string found in it. ``tokenizer`` None: no text (token ids only)."""
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.longest_stop = max((len(s) for s in self.stop), default=0)
-        self.hold_back = max(self.longest_stop - 1, 0)
         self.generated: list[int] = []
         self.text = ""
         self.emitted = 0
@@ -60,8 +59,21 @@ class TextDecoder:
                 piece = self.text[self.emitted:]
                 self.emitted = len(self.text)
                 return piece, True
-        safe = len(self.text) if final else len(self.text) - self.hold_back
+        safe = len(self.text) if final else len(self.text) - self._stop_prefix_tail()
         if safe <= self.emitted:
             return "", False
         piece, self.emitted = self.text[self.emitted:safe], safe
         return piece, False
+
+    def _stop_prefix_tail(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string (0: none). A stop
+        string not yet complete can only start inside it, so everything before it is safe to show."""
+        text, held = self.text, 0
+        for stop in self.stop:
+            if not text or text[-1] not in stop[:-1]:
+                continue
+            for k in range(min(len(stop) - 1, len(text)), held, -1):
+                if text.endswith(stop[:k]):
+                    held = k
+                    break
+        return held
