@@ -90,6 +90,12 @@ def load_profile(profile_dir: str | Path, expected_model_fingerprint: str | None
                           quality=meta.get("quality", {}), layers=meta.get("layers", []), extra=meta.get("extra", {}))
     except KeyError as e:
         raise ArtifactError(f"profile metadata in {profile_dir} lacks {e}") from None
+    except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong type (an edited profile.json)
+        raise ArtifactError(f"profile metadata in {profile_dir} is malformed: {e}") from None
+    if not isinstance(profile.layers, list) or not all(isinstance(layer, dict) and type(layer.get("layer")) is int
+                                                       for layer in profile.layers):
+        raise ArtifactError(f"profile metadata in {profile_dir} is malformed: layers must be a list of objects "
+                            "with a layer index")
     if meta.get("profile_fingerprint") != profile.fingerprint:
         raise ArtifactError(f"profile in {profile_dir} is corrupted: its content does not match its fingerprint")
     if expected_model_fingerprint is not None and profile.model_fingerprint != expected_model_fingerprint:

@@ -36,8 +36,10 @@ def add_parsers(sub) -> None:
 
     ppl = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
     ppl.add_argument("--text-file", required=True)
-    ppl.add_argument("--window", type=int, default=512, help="tokens per window")
-    ppl.add_argument("--stride", type=int, default=256, help="tokens between window starts")
+    ppl.add_argument("--window", type=int, default=None,
+                     help="tokens per window (default 512, or the context less one where that is shorter)")
+    ppl.add_argument("--stride", type=int, default=None,
+                     help="tokens between window starts (default half the window; at most the window)")
     ppl.add_argument("--decode-steps", action="store_true",
                      help="score token by token through the decode path generation uses (fused step included)")
     add_engine_arguments(ppl)
@@ -68,13 +70,12 @@ def load_engine(args):
 
 
 def parse_prompt_ids(text: str) -> list[int]:
+    if not text.strip():
+        raise TandemError("--prompt-ids is empty")
     try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
+        return [int(x) for x in text.split(",")]  # an empty item ("1,,2", "1,2,") is an error too
     except ValueError:
         raise TandemError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise TandemError("--prompt-ids is empty")
-    return ids
 
 
 def run_generate(args) -> int:
@@ -152,10 +153,20 @@ def run_perplexity(args) -> int:
         raise TandemError(f"text file not found: {path}") from None
     except (UnicodeDecodeError, OSError) as e:
         raise TandemError(f"cannot read {path}: {e}") from None
-    if args.window < 2 or args.stride < 1:
+    if (args.window is not None and args.window < 2) or (args.stride is not None and args.stride < 1):
         raise TandemError("--window must be >= 2 and --stride >= 1")
+    if args.window is not None and args.stride is not None and args.stride > args.window:
+        raise TandemError(f"--stride ({args.stride}) must not exceed --window ({args.window}): the tokens between "
+                          "windows would go unscored")
     spec = speculation_config(args)
     engine = load_engine(args)
+    if args.window is not None and args.window > engine.max_context - 1:
+        raise TandemError(f"--window ({args.window}) must be below the context of {engine.max_context} tokens "
+                          "(a window's last token needs a position after it)")
+    window = args.window if args.window is not None else min(512, engine.max_context - 1)
+    stride = args.stride if args.stride is not None else max(window // 2, 1)
+    if stride > window:
+        raise TandemError(f"--stride ({stride}) must not exceed the window ({window} tokens)")
     ids = engine.encode_prompt_for_scoring(text)
     tokens_per_step, reason = 1, ""
     if spec.enabled:  # the text is known: score it K tokens per multi-token step
@@ -165,7 +176,7 @@ def run_perplexity(args) -> int:
             tokens_per_step = spec.draft_tokens
         except TandemError as exc:
             reason = str(exc)
-    ppl, scored = engine.perplexity(ids, window_tokens=args.window, stride_tokens=args.stride,
+    ppl, scored = engine.perplexity(ids, window_tokens=window, stride_tokens=stride,
                                     decode_steps=args.decode_steps or spec.enabled, tokens_per_step=tokens_per_step)
     if args.json:
         out = {"perplexity": ppl, "tokens": scored, "model": engine.model_id,

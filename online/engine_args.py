@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -80,6 +81,9 @@ class EngineArgs:
         if self.kv_cache_type is None:  # the flag left out
             object.__setattr__(self, "kv_cache_type", "f16")
         _check_int("threads", self.threads, 1)
+        if self.threads is not None and self.threads > max_threads():
+            raise TandemError(f"threads must be at most {max_threads()} (8 per core of this machine's "
+                              f"{os.cpu_count() or 1}), got {self.threads}")
         _check_int("context_length", self.context_length, 1)
         _check_int("gpu_budget_bytes", self.gpu_budget_bytes, 0)
         _check_int("expert_slots", self.expert_slots, 0)
@@ -94,6 +98,9 @@ class EngineArgs:
 
     def _check_combination(self) -> None:
         packed = self.plan is not None or self.weight_format is not None or self.expert_slots is not None
+        for name in ("profile", "predictors"):
+            if getattr(self, name) is not None and self.plan is None:
+                raise TandemError(f"{name} names a plan's {name} directory: it needs plan")
         if self.down_format is not None and not packed:
             raise TandemError("down_format needs plan or weight_format (the dense float32 runtime has no packed FFN)")
         if self.layer_offload:
@@ -129,6 +136,11 @@ class EngineArgs:
                 value = parse_bytes(value)
             values[f.name] = value
         return cls(**values)
+
+
+def max_threads() -> int:
+    """The most threads an engine takes: 8 per core (more only wait on each other; 100,000 failed to start)."""
+    return 8 * (os.cpu_count() or 1)
 
 
 def _check_int(name: str, value, minimum: int) -> None:

@@ -102,11 +102,13 @@ def _layer_offload(args: EngineArgs, ckpt, net, ffn_layers: list) -> BuiltExecut
 
 
 def _from_plan(args: EngineArgs, ckpt, net, ffn_layers: list, settings, head) -> BuiltExecutor:
+    from placement.settings import checkpoint_tensor_formats
     from .plan_runtime import build_plan_executor
     executor, plan_info = build_plan_executor(args.plan, ckpt.config, ffn_layers, ckpt.fingerprint, settings,
                                               head_weight=head, raw=ckpt.raw, gpu_budget_bytes=args.gpu_budget_bytes,
                                               expert_slots=args.expert_slots, prefetch=args.prefetch,
-                                              profile_dir=args.profile, predictors_dir=args.predictors, model=net)
+                                              profile_dir=args.profile, predictors_dir=args.predictors, model=net,
+                                              tensor_formats=checkpoint_tensor_formats(ckpt))
     return BuiltExecutor(executor, plan_info=plan_info)
 
 

@@ -89,7 +89,7 @@ def cache_key(args: EngineArgs, model_path: Path) -> str:
     if args.plan is not None:
         for label, folder in (("plan", Path(args.plan)), ("profile", _sibling(args, args.profile, "profile")),
                               ("predictors", _sibling(args, args.predictors, "predictors"))):
-            h.update(label.encode())
+            h.update(f"{label}:{folder is not None}".encode())  # an empty folder is not the folder's absence
             if folder is not None:
                 _hash_tree(h, folder, None, SMALL_FILE_BYTES)
     for rel in CODE_DIRS + CODE_FILES:

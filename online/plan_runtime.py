@@ -48,13 +48,22 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
                         settings: ExecutionSettings, head_weight=None, raw: dict | None = None,
                         gpu_budget_bytes: int | None = None, profile_dir: str | Path | None = None,
                         predictors_dir: str | Path | None = None, expert_slots: int | None = None,
-                        prefetch: bool = True, model=None) -> tuple[HybridExecutor, PlanInfo]:
+                        prefetch: bool = True, model=None,
+                        tensor_formats: dict[str, str] | None = None) -> tuple[HybridExecutor, PlanInfo]:
     """MoE layers get the plan's expert cache (slots, pinned experts); ``expert_slots`` overrides the slots.
-    With ``model`` the plan's attention/KV, output layer and embeddings go on the tier first (experts get the rest)."""
+    With ``model`` the plan's attention/KV, output layer and embeddings go on the tier first (experts get the rest).
+    ``tensor_formats``: the checkpoint's own (``checkpoint_tensor_formats``), which a plan that keeps GGUF blocks
+    as they are must have been made for."""
     from offline.profile_artifact import load_profile
     from placement.plan import load_plan, read_plan
     plan_dir = Path(plan_dir)
     plan = read_plan(plan_dir)
+    planned = dict(plan.settings.tensor_formats)
+    if planned and tensor_formats is not None and planned != tensor_formats:
+        role = next(r for r in sorted(set(planned) | set(tensor_formats)) if planned.get(r) != tensor_formats.get(r))
+        raise TandemError(f"the plan in {plan_dir} was made for a file that stores {role} as "
+                          f"{planned.get(role, 'nothing')}; this one stores {tensor_formats.get(role, 'nothing')} "
+                          "(another quantization of the model?): plan again for this file")
     if gpu_budget_bytes is not None and gpu_budget_bytes < plan.gpu_bytes:
         raise TandemError(f"--gpu-budget {gpu_budget_bytes} bytes is smaller than the plan in {plan_dir} needs "
                           f"({plan.gpu_bytes} bytes on the GPU tier); plan again with this budget")
@@ -66,6 +75,8 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
     predictors = None
     predictors_path = _sibling(plan_dir, predictors_dir, "predictors")
     predictors_fingerprint = "none"
+    if predictors_dir is not None and plan.predictors_fingerprint == "none":
+        raise TandemError(f"the plan in {plan_dir} runs without predictors: leave --predictors out")
     if plan.predictors_fingerprint != "none":
         if predictors_path is None:
             raise TandemError(f"the plan in {plan_dir} was made with predictors, but none were found beside it")

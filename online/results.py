@@ -66,8 +66,10 @@ def sliding_window_perplexity(token_ids: list[int], window_tokens: int, stride_t
     for begin in range(0, len(token_ids), stride_tokens):
         end = min(begin + window_tokens, len(token_ids))
         window = token_ids[begin:end]
-        logits = window_logits(window)  # [W, vocab]
         n_new = end - max(prev_end, begin + 1)
+        if n_new <= 0:  # a last window of one token: no position in it has a target
+            break
+        logits = window_logits(window)  # [W, vocab]
         targets = torch.tensor(window[-n_new:])
         logp = F.log_softmax(logits[-n_new - 1:-1].double(), dim=-1)
         nll -= float(logp.gather(1, targets[:, None]).sum())

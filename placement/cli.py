@@ -12,10 +12,12 @@ Example::
 from __future__ import annotations
 
 import argparse
+import io
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tandem.core.artifacts import atomic_write_bytes, check_file_out
 from tandem.core.errors import TandemError
 
 from .budget import format_bytes
@@ -171,19 +173,34 @@ def plot_plan(plan: Plan, out_path: str | Path) -> Path:
     bottom.set_xlabel("layer")
     bottom.set_ylim(0, 100)
     fig.tight_layout()
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path = check_plot_out(out_path)
+    png = io.BytesIO()
     try:
-        fig.savefig(out_path, dpi=110)
-    except OSError as e:
-        raise TandemError(f"cannot write plot {out_path}: {e.strerror or e}") from None
+        fig.savefig(png, format="png", dpi=110)
     finally:
         plt.close(fig)
+    try:
+        atomic_write_bytes(out_path, png.getvalue())
+    except OSError as e:
+        raise TandemError(f"cannot write plot {out_path}: {e.strerror or e}") from None
     return out_path
+
+
+def check_plot_out(out_path: str | Path) -> Path:
+    """The --plot path, checked before any work: a .png file that can be written."""
+    out_path = Path(out_path)
+    if out_path.suffix.lower() != ".png":
+        raise TandemError(f"--plot writes a PNG image: name a .png file, got {out_path}")
+    return check_file_out(out_path)
 
 
 def cmd_show_plan(args: argparse.Namespace) -> int:
     from .plan import read_plan
+    for flag, value in (("--predictors", args.predictors), ("--threads", args.threads)):
+        if value is not None and not args.measure:
+            raise TandemError(f"{flag} is for --measure (the decode it times): add --measure MODEL or leave it out")
+    if args.plot:
+        check_plot_out(args.plot)
     plan = read_plan(args.plan_dir)
     print(f"plan {args.plan_dir}")
     print(format_plan_summary(plan))
@@ -198,6 +215,9 @@ def cmd_show_plan(args: argparse.Namespace) -> int:
 
 def cmd_probe(args: argparse.Namespace) -> int:
     from tandem import pipeline
+    if args.fused:
+        from tandem.core.artifacts import check_file_out
+        check_file_out(args.fused)  # before the probe's minute, not after it
     hardware = pipeline.probe(args.out, threads=args.threads, name=args.name)
     if args.out:
         print(f"hardware profile written to {args.out} (use it with --hardware {args.out})")

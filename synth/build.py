@@ -58,6 +58,8 @@ class SynthSpec:
             raise TandemError("gate rank, sample sequences and sample length must be positive (>= 2 sequences)")
         if self.gate_scale <= 0 or self.gate_noise < 0:
             raise TandemError("gate scale must be > 0 and gate noise >= 0")
+        if not 0 <= self.seed < 2**63:
+            raise TandemError(f"--seed must be in [0, 2^63), got {self.seed}")
         firing_rates(64, self.sparsity, self.hot_fraction, self.hot_share)  # validates the request
 
     def request(self) -> dict:

@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return int(handler(args) or 0)
+        code = int(handler(args) or 0)
+        sys.stdout.flush()  # a full disk or a closed pipe shows here, not in the interpreter's exit
+        return code
     except TandemError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
@@ -77,7 +79,20 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("error: interrupted\n")
         return 130
     except BrokenPipeError:
+        _quiet_stdout()
         return 0
+    except OSError as e:  # the output could not be written (e.g. > /dev/full): one line, not a traceback
+        _quiet_stdout()
+        sys.stderr.write(f"error: {e.strerror or e}\n")
+        return 1
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's last flush cannot fail again at exit."""
+    try:
+        sys.stdout = open(os.devnull, "w")
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

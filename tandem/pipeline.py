@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from tandem.core.artifacts import check_artifact_out, check_file_out
 from tandem.core.errors import ArtifactError, TandemError
 
 Log = Callable[[str], None]
@@ -79,6 +80,8 @@ def profile(model: str | Path, *, out: str | Path | None = None, calib: Sequence
 
     if calib:
         read_text_files(calib)  # fail before the model loads
+    if out:
+        check_artifact_out(out, "profile")
     start = time.perf_counter()
     engine = engine if engine is not None else _load_engine(model, threads)
     calib_set = build_calibration_set(engine, files=calib, max_tokens=tokens,
@@ -110,6 +113,9 @@ def train_predictors(model: str | Path, profile_dir: str | Path, *, out: str | P
         raise TandemError(f"profile directory not found: {profile_dir}")
     if calib:
         read_text_files(calib)
+    if out:
+        from predictors.artifact import ARTIFACT_NAME
+        check_artifact_out(out, ARTIFACT_NAME)
     start = time.perf_counter()
     engine = engine if engine is not None else _load_engine(model, threads)
     prof = load_profile(profile_dir, expected_model_fingerprint=engine.model_fingerprint)
@@ -128,6 +134,8 @@ def probe(out: str | Path | None = None, *, threads: int | None = None, name: st
     """Measure this machine (``placement.hardware.HardwareProfile``); saved to ``out`` when given."""
     from placement.hardware import save_hardware
     from placement.probe import probe_machine
+    if out is not None:
+        check_file_out(out)
     hardware = probe_machine(threads=threads, name=name)
     if hardware.has_gpu:  # the GPU step's kernel latency (online/gpu), which the cost model charges per kernel
         import dataclasses
@@ -163,6 +171,9 @@ def plan(model: str | Path, profile_dir: str | Path, hardware: str | Path, *, gp
     budget = default_gpu_budget(hw) if gpu_budget is None else parse_bytes(str(gpu_budget))
     checkpoint = checkpoint if checkpoint is not None else load_checkpoint(model, deferred=True)  # config, sizes, kinds
     config = checkpoint.config
+    if context_tokens is not None and not 1 <= context_tokens <= config.max_context:
+        raise TandemError(f"the context to plan for must be 1..{config.max_context} tokens (the model's), "
+                          f"got {context_tokens}")
     prof = load_profile(profile_dir, expected_model_fingerprint=checkpoint.fingerprint)
     preds = (load_predictor_info(predictors_dir, config.num_layers, checkpoint.fingerprint, prof.fingerprint)
              if predictors_dir else no_predictors(config.num_layers))
@@ -182,6 +193,7 @@ def plan(model: str | Path, profile_dir: str | Path, hardware: str | Path, *, gp
         except ArtifactError as e:
             raise TandemError(f"refusing to overwrite: {e}") from None
         return PlanResult(out_dir, existing, reused=True, profile=prof)
+    check_artifact_out(out_dir, "plan")
     new_plan = make_plan(config, model_fingerprint=checkpoint.fingerprint, model_id=checkpoint.model_id, profile=prof,
                          hardware=hw, gpu_budget_bytes=budget, predictors=preds, settings=settings,
                          solver=SolverSettings(time_limit_s=time_limit_s))
@@ -253,6 +265,13 @@ def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str |
     """
     if predictors not in ("auto", "on", "off"):
         raise TandemError(f"predictors must be auto, on or off, got {predictors!r}")
+    if gpu_budget is not None:
+        from placement.budget import parse_bytes
+        parse_bytes(str(gpu_budget))  # a bad budget fails now, not after the profile
+    if out:
+        if Path(out).exists() and not Path(out).is_dir():
+            raise TandemError(f"cannot write the artifacts to {out}: a file is there")
+        check_file_out(Path(out) / "hardware-probed.json")  # the folder can be made and written
     from placement.settings import checkpoint_tensor_formats
     from tandem.core.loading import load_checkpoint
     checkpoint = load_checkpoint(model, deferred=True)  # its config, fingerprint and block kinds
@@ -262,7 +281,9 @@ def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str |
     profile_dir, engine = base / "profile", None
     existing = _valid_profile(profile_dir, fingerprint)
     if existing is not None:
-        log(f"[prepare] reusing profile {profile_dir}")
+        note = (": calibration settings apply to a new profile only (remove it to profile again)"
+                if calib or tokens is not None or max_quality_loss != 0.02 else "")
+        log(f"[prepare] reusing profile {profile_dir}{note}")
         prof = ProfileResult(profile_dir, existing, reused=True)
     else:
         log(f"[prepare] profiling into {profile_dir}")

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from tandem.core.loading.gguf_loader import read_gguf
-from tandem.core.loading.tokenizer import IncrementalDecoder, Tokenizer
+from tandem.core.loading.detokenize import IncrementalDecoder
+from tandem.core.loading.tokenizer import Tokenizer
 from tandem.core.errors import TandemError
 
 TRICKY = [

@@ -24,6 +24,55 @@ if TYPE_CHECKING:  # torch and safetensors load with the first artifact, not wit
     import torch
 
 
+def umask_mode(mode: int) -> int:
+    """``mode`` less the process umask: what open() and mkdir() give a new file or folder (mkstemp and mkdtemp
+    make theirs private, 0600 / 0700, which an artifact renamed into place would otherwise keep)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
+def check_file_out(path: str | os.PathLike) -> Path:
+    """Fail fast, before any work, where ``atomic_write_bytes(path, ...)`` could not write: ``path`` a folder,
+    or its nearest existing ancestor not a writable folder. Returns ``path``."""
+    path = Path(path)
+    if path.is_dir():
+        raise ArtifactError(f"cannot write {path}: it is a folder")
+    _check_parent_writable(path)
+    return path
+
+
+def check_artifact_out(out_dir: str | os.PathLike, name: str) -> Path:
+    """Fail fast, before any work, where ``save_artifact(out_dir, name, ...)`` could not write, or would replace
+    something that is not a ``name`` artifact (a file, or a non-empty folder without ``name.json``: the user's
+    own files, which replacing the folder would delete). Returns ``out_dir``."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() or out_dir.is_symlink():
+        if not out_dir.is_dir():
+            raise ArtifactError(f"cannot write the {name} artifact to {out_dir}: a file is there")
+        if out_dir.resolve() == Path.cwd().resolve():
+            raise ArtifactError(f"cannot write the {name} artifact to {out_dir}: it is the current folder")
+        if not (out_dir / f"{name}.json").is_file() and any(out_dir.iterdir()):
+            raise ArtifactError(f"{out_dir} holds other files and no {name} artifact ({name}.json): writing the "
+                                f"artifact there would delete them; choose another folder")
+    _check_parent_writable(out_dir)
+    return out_dir
+
+
+def _check_parent_writable(path: Path) -> None:
+    """A temporary folder made and removed in the nearest existing ancestor of ``path`` (where the atomic
+    writers make theirs): the one test of writability that holds for every user and file system."""
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ArtifactError(f"cannot write {path}: {parent} is not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".tandem-write-check.", dir=parent))
+    except OSError as e:
+        raise ArtifactError(f"cannot write {path}: {e.strerror or e} in {parent}") from None
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -31,6 +80,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            os.fchmod(f.fileno(), umask_mode(0o666))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -66,9 +116,10 @@ def save_artifact(out_dir: str | os.PathLike, name: str, tensors: dict[str, torc
                   meta: dict[str, Any], extra_files: dict[str, bytes] | None = None) -> Path:
     """Write ``out_dir/name.safetensors`` + ``out_dir/name.json`` (+ extra files) atomically.
 
-    The whole directory is replaced in one rename; files of an older artifact are dropped.
+    The whole directory is replaced in one rename; files of an older artifact are dropped. A folder that is
+    not a ``name`` artifact, or a file, is never replaced (``check_artifact_out``).
     """
-    out_dir = Path(out_dir)
+    out_dir = check_artifact_out(out_dir, name)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
@@ -77,6 +128,9 @@ def save_artifact(out_dir: str | os.PathLike, name: str, tensors: dict[str, torc
         (tmp_dir / f"{name}.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         for fname, data in (extra_files or {}).items():
             (tmp_dir / fname).write_bytes(data)
+        for child in tmp_dir.iterdir():
+            child.chmod(umask_mode(0o666))
+        tmp_dir.chmod(umask_mode(0o777))
         old_dir = None
         if out_dir.exists():
             old_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))

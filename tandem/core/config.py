@@ -20,6 +20,8 @@ Example::
 """
 from __future__ import annotations
 
+import math
+
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -118,6 +120,12 @@ class ModelConfig:
             raise bad(f"layer_windows needs {self.num_layers} non-negative entries, got {list(self.layer_windows)}")
         if self.embed_scale <= 0 or self.attn_scale < 0 or self.final_logit_softcap < 0 or self.rope_local_theta < 0:
             raise bad("embed_scale must be positive; attn_scale, final_logit_softcap, rope_local_theta >= 0")
+        for name in ("norm_eps", "rope_theta", "embed_scale", "attn_scale", "final_logit_softcap", "rope_local_theta",
+                     "act_threshold"):
+            if not math.isfinite(getattr(self, name)):
+                raise bad(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.norm_eps <= 0 or (self.position == "rope" and self.rope_theta <= 0):
+            raise bad(f"norm_eps and rope_theta must be positive, got {self.norm_eps} and {self.rope_theta}")
 
     # --- derived -----------------------------------------------------------------------------
     @property

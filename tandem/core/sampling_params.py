@@ -45,8 +45,9 @@ class SamplingParams:
             raise bad(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise bad(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**64):
+            raise bad(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop strings must be non-empty strings")
 

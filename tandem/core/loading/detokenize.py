@@ -1,4 +1,5 @@
 """Text pieces of a growing token list, with stop strings: what ``Engine.stream`` and the server's sequences show.
+``IncrementalDecoder`` turns tokens into newly completed text; ``TextDecoder`` adds the stop strings.
 
 Each token is decoded over IncrementalDecoder's short window, so a token costs O(window) and not O(tokens so
 far): both callers decoded the whole generated list at every token until 2026-11-29. On SmolLM2's tokenizer that
@@ -14,9 +15,114 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .tokenizer import IncrementalDecoder
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
+
+
+class IncrementalDecoder:
+    """Streaming detokenizer: ``push(id)`` returns only newly completed text.
+
+    Text whose last character may still change is held back: a trailing partial UTF-8 sequence, or a
+    run of byte-fallback pieces (decoded together: one invalid byte turns the whole run into U+FFFD).
+    Text is decoded over a short window that starts at a token already emitted, so each push costs
+    O(window), and ``"".join(pushes) + flush() == tokenizer.decode(all_ids)``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_start = 0  # window start: a token whose text is already emitted
+        self._read_end = 0  # tokens [.. read_end) are emitted
+        self._emitted: list[str] = []
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        if self._tok.is_byte_piece(self._ids[-1]):
+            return ""
+        window = self._tok.decode(self._ids[self._prefix_start:], self._skip)
+        prefix = self._tok.decode(self._ids[self._prefix_start:self._read_end], self._skip)
+        if len(window) <= len(prefix) or window.endswith("\ufffd") or not window.startswith(prefix):
+            return ""
+        new_text = window[len(prefix):]
+        self._prefix_start, self._read_end = self._read_end, len(self._ids)
+        self._emitted.append(new_text)
+        return new_text
+
+    def flush(self) -> str:
+        """The held-back rest of the text (call once at the end)."""
+        full = self._tok.decode(self._ids, self._skip)
+        done = "".join(self._emitted)
+        rest = full[len(done):] if full.startswith(done) else ""
+        self._emitted.append(rest)
+        self._prefix_start = self._read_end = len(self._ids)
+        return rest
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._ids)
+
+
+# --- builders ---------------------------------------------------------------------------------
+def _byte_level_backend(tokens: list[str], fields: Mapping[str, Any]) -> tuple[Backend, Any]:
+    table = byte_alphabet()
+    alphabet = set(table.values())
+
+    def usable(tok: str) -> bool:  # spelled in the byte alphabet (else it cannot be a real token)
+        return set(tok) <= alphabet
+
+    vocab = {(t if usable(t) else "".join(table[b] for b in t.encode("utf-8"))): i for i, t in enumerate(tokens)}
+    merges = fields.get("tokenizer.ggml.merges")
+    if not isinstance(merges, list):
+        raise TandemError("GGUF byte-level tokenizer has no merges (tokenizer.ggml.merges)")
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
+                                 end_of_word_suffix="", fuse_unk=False))
+    split = PRE_TOKENIZER_SPLITS.get(fields.get("tokenizer.ggml.pre"))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    return backend, usable
+
+
+def _sentencepiece_backend(tokens: list[str], fields: Mapping[str, Any]) -> Backend:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = fields.get("tokenizer.ggml.merges")
+    if isinstance(merges, list) and merges:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        scores = fields.get("tokenizer.ggml.scores")
+        if not isinstance(scores, list) or len(scores) != len(tokens):
+            raise TandemError("GGUF sentencepiece tokenizer needs merges or one score per token")
+        pairs = sentencepiece_merges(tokens, [float(s) for s in scores])
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True, dropout=None))
+    prefix_space = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if prefix_space else "never", split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix_space:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 class TextDecoder:

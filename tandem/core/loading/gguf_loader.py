@@ -239,6 +239,9 @@ def config_from_gguf(fields: dict[str, Any], tensors: dict[str, Any], tokenizer:
             raise TandemError(f"GGUF metadata lacks {arch}.{required}")
     num_layers, hidden = int(key("block_count")), int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
+    if num_heads <= 0 or hidden <= 0:
+        raise TandemError(f"invalid GGUF metadata: attention.head_count ({num_heads}) and embedding_length "
+                          f"({hidden}) must be positive")
     names = set(tensors)
     head_dim = int(key("attention.key_length", 0) or 0) or hidden // num_heads
     rotary = key("rope.dimension_count")

@@ -12,8 +12,7 @@ Example::
 
     tok = Tokenizer.from_gguf_metadata(fields)          # fields: GGUF key -> plain Python value
     ids = tok.encode_chat([{"role": "user", "content": "Hi"}])
-    stream = IncrementalDecoder(tok)
-    text = "".join(stream.push(i) for i in ids) + stream.flush()   # == tok.decode(ids)
+    text = tok.decode(ids)        # streamed token by token: detokenize.IncrementalDecoder
 """
 from __future__ import annotations
 
@@ -253,6 +252,10 @@ class Tokenizer:
         """Token ids of ``text``; BOS/EOS only when the model's metadata asks for them."""
         if not isinstance(text, str):
             raise TandemError(f"text to encode must be a string, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # e.g. bytes that were not UTF-8 on a command line (surrogate escapes)
+            raise TandemError(f"the text is not valid UTF-8: a lone surrogate at character {e.start}") from None
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens:
             if self._add_bos and self._bos_id is not None:
@@ -293,50 +296,6 @@ class Tokenizer:
                     tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render then encode without extra special tokens (the template writes them)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
-
-
-class IncrementalDecoder:
-    """Streaming detokenizer: ``push(id)`` returns only newly completed text.
-
-    Text whose last character may still change is held back: a trailing partial UTF-8 sequence, or a
-    run of byte-fallback pieces (decoded together: one invalid byte turns the whole run into U+FFFD).
-    Text is decoded over a short window that starts at a token already emitted, so each push costs
-    O(window), and ``"".join(pushes) + flush() == tokenizer.decode(all_ids)``.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix_start = 0  # window start: a token whose text is already emitted
-        self._read_end = 0  # tokens [.. read_end) are emitted
-        self._emitted: list[str] = []
-
-    def push(self, token_id: int) -> str:
-        self._ids.append(int(token_id))
-        if self._tok.is_byte_piece(self._ids[-1]):
-            return ""
-        window = self._tok.decode(self._ids[self._prefix_start:], self._skip)
-        prefix = self._tok.decode(self._ids[self._prefix_start:self._read_end], self._skip)
-        if len(window) <= len(prefix) or window.endswith("\ufffd") or not window.startswith(prefix):
-            return ""
-        new_text = window[len(prefix):]
-        self._prefix_start, self._read_end = self._read_end, len(self._ids)
-        self._emitted.append(new_text)
-        return new_text
-
-    def flush(self) -> str:
-        """The held-back rest of the text (call once at the end)."""
-        full = self._tok.decode(self._ids, self._skip)
-        done = "".join(self._emitted)
-        rest = full[len(done):] if full.startswith(done) else ""
-        self._emitted.append(rest)
-        self._prefix_start = self._read_end = len(self._ids)
-        return rest
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._ids)
 
 
 # --- builders ---------------------------------------------------------------------------------
