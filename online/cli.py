@@ -156,8 +156,7 @@ def run_perplexity(args) -> int:
     if (args.window is not None and args.window < 2) or (args.stride is not None and args.stride < 1):
         raise TandemError("--window must be >= 2 and --stride >= 1")
     if args.window is not None and args.stride is not None and args.stride > args.window:
-        raise TandemError(f"--stride ({args.stride}) must not exceed --window ({args.window}): the tokens between "
-                          "windows would go unscored")
+        raise TandemError(f"--stride ({args.stride}) must not exceed --window ({args.window})")
     spec = speculation_config(args)
     engine = load_engine(args)
     if args.window is not None and args.window > engine.max_context - 1:

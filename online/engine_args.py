@@ -14,7 +14,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -82,8 +81,8 @@ class EngineArgs:
             object.__setattr__(self, "kv_cache_type", "f16")
         _check_int("threads", self.threads, 1)
         if self.threads is not None and self.threads > max_threads():
-            raise TandemError(f"threads must be at most {max_threads()} (8 per core of this machine's "
-                              f"{os.cpu_count() or 1}), got {self.threads}")
+            raise TandemError(f"threads must be at most {max_threads()} (8 per CPU this process may use), "
+                              f"got {self.threads}")
         _check_int("context_length", self.context_length, 1)
         _check_int("gpu_budget_bytes", self.gpu_budget_bytes, 0)
         _check_int("expert_slots", self.expert_slots, 0)
@@ -139,8 +138,9 @@ class EngineArgs:
 
 
 def max_threads() -> int:
-    """The most threads an engine takes: 8 per core (more only wait on each other; 100,000 failed to start)."""
-    return 8 * (os.cpu_count() or 1)
+    """The most threads an engine takes: 8 per usable CPU (more only wait on each other; 100,000 failed to start)."""
+    from tandem.core.cpus import usable_cpus
+    return 8 * usable_cpus()
 
 
 def _check_int(name: str, value, minimum: int) -> None:

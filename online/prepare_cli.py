@@ -34,20 +34,11 @@ def add_parsers(sub) -> None:
 
 
 def run_prepare(args) -> int:
-    from offline.calibration import read_text_files
-    from offline.cli import format_summary
+    from offline.cli import check_calibration_flags, format_summary
     from predictors.report import format_report
     from tandem import pipeline
-    from tandem.core.errors import TandemError
 
-    if args.tokens is not None and args.tokens < 16:  # the values are checked whether or not a step runs
-        raise TandemError(f"--tokens must be at least 16, got {args.tokens}")
-    if not 0.0 < args.max_quality_loss <= 1.0:
-        raise TandemError(f"--max-quality-loss must be in (0, 1] (0.02 = 2%), got {args.max_quality_loss}")
-    if args.threads is not None and args.threads < 1:
-        raise TandemError(f"--threads must be >= 1, got {args.threads}")
-    if args.calib:
-        read_text_files(args.calib)
+    check_calibration_flags(args)
 
     with contextlib.redirect_stdout(sys.stderr) if args.print_plan_path else contextlib.nullcontext():
         result = pipeline.prepare(args.model, out=args.out, hardware=args.hardware, gpu_budget=args.gpu_budget,

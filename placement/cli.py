@@ -216,7 +216,6 @@ def cmd_show_plan(args: argparse.Namespace) -> int:
 def cmd_probe(args: argparse.Namespace) -> int:
     from tandem import pipeline
     if args.fused:
-        from tandem.core.artifacts import check_file_out
         check_file_out(args.fused)  # before the probe's minute, not after it
     hardware = pipeline.probe(args.out, threads=args.threads, name=args.name)
     if args.out:

@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except OSError as e:  # the output could not be written (e.g. > /dev/full): one line, not a traceback
         _quiet_stdout()
-        sys.stderr.write(f"error: {e.strerror or e}\n")
+        where = f": {e.filename}" if e.filename else ""
+        sys.stderr.write(f"error: {e.strerror or e}{where}\n")
         return 1
 
 

@@ -269,8 +269,6 @@ def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str |
         from placement.budget import parse_bytes
         parse_bytes(str(gpu_budget))  # a bad budget fails now, not after the profile
     if out:
-        if Path(out).exists() and not Path(out).is_dir():
-            raise TandemError(f"cannot write the artifacts to {out}: a file is there")
         check_file_out(Path(out) / "hardware-probed.json")  # the folder can be made and written
     from placement.settings import checkpoint_tensor_formats
     from tandem.core.loading import load_checkpoint

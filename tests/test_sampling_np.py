@@ -42,6 +42,7 @@ def test_draws_follow_the_distribution_and_the_seed():
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=1e-300), dict(temperature=5e-324), dict(temperature=1e-31),
+                                dict(temperature=2e-30), dict(temperature=1e-6),  # the smallest sampled ones
                                 dict(temperature=1.0, top_p=1e-300), dict(temperature=0.7, top_p=5e-324)])
 def test_vanishing_temperature_or_top_p_samples_the_argmax(kw):
     """The limits of temperature -> 0 and top_p -> 0 are the argmax (np.argmax the reference): a value under

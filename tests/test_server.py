@@ -328,6 +328,10 @@ def _bad_cases(model_id: str, max_context: int) -> list[tuple[str, str, bytes, i
         ("stream_options without stream", "/v1/chat/completions", _chat(stream_options={"include_usage": True}), 400),
         ("unknown stream_options", "/v1/chat/completions", _chat(stream=True, stream_options={"x": 1}), 400),
         ("audio output", "/v1/chat/completions", _chat(modalities=["text", "audio"]), 400),
+        ("reasoning effort", "/v1/chat/completions", _chat(reasoning_effort="low"), 400),
+        ("another server's min_p", "/v1/chat/completions", _chat(min_p=0.1), 400),
+        ("store on completions", "/v1/completions", json.dumps({"prompt": "x", "store": False}).encode(), 400),
+        ("stop string too long", "/v1/chat/completions", _chat(stop=["z" * 1001]), 400),
         ("message name not a string", "/v1/chat/completions",
          json.dumps({"messages": [{"role": "user", "content": "x", "name": 5}]}).encode(), 400),
         ("unknown message field", "/v1/chat/completions",
@@ -386,6 +390,19 @@ def test_bad_request_corpus(srv, ref_engine):
         assert ok.status_code == 200
         ref = ref_engine.generate([{"role": "user", "content": "hi"}], max_new_tokens=2)
         assert ok.json()["choices"][0]["message"]["content"] == ref.text
+        # OpenAI's bookkeeping fields and an assistant turn echoed back whole are accepted, and change nothing
+        echoed = {"role": "assistant", "content": "x", "refusal": None, "annotations": [], "audio": None,
+                  "function_call": None, "reasoning_content": "thought", "name": "bot"}
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}, echoed, {"role": "user", "content": "hi"}],
+                           "max_tokens": 2, "temperature": 0, "user": "u1", "metadata": {"k": "v"}, "store": False,
+                           "safety_identifier": "s", "prompt_cache_key": "p", "reasoning_effort": None}).encode()
+        same = http.post("/v1/chat/completions", content=body)
+        plain = {**json.loads(body), "messages": [{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": "x"},
+                                                  {"role": "user", "content": "hi"}]}
+        plain = {k: v for k, v in plain.items() if k in ("messages", "max_tokens", "temperature")}
+        assert same.status_code == 200
+        assert same.json()["choices"][0]["message"] == http.post("/v1/chat/completions", json=plain).json()["choices"][0]["message"]
 
 
 # --- disconnects ----------------------------------------------------------------------------------

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import numpy as np
 
 from tandem.core.errors import TandemError
 from .native import NativeUnavailable, load_native
 from .native.structs import WeightRef, addr, describe
+from tandem.core.cpus import usable_cpus
+
 from .quantize import ACT_IDS, Int4Weight
 from .superblocks import GGUFBlockWeight, Q4KWeight
 
@@ -34,11 +35,7 @@ __all__ = ["ACT_IDS", "NativeUnavailable", "clamp_threads", "dequantize_into", "
 
 def clamp_threads(threads: int) -> int:
     """A thread count the kernels run: 1 .. the CPUs this process may use."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # no affinity call on this platform
-        usable = os.cpu_count() or 1
-    return max(1, min(int(threads), usable))
+    return max(1, min(int(threads), usable_cpus()))
 
 
 def native_available() -> bool:

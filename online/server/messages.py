@@ -22,9 +22,11 @@ class ChatMessage(BaseModel):
     name: str | None = None  # the participant's name: OpenAI's templates and ours do not render it
     tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
     tool_call_id: str | None = Field(default=None, validate_default=True)  # role "tool": the call it answers
-    # what an OpenAI assistant message carries back when a client returns it into the history; only empty
-    refusal: None = None
+    # what an assistant message carries back when a client returns it into the history: not rendered (as the
+    # other servers do; a reasoning model's reasoning_content too), audio and the legacy function_call only empty
+    refusal: str | None = None
     annotations: list[Any] | None = None
+    reasoning_content: str | None = None
     audio: None = None
     function_call: None = None
 

@@ -18,9 +18,15 @@ from online.server.features import parse_tool_choice, parse_tools, response_form
 from online.server.messages import ChatMessage
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000  # each: searched at every token
 MAX_CHOICES = 16  # n
 MAX_SEED = 2**63 - 1
-MAX_LOGPROBS = 20  # top_logprobs (chat) / logprobs (completions) upper bound, as OpenAI
+MAX_LOGPROBS = 20
+# Fields OpenAI's API (or another server's extension of it) has and this server does not implement: a 400 naming
+# the field when set (null means unset); any other unknown field is "unrecognized", as OpenAI answers it
+UNSUPPORTED_FIELDS = ("reasoning_effort", "verbosity", "prediction", "web_search_options", "audio",
+                      "min_p", "repetition_penalty", "typical_p", "top_a", "mirostat", "chat_template_kwargs",
+                      "guided_json", "guided_regex", "guided_choice", "grammar", "json_schema")  # top_logprobs (chat) / logprobs (completions) upper bound, as OpenAI
 
 
 class ApiError(Exception):
@@ -81,23 +87,6 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
     user: str | None = None  # an end-user id (OpenAI uses it to monitor abuse): no effect on the output
-    store: bool | None = None
-    metadata: dict[str, str] | None = None  # tags for stored completions: kept nowhere here
-    service_tier: str | None = None
-
-    @field_validator("store")
-    @classmethod
-    def _store(cls, store: bool | None) -> None:
-        if store:
-            raise ValueError("storing completions (store: true) is not supported")
-        return None
-
-    @field_validator("service_tier")
-    @classmethod
-    def _service_tier(cls, tier: str | None) -> None:
-        if tier not in (None, "auto", "default"):
-            raise ValueError(f"service_tier {tier!r} is not supported (this server has one tier: auto, default)")
-        return None
 
     @field_validator("logit_bias")
     @classmethod
@@ -118,6 +107,8 @@ class _SamplingRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings are at most {MAX_STOP_CHARS} characters long")
         return stops or None
 
     @field_validator("n")
@@ -173,6 +164,28 @@ class _SamplingRequest(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
+    # OpenAI's bookkeeping fields, accepted without effect on the output: ids for abuse monitoring and cache
+    # routing (every prompt's prefix is cached here anyway), tags for stored completions (stored nowhere)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, store: bool | None) -> None:
+        if store:
+            raise ValueError("storing completions (store: true) is not supported")
+        return None
+
+    @field_validator("service_tier")
+    @classmethod
+    def _service_tier(cls, tier: str | None) -> None:
+        if tier not in (None, "auto", "default"):
+            raise ValueError(f"service_tier {tier!r} is not supported (this server has one tier: auto, default)")
+        return None
+
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -332,6 +345,10 @@ def parse_request(model: type[BaseModel], payload: Any) -> Any:
     bad = lone_surrogate_at(payload)
     if bad is not None:
         raise ApiError(400, f"{bad}: not valid Unicode (a lone surrogate escape)", param=bad)
+    unsupported = next((k for k in UNSUPPORTED_FIELDS if payload.get(k) is not None), None)
+    if unsupported is not None:
+        raise ApiError(400, f"{unsupported}: not supported by this server", param=unsupported)
+    payload = {k: v for k, v in payload.items() if k not in UNSUPPORTED_FIELDS}  # the ones left are null: unset
     try:
         return model.model_validate(payload)
     except ValidationError as exc:

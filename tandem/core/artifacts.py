@@ -27,8 +27,12 @@ if TYPE_CHECKING:  # torch and safetensors load with the first artifact, not wit
 def umask_mode(mode: int) -> int:
     """``mode`` less the process umask: what open() and mkdir() give a new file or folder (mkstemp and mkdtemp
     make theirs private, 0600 / 0700, which an artifact renamed into place would otherwise keep)."""
-    umask = os.umask(0)
-    os.umask(umask)
+    try:  # Linux says it without changing it (os.umask must set one to read it: another thread could see 0)
+        with open("/proc/self/status") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)
+        os.umask(umask)
     return mode & ~umask
 
 

@@ -65,66 +65,6 @@ class IncrementalDecoder:
         return list(self._ids)
 
 
-# --- builders ---------------------------------------------------------------------------------
-def _byte_level_backend(tokens: list[str], fields: Mapping[str, Any]) -> tuple[Backend, Any]:
-    table = byte_alphabet()
-    alphabet = set(table.values())
-
-    def usable(tok: str) -> bool:  # spelled in the byte alphabet (else it cannot be a real token)
-        return set(tok) <= alphabet
-
-    vocab = {(t if usable(t) else "".join(table[b] for b in t.encode("utf-8"))): i for i, t in enumerate(tokens)}
-    merges = fields.get("tokenizer.ggml.merges")
-    if not isinstance(merges, list):
-        raise TandemError("GGUF byte-level tokenizer has no merges (tokenizer.ggml.merges)")
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    backend = Backend(models.BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
-                                 end_of_word_suffix="", fuse_unk=False))
-    split = PRE_TOKENIZER_SPLITS.get(fields.get("tokenizer.ggml.pre"))
-    if split is None:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    backend.decoder = decoders.ByteLevel()
-    return backend, usable
-
-
-def _sentencepiece_backend(tokens: list[str], fields: Mapping[str, Any]) -> Backend:
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = fields.get("tokenizer.ggml.merges")
-    if isinstance(merges, list) and merges:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-    else:
-        scores = fields.get("tokenizer.ggml.scores")
-        if not isinstance(scores, list) or len(scores) != len(tokens):
-            raise TandemError("GGUF sentencepiece tokenizer needs merges or one score per token")
-        pairs = sentencepiece_merges(tokens, [float(s) for s in scores])
-    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True, dropout=None))
-    prefix_space = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if prefix_space else "never", split=False)
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if prefix_space:
-        steps.append(decoders.Strip(content=" ", left=1, right=0))
-    backend.decoder = decoders.Sequence(steps)
-    return backend
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text())
-    return data if isinstance(data, dict) else {}
-
-
-def _token_content(value: Any) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
 class TextDecoder:
     """``push`` returns (new text safe to show, whether a stop string ended the text): the longest tail of the
     text that begins some stop string is held back (it may grow into one; text that cannot is shown at once),
@@ -139,6 +79,7 @@ class TextDecoder:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self._held = 0  # the text's longest tail that begins a stop string (_stop_prefix_tail)
         self._incremental = IncrementalDecoder(tokenizer) if tokenizer is not None else None
 
     def push(self, token_id: int) -> tuple[str, bool]:
@@ -165,20 +106,23 @@ class TextDecoder:
                 piece = self.text[self.emitted:]
                 self.emitted = len(self.text)
                 return piece, True
-        safe = len(self.text) if final else len(self.text) - self._stop_prefix_tail()
+            self._held = self._stop_prefix_tail(self._held + len(new_text))
+        safe = len(self.text) if final else len(self.text) - self._held
         if safe <= self.emitted:
             return "", False
         piece, self.emitted = self.text[self.emitted:safe], safe
         return piece, False
 
-    def _stop_prefix_tail(self) -> int:
+    def _stop_prefix_tail(self, limit: int) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string (0: none). A stop
-        string not yet complete can only start inside it, so everything before it is safe to show."""
+        string not yet complete can only start inside it, so everything before it is safe to show. The tail is
+        at most ``limit``: the last one plus the text added since (a longer one would have begun a stop string
+        before, inside the last tail), so a token costs O(that), not O(the stop strings' lengths)."""
         text, held = self.text, 0
         for stop in self.stop:
             if not text or text[-1] not in stop[:-1]:
                 continue
-            for k in range(min(len(stop) - 1, len(text)), held, -1):
+            for k in range(min(len(stop) - 1, len(text), limit), held, -1):
                 if text.endswith(stop[:k]):
                     held = k
                     break

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 import re
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -76,11 +75,8 @@ def read_gguf(path: str | Path) -> tuple[GGUFHeader, dict[str, Any]]:
 
 def _decode_workers() -> int:
     """Threads that decode tensors at load: the CPUs this process may use, at most 8."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(8, cpus))
+    from tandem.core.cpus import usable_cpus
+    return max(1, min(8, usable_cpus()))
 
 
 def _release_pages(reader: Any, offset: int, nbytes: int) -> None:
