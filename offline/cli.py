@@ -30,24 +30,9 @@ def add_parsers(sub) -> None:
     s.set_defaults(handler=run_show_profile)
 
 
-def check_calibration_flags(args) -> None:
-    """--tokens, --max-quality-loss, --threads and --calib of `profile` and `prepare`, checked before any work
-    (prepare checks them whether or not it profiles: a value it would not use is still an error)."""
-    from .calibration import read_text_files
-    if args.tokens is not None and args.tokens < 16:
-        raise TandemError(f"--tokens must be at least 16, got {args.tokens}")
-    if not 0.0 < args.max_quality_loss <= 1.0:
-        raise TandemError(f"--max-quality-loss must be in (0, 1] (0.02 = 2%), got {args.max_quality_loss}")
-    if args.threads is not None and args.threads < 1:
-        raise TandemError(f"--threads must be >= 1, got {args.threads}")
-    if args.calib:
-        read_text_files(args.calib)  # fail before the model loads
-
-
 def run_profile(args) -> int:
     from tandem import pipeline
 
-    check_calibration_flags(args)
     if args.window < 2:
         raise TandemError(f"--window must be at least 2, got {args.window}")
     if args.self_generated < 0:

@@ -47,6 +47,7 @@ class Engine(LazyModules, Scoring, KVCaches):
             eos |= set(tokenizer.eos_token_ids)
         self.eos_token_ids = eos
         self._cache = None  # KVCache (the module graph) or ArrayKVCache (the cached step)
+        self._kv_epoch = 0  # counts the times _kv_cache handed the cache out: a stream holds it while this stays
         self._plan_info = None
         self.args: EngineArgs | None = None  # what from_args was given
         self._layer_offload_gpu_layers: int | None = None
@@ -87,6 +88,9 @@ class Engine(LazyModules, Scoring, KVCaches):
         """The engine ``args`` describes (Engine.load builds the EngineArgs from keywords). A plan that runs
         on the fused CPU step loads from its prepared-step cache (online/engine_cache.py: no torch
         until something needs the module graph), written by the first load that lacks it."""
+        if not isinstance(args, EngineArgs):
+            raise TandemError(f"from_args takes an EngineArgs, got {type(args).__name__} (Engine.load takes a model "
+                              "name or path)")
         return load_fast(cls, args)
 
     @classmethod
@@ -238,6 +242,12 @@ class Engine(LazyModules, Scoring, KVCaches):
         (online/speculative; off, with ``speculate_reason``, when logprobs or a grammar are asked
         for); ``draft_tokens``: the most tokens drafted per verify step."""
         from .speculative.config import SpeculationConfig
+        stop = [stop] if isinstance(stop, str) else stop  # one stop string, not its characters
+        if stop is not None and not isinstance(stop, (list, tuple)):
+            raise TandemError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        for name, flag in (("ignore_eos", ignore_eos), ("logprobs", logprobs)):
+            if not isinstance(flag, bool):
+                raise TandemError(f"{name} must be True or False, got {flag!r}")
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed, stop=tuple(stop or ()))
         options = self.decode_options(logprobs, top_logprobs, grammar)
@@ -302,11 +312,19 @@ class Engine(LazyModules, Scoring, KVCaches):
             cache = self._kv_cache(len(prompt_ids) + params.max_new_tokens)
             before = self.executor.counters_snapshot()
             events = self._events(cache, prompt_ids, params, eos_ids, timings, speculation, options)
+        epoch = self._kv_epoch
         choices: list[TokenChoice] = holder.setdefault("choices", [])
         decoder = TextDecoder(self.tokenizer, params.stop)
         generated = decoder.generated  # the token ids, as the decoder receives them
         finish = "length"
-        for event in events:
+        while True:
+            if self._kv_epoch != epoch:  # checked before the next step writes into a cache someone else now holds
+                raise TandemError("the engine's KV cache went to a later call (another stream, generate, logits or "
+                                  "perplexity) while this stream was open: finish a stream before the next call, "
+                                  "or use one engine per concurrent stream (tandem serve batches many)")
+            event = next(events, None)
+            if event is None:
+                break
             if event.finish_reason == "stop":
                 finish = "stop"
                 break

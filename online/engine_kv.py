@@ -58,4 +58,5 @@ class KVCaches:
                                            dtype=np.float16 if half else np.float32)
             else:
                 self._cache = self.new_kv_cache(needed)
+        self._kv_epoch += 1  # a stream still holding the cache sees it change hands (Engine._pieces)
         return self._cache

@@ -9,6 +9,9 @@ Example::
 """
 from __future__ import annotations
 
+import operator
+from typing import Any
+
 from tandem.core.errors import TandemError
 
 from .results import sliding_window_perplexity
@@ -20,7 +23,7 @@ class Scoring:
     def logits(self, token_ids: list[int]):
         """float32 logits [T, vocab] (torch.Tensor) for a 1-D list of token ids (a fresh context)."""
         from tandem.core.generate import prefill
-        ids = self.encode_prompt(list(token_ids)) if token_ids else self.encode_prompt([])
+        ids = self.encode_prompt(token_id_list(token_ids))
         cache = self._kv_cache(len(ids))
         return prefill(self.model, self.executor, cache, ids, all_logits=True).float()
 
@@ -59,7 +62,29 @@ class Scoring:
         scores one token at a time through the decode path (``step_logits``: what generation
         computes, the fused step included) instead of batched prefill; ``tokens_per_step`` > 1
         scores the known text that many tokens per multi-token step (same numbers, fewer weight reads)."""
+        for name, value, least in (("window_tokens", window_tokens, 2), ("stride_tokens", stride_tokens, 1),
+                                   ("tokens_per_step", tokens_per_step, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise TandemError(f"{name} must be an integer >= {least}, got {value!r}")
+        if stride_tokens > window_tokens:
+            raise TandemError(f"stride_tokens ({stride_tokens}) must not exceed window_tokens ({window_tokens}): "
+                              "the first token of each window would go unscored")
         return sliding_window_perplexity(
-            token_ids, window_tokens=min(window_tokens, self.max_context - 1), stride_tokens=stride_tokens,
+            token_id_list(token_ids), window_tokens=min(window_tokens, self.max_context - 1),
+            stride_tokens=stride_tokens,
             window_logits=lambda window: (self.step_logits(window, tokens_per_step)
                                           if decode_steps or tokens_per_step > 1 else self.logits(window)))
+
+
+def token_id_list(token_ids: Any) -> list[int]:
+    """A list of Python ints from a list, tuple, numpy array or 1-D tensor of integer token ids."""
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+        raise TandemError(f"token ids must be a list of integers (encode text with engine.encode_prompt), "
+                          f"got {type(token_ids).__name__}")
+    try:
+        ids = [operator.index(t) for t in token_ids]
+    except TypeError:
+        raise TandemError("token ids must be integers") from None
+    if any(isinstance(t, bool) for t in token_ids):
+        raise TandemError("token ids must be integers, not booleans")
+    return ids

@@ -34,11 +34,9 @@ def add_parsers(sub) -> None:
 
 
 def run_prepare(args) -> int:
-    from offline.cli import check_calibration_flags, format_summary
+    from offline.cli import format_summary
     from predictors.report import format_report
     from tandem import pipeline
-
-    check_calibration_flags(args)
 
     with contextlib.redirect_stdout(sys.stderr) if args.print_plan_path else contextlib.nullcontext():
         result = pipeline.prepare(args.model, out=args.out, hardware=args.hardware, gpu_budget=args.gpu_budget,

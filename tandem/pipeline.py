@@ -73,13 +73,12 @@ def profile(model: str | Path, *, out: str | Path | None = None, calib: Sequence
 
     ``engine``: an already loaded dense ``online.Engine`` of the same model (skips loading it again).
     """
-    from offline.calibration import build_calibration_set, read_text_files
+    from offline.calibration import build_calibration_set
     from offline.plot import PLOT_FILE, render_profile_png
     from offline.profile_artifact import save_profile
     from offline.profiler import profile_model
 
-    if calib:
-        read_text_files(calib)  # fail before the model loads
+    check_calibration_inputs(tokens, max_quality_loss, threads, calib)  # before the model loads
     if out:
         check_artifact_out(out, "profile")
     start = time.perf_counter()
@@ -265,6 +264,7 @@ def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str |
     """
     if predictors not in ("auto", "on", "off"):
         raise TandemError(f"predictors must be auto, on or off, got {predictors!r}")
+    check_calibration_inputs(tokens, max_quality_loss, threads, calib)  # whether or not a profile is made
     if gpu_budget is not None:
         from placement.budget import parse_bytes
         parse_bytes(str(gpu_budget))  # a bad budget fails now, not after the profile
@@ -329,6 +329,22 @@ def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str |
     if cached is not None:
         log(f"[prepare] prepared-step cache {cached}")
     return PrepareResult(prof, preds, hardware_path, result)
+
+
+def check_calibration_inputs(tokens: int | None, max_quality_loss: float, threads: int | None,
+                             calib: Sequence[str] | None) -> None:
+    """The calibration settings of ``profile`` and ``prepare``, checked before any work (``prepare`` checks them
+    when it reuses a profile too: a bad value is an error whether or not it would be used)."""
+    from offline.calibration import read_text_files
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 16):
+        raise TandemError(f"tokens (--tokens) must be an integer of at least 16, got {tokens!r}")
+    if isinstance(max_quality_loss, bool) or not isinstance(max_quality_loss, (int, float)) \
+            or not 0.0 < max_quality_loss <= 1.0:
+        raise TandemError(f"max_quality_loss (--max-quality-loss) must be in (0, 1] (0.02 = 2%), got {max_quality_loss!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise TandemError(f"threads (--threads) must be an integer >= 1, got {threads!r}")
+    if calib:
+        read_text_files(calib)
 
 
 def _default_budget(hardware: Any) -> str | None:

@@ -126,3 +126,4 @@ def test_perplexity_scores_each_window_once_down_to_a_last_token(tiny_folder, tm
     assert "perplexity" in capsys.readouterr().out
     assert "--stride" in one_line_error(capsys, "perplexity", "--model", str(tiny_folder), "--text-file", str(path),
                                         "--window", "8", "--stride", "9")
+

@@ -1,0 +1,67 @@
+"""The Python Engine's inputs: each bad one a TandemError naming it, arrays of token ids taken as lists, a stop
+string kept whole, and a stream whose KV cache a later call took stops with an error instead of going on corrupted.
+
+References: a fresh engine's output for the same requests, and the token ids as a plain list."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers_tiny import build_tiny_chat_model
+from online import Engine
+from tandem.core.errors import TandemError
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return build_tiny_chat_model(tmp_path_factory.mktemp("engine-inputs") / "model")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_folder):
+    return Engine.load(str(tiny_folder))
+
+
+def test_a_stream_whose_cache_went_to_a_later_call_stops_with_an_error(tiny_folder):
+    """One engine, one KV cache: a second stream, or logits, taken while a stream is open used to corrupt it
+    silently. Resuming it now raises; a stream left behind does not disturb the next call (reference: the same
+    requests on a fresh engine)."""
+    from online import Engine
+    from tandem.core.errors import TandemError
+    ref = Engine.load(str(tiny_folder))
+    want = ref.generate("Once upon a time", max_new_tokens=12, ignore_eos=True).text
+    engine = Engine.load(str(tiny_folder))
+    for interloper in (lambda: next(iter(engine.stream("The quick brown fox", max_new_tokens=12, ignore_eos=True))),
+                       lambda: engine.logits([1, 2, 3])):
+        first = iter(engine.stream("Once upon a time", max_new_tokens=12, ignore_eos=True))
+        shown = next(first)
+        interloper()
+        with pytest.raises(TandemError, match="KV cache went to a later call"):
+            shown += "".join(first)
+        assert want.startswith(shown)
+    abandoned = iter(engine.stream("The quick brown fox", max_new_tokens=12, ignore_eos=True))
+    next(abandoned)
+    assert engine.generate("Once upon a time", max_new_tokens=12, ignore_eos=True).text == want
+
+
+
+def test_bad_inputs_name_themselves_and_arrays_are_token_lists(engine):
+    ids = [1, 5, 9, 14]
+    want = engine.logits(ids)
+    for same in (np.array(ids), torch.tensor(ids), tuple(ids), [np.int64(i) for i in ids]):
+        assert torch.equal(engine.logits(same), want)
+    text = engine.generate("Once upon a time", max_new_tokens=8, ignore_eos=True).text
+    one = engine.generate("Once upon a time", max_new_tokens=8, ignore_eos=True, stop=text[2:5])
+    assert one.text == text[:text.index(text[2:5])]  # the string as one stop string, not its characters
+    calls = [lambda: engine.logits("hello"), lambda: engine.logits([True, 2]), lambda: engine.logits(None),
+             lambda: engine.perplexity(ids * 4, window_tokens=0), lambda: engine.perplexity(ids * 4, window_tokens=2.5),
+             lambda: engine.perplexity(ids * 4, window_tokens=8, stride_tokens=None),
+             lambda: engine.perplexity(ids * 4, window_tokens=8, stride_tokens=9),
+             lambda: engine.perplexity(None), lambda: engine.generate("hi", stop=5),
+             lambda: engine.generate("hi", stop=""), lambda: engine.generate("hi", ignore_eos="no"),
+             lambda: engine.generate("hi", logprobs=None), lambda: engine.generate("hi", temperature=True),
+             lambda: engine.generate("hi", top_p=True), lambda: Engine.from_args("smollm2")]
+    for call in calls:
+        with pytest.raises(TandemError):
+            call()
