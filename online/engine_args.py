@@ -83,7 +83,7 @@ class EngineArgs:
         if self.threads is not None and self.threads > max_threads():
             raise TandemError(f"threads must be at most {max_threads()} (8 per CPU this process may use), "
                               f"got {self.threads}")
-        _check_int("context_length", self.context_length, 1)
+        _check_int("context_length", self.context_length, 2)  # a prompt token and one more
         _check_int("gpu_budget_bytes", self.gpu_budget_bytes, 0)
         _check_int("expert_slots", self.expert_slots, 0)
         for name, allowed in (("weight_format", WEIGHT_FORMATS), ("down_format", DOWN_FORMATS),
@@ -100,6 +100,14 @@ class EngineArgs:
         for name in ("profile", "predictors"):
             if getattr(self, name) is not None and self.plan is None:
                 raise TandemError(f"{name} names a plan's {name} directory: it needs plan")
+        if self.gpu_device is not None:
+            if self.plan is None and self.expert_slots is None and not self.layer_offload:
+                raise TandemError("gpu_device places the GPU tier: it needs plan, expert_slots or layer_offload")
+            if self.gpu_device == "cuda":
+                import torch  # only here: a named CUDA device is checked before anything loads
+                if not torch.cuda.is_available():
+                    raise TandemError("gpu_device cuda: no CUDA device is available (gpu_device cpu runs the tier "
+                                      "on the CPU)")
         if self.down_format is not None and not packed:
             raise TandemError("down_format needs plan or weight_format (the dense float32 runtime has no packed FFN)")
         if self.layer_offload:

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import fields
 
 import pytest
+import torch
 
 from offline.collect import base_executor
 from online import Engine
@@ -49,7 +50,7 @@ def test_every_field_has_a_flag_and_the_three_commands_share_them():
 @pytest.mark.parametrize("kwargs, message", [
     ({"threads": 0}, "threads must be an integer >= 1"),
     ({"threads": True}, "threads must be an integer"),
-    ({"context_length": 0}, "context_length must be an integer >= 1"),
+    ({"context_length": 0}, "context_length must be an integer >= 2"),
     ({"expert_slots": -1}, "expert_slots must be an integer >= 0"),
     ({"weight_format": "q3"}, "weight_format must be one of"),
     ({"down_format": "fp16"}, "down_format needs plan or weight_format"),
@@ -58,6 +59,9 @@ def test_every_field_has_a_flag_and_the_three_commands_share_them():
     ({"layer_offload": True, "gpu_budget_bytes": 1, "plan": "p"}, "layer_offload replaces a plan"),
     ({"sparse": "no"}, "sparse must be true or false"),
     ({"colour": 1}, "unknown engine argument 'colour'"),
+    ({"threads": 10**5}, "threads must be at most"),
+    ({"profile": "p"}, "profile names a plan's profile directory: it needs plan"),
+    ({"gpu_device": "cpu"}, "gpu_device places the GPU tier: it needs plan"),
 ])
 def test_bad_arguments_name_the_field(kwargs, message):
     with pytest.raises(TandemError, match="^" + message):
@@ -87,3 +91,9 @@ def test_load_is_from_args_and_executors_keep_the_contract(tiny_model_dir):
     stats = packed.generate(ids, max_new_tokens=3, ignore_eos=True).stats
     assert 0.0 <= stats["ffn_sparsity"] <= 1.0 and stats["weight_format"] == "int8"
     assert "ffn_sparsity" not in dense.generate(ids, max_new_tokens=3, ignore_eos=True).stats
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA takes gpu_device cuda")
+def test_gpu_device_cuda_without_cuda_is_refused_before_loading():
+    with pytest.raises(TandemError, match="no CUDA device"):
+        Engine.load("no-such-model-is-ever-read", plan="p", gpu_device="cuda")
