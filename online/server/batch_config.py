@@ -71,4 +71,10 @@ class BatchConfig:
             budget = max(context_bytes, min(DEFAULT_KV_BUDGET_BYTES, self.max_batch_seqs * context_bytes))
             budget = min(budget, max(psutil.virtual_memory().available // 4,
                                      self.block_tokens * kv_bytes_per_token(engine.config, kv_type)))
+        else:
+            import psutil
+            available = psutil.virtual_memory().available
+            if budget > 0.9 * available:  # an out-of-memory kill (or an allocator traceback) otherwise
+                raise TandemError(f"--kv-budget ({budget} bytes) is more than the memory available now can hold "
+                                  f"({available} bytes free; keep it under 90% of that)")
         return KVPool.create(engine.config, budget, self.block_tokens, kv_type)

@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import signal
 import socket
 import sys
+import threading
 
 from online.engine_args import EngineArgs, add_engine_arguments
 from tandem.core.errors import TandemError
@@ -50,7 +52,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--speculate", default=None, metavar="{off,lookup,sparse,auto}",
                    help="exact speculative decoding inside the batching loop: drafted tokens ride in the batched "
                         "step while at most --spec-max-seqs sequences run (see `tandem generate --help`)")
-    p.add_argument("--spec-max-seqs", type=int, default=2, metavar="N",
+    p.add_argument("--spec-max-seqs", type=int, default=None, metavar="N",
                    help="speculate only while at most N sequences are being served (default 2); above, batching alone")
     p.add_argument("--draft-tokens", type=int, default=None, metavar="K", help="most tokens drafted per verify step")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -65,7 +67,7 @@ def batch_config(args: argparse.Namespace):
     return BatchConfig(kv_budget_bytes=budget, prefill_chunk_tokens=args.prefill_chunk_tokens,
                        max_batch_seqs=args.max_batch, schedule=args.schedule,
                        prefill=getattr(args, "prefill", "step"),
-                       spec_max_seqs=getattr(args, "spec_max_seqs", 2))
+                       spec_max_seqs=2 if getattr(args, "spec_max_seqs", None) is None else args.spec_max_seqs)
 
 
 def _validate(args: argparse.Namespace) -> str | None:
@@ -78,6 +80,10 @@ def _validate(args: argparse.Namespace) -> str | None:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if api_key is not None and not api_key.strip():
         raise TandemError("--api-key must not be empty")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise TandemError("--served-model-name must not be empty")
+    if getattr(args, "spec_max_seqs", None) is not None and getattr(args, "speculate", None) in (None, "off"):
+        raise TandemError("--spec-max-seqs bounds speculation: it needs --speculate lookup, sparse or auto")
     return api_key
 
 
@@ -92,6 +98,7 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
+        sock.listen(2048)  # now, not after the model loads: a second server on this port fails here, in one line
     except OSError as exc:
         sock.close()
         raise TandemError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
@@ -116,6 +123,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from online.speculative import SpeculationConfig
     SpeculationConfig.parse(getattr(args, "speculate", None), getattr(args, "draft_tokens", None))  # before loading
     sock = _bind(args.host, args.port)
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         import uvicorn
 
@@ -125,6 +135,8 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = Engine.from_args(engine_args)
         if getattr(args, "speculate", None) is not None:
             shown = engine.set_default_speculation(args.speculate, args.draft_tokens)
+            if args.speculate in ("lookup", "sparse") and shown["speculate"] == "off":  # asked for by name
+                raise TandemError(f"--speculate {args.speculate}: {shown.get('speculate_reason', 'cannot run here')}")
             print(f"speculate: {shown['speculate']}" + (f" ({shown['speculate_reason']})"
                                                           if "speculate_reason" in shown else ""), file=sys.stderr)
         app = create_app(engine, api_key=api_key, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
@@ -143,6 +155,18 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"speculation: {spec['mode']} ({spec['reason']})", file=sys.stderr)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
         uvicorn.Server(config).run(sockets=[sock])
+    except _Terminated:  # SIGTERM: uvicorn shut down gracefully and passed the signal on (or it came while loading)
+        pass
     finally:
         sock.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM, as an exception: a stop asked for, which ends `tandem serve` with exit code 0."""
+
+
+def _raise_terminated(_signum, _frame) -> None:
+    raise _Terminated()
