@@ -598,7 +598,8 @@ def test_serve_command_binds_loopback_and_rejects_a_busy_port(tiny_dir, ref_engi
         with pytest.raises(TandemError, match=rf"^cannot listen on 127\.0\.0\.1:{port}: "):
             run_serve(args)
         for bad in (["--port", "70000"], ["--max-queue", "0"], ["--request-timeout", "-1"], ["--api-key", " "],
-                    ["--served-model-name", " "], ["--spec-max-seqs", "3"]):
+                    ["--served-model-name", " "], ["--spec-max-seqs", "3"], ["--max-batch", "0"],
+                    ["--prefill-chunk-tokens", "17"]):
             with pytest.raises(TandemError, match="^--"):  # the flag named, before the busy port is even tried
                 run_serve(parser.parse_args(cmd[3:] + bad))
     finally:

@@ -64,10 +64,21 @@ def batch_config(args: argparse.Namespace):
     """The BatchConfig the serve flags describe (one-line TandemError for bad values)."""
     from online.server.batch_config import BatchConfig, parse_bytes
     budget = parse_bytes(args.kv_budget) if getattr(args, "kv_budget", None) is not None else None
-    return BatchConfig(kv_budget_bytes=budget, prefill_chunk_tokens=args.prefill_chunk_tokens,
-                       max_batch_seqs=args.max_batch, schedule=args.schedule,
-                       prefill=getattr(args, "prefill", "step"),
-                       spec_max_seqs=2 if getattr(args, "spec_max_seqs", None) is None else args.spec_max_seqs)
+    try:
+        return BatchConfig(kv_budget_bytes=budget, prefill_chunk_tokens=args.prefill_chunk_tokens,
+                           max_batch_seqs=args.max_batch, schedule=args.schedule,
+                           prefill=getattr(args, "prefill", "step"),
+                           spec_max_seqs=2 if getattr(args, "spec_max_seqs", None) is None else args.spec_max_seqs)
+    except TandemError as exc:  # BatchConfig names its fields; the command line knows them as flags
+        message = str(exc)
+        for field_name, flag in BATCH_FLAGS.items():
+            if message.startswith(field_name):
+                message = flag + message[len(field_name):]
+        raise TandemError(message) from None
+
+
+BATCH_FLAGS = {"max_batch_seqs": "--max-batch", "prefill_chunk_tokens": "--prefill-chunk-tokens",
+               "spec_max_seqs": "--spec-max-seqs", "kv_budget_bytes": "--kv-budget", "schedule": "--schedule"}
 
 
 def _validate(args: argparse.Namespace) -> str | None:
