@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from tandem.core.errors import TandemError
+from tandem.core.errors import TandemError, check_int
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CORPUS_PATH = DATA_DIR / "calibration.txt"
@@ -28,6 +28,7 @@ HOLD_OUT_EVERY = 5
 USER_DOC_TOKENS = 256  # users' files are cut into documents of this many tokens
 CHAT_ROLES = ("system", "user", "assistant")
 SELF_GENERATED_TOKENS_PER_PROMPT = 160
+DEFAULT_MAX_QUALITY_LOSS = 0.02  # the perplexity increase a profile's thresholds may cost (2%)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,24 @@ def render_document(doc: CorpusDocument, tokenizer) -> list[int]:
     if tokenizer.chat_template:
         return tokenizer.encode_chat(messages, add_generation_prompt=False)
     return tokenizer.encode("\n".join(f"{r}: {c}" for r, c in doc.messages), add_special_tokens=True)
+
+
+def check_max_quality_loss(max_quality_loss: Any) -> None:
+    if isinstance(max_quality_loss, bool) or not isinstance(max_quality_loss, (int, float)) \
+            or not 0.0 < max_quality_loss <= 1.0:
+        raise TandemError(f"--max-quality-loss must be in (0, 1] (0.02 = 2% perplexity increase), "
+                          f"got {max_quality_loss!r}")
+
+
+def check_calibration_inputs(tokens: int | None, max_quality_loss: float, threads: int | None,
+                             calib: Sequence[str] | None) -> None:
+    """The calibration settings of ``tandem.pipeline.profile`` and ``prepare``, checked before any work (``prepare``
+    checks them when it reuses a profile too: a bad value is an error whether or not it would be used)."""
+    check_int("tokens (--tokens)", tokens, 16)
+    check_max_quality_loss(max_quality_loss)
+    check_int("threads (--threads)", threads, 1)
+    if calib:
+        read_text_files(calib)
 
 
 def read_text_files(paths: Sequence[str | Path]) -> list[tuple[str, str]]:

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from tandem.core.errors import TandemError
-from .calibration import CalibrationSet, split_documents
+from .calibration import DEFAULT_MAX_QUALITY_LOSS, CalibrationSet, check_max_quality_loss, split_documents
 from .draft_thresholds import DEFAULT_DRAFT_QUALITY_LOSS, DRAFT_SEARCH_STEPS
 from .collect import InstrumentedExecutor, ObserverGroup, base_executor, run_windows, split_windows
 from .moe_stats import ExpertObserver
@@ -44,15 +44,15 @@ SKEW_MASS = 0.8
 HOT_SHARE = 0.2
 
 
-def profile_model(engine, calib: CalibrationSet | Sequence[list[int]], *, max_quality_loss: float = 0.02,
+def profile_model(engine, calib: CalibrationSet | Sequence[list[int]], *,
+                  max_quality_loss: float = DEFAULT_MAX_QUALITY_LOSS,
                   window_tokens: int = DEFAULT_WINDOW_TOKENS, search_steps: int = DEFAULT_SEARCH_STEPS,
                   progress: bool = True, draft_quality_loss: float | None = DEFAULT_DRAFT_QUALITY_LOSS) -> Profile:
     """Profile ``engine``'s model on calibration documents (a CalibrationSet, or token-id documents
     that are split here: every 5th held out). Returns the Profile (not yet saved).
     ``draft_quality_loss``: budget of the looser draft thresholds (speculative self-drafting;
     offline/draft_thresholds.py) searched after the configured ones; None skips that search."""
-    if not 0.0 < max_quality_loss <= 1.0:
-        raise TandemError(f"--max-quality-loss must be in (0, 1] (0.02 = 2% perplexity increase), got {max_quality_loss}")
+    check_max_quality_loss(max_quality_loss)
     if search_steps < 1:
         raise TandemError(f"search steps must be >= 1, got {search_steps}")
     if draft_quality_loss is not None and not max_quality_loss < draft_quality_loss <= 10.0:

@@ -17,7 +17,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from tandem.core.errors import TandemError
+from tandem.core.errors import TandemError, check_int
 
 WEIGHT_FORMATS = ("fp32", "int8", "int4")  # packed CPU weights of hybrid executors
 DOWN_FORMATS = ("fp32", "fp16", "int8b", "int8", "int4")  # sparse (transposed) down projection; int8b / int4: Q8_0 / Q4_1 rows (f16 scales)
@@ -79,13 +79,13 @@ class EngineArgs:
             raise TandemError("model is empty")
         if self.kv_cache_type is None:  # the flag left out
             object.__setattr__(self, "kv_cache_type", "f16")
-        _check_int("threads", self.threads, 1)
+        check_int("threads", self.threads, 1)
         if self.threads is not None and self.threads > max_threads():
             raise TandemError(f"threads must be at most {max_threads()} (8 per CPU this process may use), "
                               f"got {self.threads}")
-        _check_int("context_length", self.context_length, 2)  # a prompt token and one more
-        _check_int("gpu_budget_bytes", self.gpu_budget_bytes, 0)
-        _check_int("expert_slots", self.expert_slots, 0)
+        check_int("context_length", self.context_length, 2)  # a prompt token and one more
+        check_int("gpu_budget_bytes", self.gpu_budget_bytes, 0)
+        check_int("expert_slots", self.expert_slots, 0)
         for name, allowed in (("weight_format", WEIGHT_FORMATS), ("down_format", DOWN_FORMATS),
                               ("gpu_device", GPU_DEVICES), ("kv_cache_type", KV_CACHE_TYPES)):
             if getattr(self, name) is not None and getattr(self, name) not in allowed:
@@ -149,11 +149,6 @@ def max_threads() -> int:
     """The most threads an engine takes: 8 per usable CPU (more only wait on each other; 100,000 failed to start)."""
     from tandem.core.cpus import usable_cpus
     return 8 * usable_cpus()
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
-        raise TandemError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

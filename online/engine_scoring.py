@@ -12,7 +12,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-from tandem.core.errors import TandemError
+from tandem.core.errors import TandemError, check_int
 
 from .results import sliding_window_perplexity
 
@@ -64,8 +64,7 @@ class Scoring:
         scores the known text that many tokens per multi-token step (same numbers, fewer weight reads)."""
         for name, value, least in (("window_tokens", window_tokens, 2), ("stride_tokens", stride_tokens, 1),
                                    ("tokens_per_step", tokens_per_step, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise TandemError(f"{name} must be an integer >= {least}, got {value!r}")
+            check_int(name, value, least, optional=False)
         if stride_tokens > window_tokens:
             raise TandemError(f"stride_tokens ({stride_tokens}) must not exceed window_tokens ({window_tokens}): "
                               "the first token of each window would go unscored")

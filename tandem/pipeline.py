@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tandem.core.artifacts import check_artifact_out, check_file_out
+from offline.calibration import DEFAULT_MAX_QUALITY_LOSS, check_calibration_inputs
 from tandem.core.errors import ArtifactError, TandemError
 
 Log = Callable[[str], None]
@@ -66,9 +67,9 @@ class PrepareResult:
 
 
 def profile(model: str | Path, *, out: str | Path | None = None, calib: Sequence[str] | None = None,
-            tokens: int | None = None, self_generated_tokens: int = 0, max_quality_loss: float = 0.02,
-            window_tokens: int = 256, search_steps: int = 7, threads: int | None = None,
-            progress: bool = True, plot: bool = False, engine: Any = None) -> ProfileResult:
+            tokens: int | None = None, self_generated_tokens: int = 0,
+            max_quality_loss: float = DEFAULT_MAX_QUALITY_LOSS, window_tokens: int = 256, search_steps: int = 7,
+            threads: int | None = None, progress: bool = True, plot: bool = False, engine: Any = None) -> ProfileResult:
     """Profile ``model`` on calibration text and save the artifact (default profiles/<model-id>/profile).
 
     ``engine``: an already loaded dense ``online.Engine`` of the same model (skips loading it again).
@@ -252,8 +253,9 @@ def warm_step_cache(model: str | Path, plan_dir: str | Path, profile: str | Path
 
 def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str | Path | None = None,
             gpu_budget: str | int | None = None, predictors: str = "auto", tokens: int | None = None,
-            max_quality_loss: float = 0.02, calib: Sequence[str] | None = None, threads: int | None = None,
-            progress: bool = True, quality: bool = True, log: Log = _quiet) -> PrepareResult:
+            max_quality_loss: float = DEFAULT_MAX_QUALITY_LOSS, calib: Sequence[str] | None = None,
+            threads: int | None = None, progress: bool = True, quality: bool = True,
+            log: Log = _quiet) -> PrepareResult:
     """profile -> (predictors) -> probe -> plan under ``out`` (default profiles/<model-id>), reusing each
     artifact that is still valid for the same model and inputs; ``log`` gets one line per step.
 
@@ -280,7 +282,7 @@ def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str |
     existing = _valid_profile(profile_dir, fingerprint)
     if existing is not None:
         note = (": calibration settings apply to a new profile only (remove it to profile again)"
-                if calib or tokens is not None or max_quality_loss != 0.02 else "")
+                if calib or tokens is not None or max_quality_loss != DEFAULT_MAX_QUALITY_LOSS else "")
         log(f"[prepare] reusing profile {profile_dir}{note}")
         prof = ProfileResult(profile_dir, existing, reused=True)
     else:
@@ -329,22 +331,6 @@ def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str |
     if cached is not None:
         log(f"[prepare] prepared-step cache {cached}")
     return PrepareResult(prof, preds, hardware_path, result)
-
-
-def check_calibration_inputs(tokens: int | None, max_quality_loss: float, threads: int | None,
-                             calib: Sequence[str] | None) -> None:
-    """The calibration settings of ``profile`` and ``prepare``, checked before any work (``prepare`` checks them
-    when it reuses a profile too: a bad value is an error whether or not it would be used)."""
-    from offline.calibration import read_text_files
-    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 16):
-        raise TandemError(f"tokens (--tokens) must be an integer of at least 16, got {tokens!r}")
-    if isinstance(max_quality_loss, bool) or not isinstance(max_quality_loss, (int, float)) \
-            or not 0.0 < max_quality_loss <= 1.0:
-        raise TandemError(f"max_quality_loss (--max-quality-loss) must be in (0, 1] (0.02 = 2%), got {max_quality_loss!r}")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise TandemError(f"threads (--threads) must be an integer >= 1, got {threads!r}")
-    if calib:
-        read_text_files(calib)
 
 
 def _default_budget(hardware: Any) -> str | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from online.kv_pool import DEFAULT_BLOCK_TOKENS, KVPool, kv_bytes_per_token
 from online.server.policy import SCHEDULES
-from tandem.core.errors import TandemError
+from tandem.core.errors import TandemError, check_int
 
 DEFAULT_KV_BUDGET_BYTES = 256 << 20
 DEFAULT_PREFILL_CHUNK_TOKENS = 128
@@ -45,9 +45,7 @@ class BatchConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "prefill_chunk_tokens", "max_batch_seqs", "max_n", "spec_max_seqs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise TandemError(f"{name} must be an integer >= 1, got {value!r}")
+            check_int(name, getattr(self, name), 1, optional=False)
         if self.kv_budget_bytes is not None and (isinstance(self.kv_budget_bytes, bool)
                                                  or not isinstance(self.kv_budget_bytes, int)
                                                  or self.kv_budget_bytes < 1):
@@ -64,15 +62,14 @@ class BatchConfig:
         """The pool for ``engine``: the budget given, else ``max_batch_seqs`` full contexts capped at
         DEFAULT_KV_BUDGET_BYTES but at least one full context, and never more than a quarter of the
         memory available now (requests that cannot fit are answered 400, never an out-of-memory crash)."""
+        import psutil
         budget, kv_type = self.kv_budget_bytes, engine.kv_cache_type
         if budget is None:
-            import psutil
             context_bytes = (int(engine.max_context) + self.block_tokens) * kv_bytes_per_token(engine.config, kv_type)
             budget = max(context_bytes, min(DEFAULT_KV_BUDGET_BYTES, self.max_batch_seqs * context_bytes))
             budget = min(budget, max(psutil.virtual_memory().available // 4,
                                      self.block_tokens * kv_bytes_per_token(engine.config, kv_type)))
         else:
-            import psutil
             available = psutil.virtual_memory().available
             if budget > 0.9 * available:  # an out-of-memory kill (or an allocator traceback) otherwise
                 raise TandemError(f"--kv-budget ({budget} bytes) is more than the memory available now can hold "

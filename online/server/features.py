@@ -70,7 +70,8 @@ def parse_tool_choice(choice: Any, tools: Any) -> Any:
             raise ValueError(f"tool_choice {choice!r} needs tools")
         return choice
     fn = choice.get("function") if isinstance(choice, dict) else None
-    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(fn, dict) \
+            or not isinstance(fn.get("name"), str):
         raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
     if not tools or fn["name"] not in {t.name for t in tools}:
         raise ValueError(f"tool_choice names {fn['name']!r}, which is not among the tools")

@@ -176,11 +176,7 @@ class Scheduler:
                     self._start(job)
                 except Exception as exc:  # one request's failure: answer it, never stop the worker
                     log.exception("starting a request failed")
-                    job.emit("error", internal_error(exc))
-                    if job in self._active:
-                        self._end(job)
-                    else:
-                        self._unqueue(job)
+                    self._fail(job, exc)
             self._reap()
             try:
                 if not self.loop.iteration() and self.loop.sequences:
@@ -189,8 +185,7 @@ class Scheduler:
             except BaseException as exc:  # never let the worker die: fail the jobs in the loop
                 log.exception("generation failed")
                 for job in list(self._active):
-                    job.emit("error", internal_error(exc))
-                    self._end(job)
+                    self._fail(job, exc)
         for job in list(self._active):
             job.emit("error", shutting_down())
             self._end(job)
@@ -303,8 +298,15 @@ class Scheduler:
     def _on_error(self, seq: Sequence, exc: Exception) -> None:
         """One sequence failed after its step: its request gets a 500, the batch goes on."""
         log.error("request failed", exc_info=exc)
-        seq.job.emit("error", internal_error(exc))
-        self._end(seq.job)
+        self._fail(seq.job, exc)
+
+    def _fail(self, job: GenerationJob, exc: BaseException) -> None:
+        """Answer ``job`` with a 500 and take it out of the loop (or of the waiting count, before it started)."""
+        job.emit("error", internal_error(exc))
+        if job in self._active:
+            self._end(job)
+        else:
+            self._unqueue(job)
 
     def _on_finish(self, seq: Sequence) -> None:
         job = seq.job

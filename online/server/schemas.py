@@ -21,12 +21,12 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000  # each: searched at every token
 MAX_CHOICES = 16  # n
 MAX_SEED = 2**63 - 1
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # top_logprobs (chat) / logprobs (completions) upper bound, as OpenAI
 # Fields OpenAI's API (or another server's extension of it) has and this server does not implement: a 400 naming
 # the field when set (null means unset); any other unknown field is "unrecognized", as OpenAI answers it
 UNSUPPORTED_FIELDS = ("reasoning_effort", "verbosity", "prediction", "web_search_options", "audio",
                       "min_p", "repetition_penalty", "typical_p", "top_a", "mirostat", "chat_template_kwargs",
-                      "guided_json", "guided_regex", "guided_choice", "grammar", "json_schema")  # top_logprobs (chat) / logprobs (completions) upper bound, as OpenAI
+                      "guided_json", "guided_regex", "guided_choice", "grammar", "json_schema")
 
 
 class ApiError(Exception):
@@ -164,6 +164,16 @@ class _SamplingRequest(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    functions: Any = None
+    function_call: Any = None
     # OpenAI's bookkeeping fields, accepted without effect on the output: ids for abuse monitoring and cache
     # routing (every prompt's prefix is cached here anyway), tags for stored completions (stored nowhere)
     safety_identifier: str | None = None
@@ -171,6 +181,13 @@ class ChatCompletionRequest(_SamplingRequest):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+
+    @field_validator("modalities")
+    @classmethod
+    def _modalities(cls, modalities: list[str] | None) -> None:
+        if modalities not in (None, ["text"]):
+            raise ValueError('only text output is supported (modalities: ["text"])')
+        return None
 
     @field_validator("store")
     @classmethod
@@ -184,24 +201,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def _service_tier(cls, tier: str | None) -> None:
         if tier not in (None, "auto", "default"):
             raise ValueError(f"service_tier {tier!r} is not supported (this server has one tier: auto, default)")
-        return None
-
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    modalities: list[str] | None = None
-    functions: Any = None
-    function_call: Any = None
-
-    @field_validator("modalities")
-    @classmethod
-    def _modalities(cls, modalities: list[str] | None) -> None:
-        if modalities not in (None, ["text"]):
-            raise ValueError('only text output is supported (modalities: ["text"])')
         return None
 
     @field_validator("functions", "function_call")
