@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tandem.core.errors import TandemError
+from offline.calibration import DEFAULT_MAX_QUALITY_LOSS
 
 
 def add_parsers(sub) -> None:
@@ -14,7 +15,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--tokens", type=int, default=None, help="use at most N tokens of the calibration text (train + held out; self-generated text comes on top)")
     p.add_argument("--self-generated", type=int, default=0, metavar="N",
                    help="add about N tokens the model generates from shipped seed prompts (training split only)")
-    p.add_argument("--max-quality-loss", type=float, default=0.02,
+    p.add_argument("--max-quality-loss", type=float, default=DEFAULT_MAX_QUALITY_LOSS,
                    help="allowed perplexity increase for non-ReLU thresholds (default 0.02 = 2%%); the "
                         "search on the training windows aims at 75%% of it, held-out text re-measures it")
     p.add_argument("--window", type=int, default=256, help="tokens per calibration window (default 256)")

@@ -63,6 +63,21 @@ def speculation_config(args):
     return SpeculationConfig.parse(args.speculate, args.draft_tokens)
 
 
+def check_speculation_runs(engine, spec) -> str:
+    """'' where the engine can verify drafted tokens, else why not: a mode asked for by name (lookup, sparse) that
+    cannot run is an error, as in ``tandem serve``; ``auto`` falls back to plain decoding and says why."""
+    if not spec.enabled:
+        return ""
+    from online.speculative.setup import verifier_step
+    try:
+        verifier_step(engine)
+    except TandemError as exc:
+        if spec.mode in ("lookup", "sparse"):
+            raise TandemError(f"--speculate {spec.mode}: {exc}") from None
+        return str(exc)
+    return ""
+
+
 def load_engine(args):
     """The engine the command's engine flags (online.engine_args.add_engine_arguments) describe."""
     from online import Engine
@@ -94,6 +109,7 @@ def run_generate(args) -> int:
         raise TandemError(f"--logprobs must be between 0 and 20, got {args.logprobs}")
     spec = speculation_config(args)
     engine = load_engine(args)
+    check_speculation_runs(engine, spec)
     prompt = prompt_ids if prompt_ids is not None else (
         [{"role": "user", "content": args.prompt}] if args.chat else args.prompt)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -167,14 +183,8 @@ def run_perplexity(args) -> int:
     if stride > window:
         raise TandemError(f"--stride ({stride}) must not exceed the window ({window} tokens)")
     ids = engine.encode_prompt_for_scoring(text)
-    tokens_per_step, reason = 1, ""
-    if spec.enabled:  # the text is known: score it K tokens per multi-token step
-        from online.speculative.setup import verifier_step
-        try:
-            verifier_step(engine)
-            tokens_per_step = spec.draft_tokens
-        except TandemError as exc:
-            reason = str(exc)
+    reason = check_speculation_runs(engine, spec)
+    tokens_per_step = spec.draft_tokens if spec.enabled and not reason else 1  # the text is known: K a step
     ppl, scored = engine.perplexity(ids, window_tokens=window, stride_tokens=stride,
                                     decode_steps=args.decode_steps or spec.enabled, tokens_per_step=tokens_per_step)
     if args.json:

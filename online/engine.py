@@ -41,7 +41,10 @@ class Engine(LazyModules, Scoring, KVCaches):
         self.model_id = model_id
         self.model_fingerprint = model_fingerprint
         self.threads = threads
-        self.max_context = min(context_length or cfg.max_context, cfg.max_context)
+        if context_length is not None and context_length > cfg.max_context:  # vLLM refuses it too; llama.cpp warns
+            raise TandemError(f"context length {context_length} (--context) is longer than {model_id}'s context length "
+                              f"({cfg.max_context} tokens)")
+        self.max_context = context_length or cfg.max_context
         eos = set(cfg.eos_token_ids)
         if tokenizer is not None:
             eos |= set(tokenizer.eos_token_ids)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import sys
 
+from offline.calibration import DEFAULT_MAX_QUALITY_LOSS
+
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("prepare", help="profile, train predictors and plan in one go (reusing artifacts)")
@@ -24,7 +26,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--predictors", choices=("auto", "on", "off"), default="auto",
                    help="auto: train for ReLU-family models only (on SwiGLU models predictors were measured not to pay)")
     p.add_argument("--tokens", type=int, default=None, help="calibration tokens for profiling/training")
-    p.add_argument("--max-quality-loss", type=float, default=0.02)
+    p.add_argument("--max-quality-loss", type=float, default=DEFAULT_MAX_QUALITY_LOSS)
     p.add_argument("--no-quality", action="store_true", help="plan without measuring its held-out quality")
     p.add_argument("--calib", nargs="+", default=None, metavar="FILE")
     p.add_argument("--threads", type=int, default=None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tandem.core.errors import TandemError
+from offline.calibration import check_max_quality_loss
 
 
 def add_parsers(sub) -> None:
@@ -35,8 +36,8 @@ def _check_args(args) -> None:
         raise TandemError(f"--tokens must be at least 64, got {args.tokens}")
     if args.max_rank < 16:
         raise TandemError(f"--max-rank must be at least 16, got {args.max_rank}")
-    if args.max_quality_loss is not None and not 0.0 < args.max_quality_loss <= 1.0:
-        raise TandemError(f"--max-quality-loss must be in (0, 1] (0.02 = 2%), got {args.max_quality_loss}")
+    if args.max_quality_loss is not None:
+        check_max_quality_loss(args.max_quality_loss)
     if args.extra_loss is not None and not 0.0 <= args.extra_loss <= 1.0:
         raise TandemError(f"--extra-loss must be in [0, 1], got {args.extra_loss}")
     if args.eval_tokens is not None and args.eval_tokens < 16:

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from tandem.core.ffn.weights import MoELayerWeights
 from tandem.core.loading.deferred import DeferredTensor
+from offline.calibration import DEFAULT_MAX_QUALITY_LOSS
 from offline.collect import base_executor, iter_calibration_batches, split_windows
 from tandem.core.errors import TandemError
 from .evaluate import HeldOutScorer, Quality, choose_prefix
@@ -161,7 +162,7 @@ def build_predictors(engine, profile, calib, settings: TrainSettings, *, window_
         raise TandemError(f"profile was made for another model ({profile.model_id}); run `tandem profile` for this model")
     if not 0.0 < val_fraction < 0.5:
         raise TandemError(f"held-out fraction must be in (0, 0.5), got {val_fraction}")
-    budget = float(profile.quality.get("max_quality_loss", 0.02)) if max_quality_loss is None else max_quality_loss
+    budget = float(profile.quality.get("max_quality_loss", DEFAULT_MAX_QUALITY_LOSS)) if max_quality_loss is None else max_quality_loss
     if window_tokens is None:  # the profile's windows, so held-out figures compare with its own
         window_tokens = int(profile.calibration.get("window_tokens", 256))
     window_tokens = min(window_tokens, engine.max_context - 1)

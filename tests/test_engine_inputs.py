@@ -65,3 +65,17 @@ def test_bad_inputs_name_themselves_and_arrays_are_token_lists(engine):
     for call in calls:
         with pytest.raises(TandemError):
             call()
+
+
+def test_a_context_longer_than_the_models_is_refused_not_clamped(tiny_folder, engine):
+    """A context length past the model's used to be cut to the model's in silence (vLLM refuses it); the model's
+    own length and shorter ones load, and a shorter one bounds the prompt."""
+    longest = engine.config.max_context
+    with pytest.raises(TandemError, match=f"longer than .*context length \\({longest} tokens\\)"):
+        Engine.load(str(tiny_folder), context_length=longest + 1)
+    assert Engine.load(str(tiny_folder), context_length=longest).max_context == longest
+    short = Engine.load(str(tiny_folder), context_length=8)
+    assert short.max_context == 8
+    with pytest.raises(TandemError, match="the context holds 8"):
+        short.generate([1] * 8, max_new_tokens=1)
+    assert len(short.generate([1] * 6, max_new_tokens=2, ignore_eos=True).token_ids) == 2

@@ -71,3 +71,24 @@ def test_engine_default_speculation_applies_to_calls_that_pass_none(chat_model):
     modules = Engine.load(chat_model, weight_format="int4", fused_decode=False)
     shown = modules.set_default_speculation("auto")
     assert shown["speculate"] == "off" and "fused decode step" in shown["speculate_reason"]
+
+
+def test_a_mode_asked_for_by_name_that_cannot_run_is_an_error_and_auto_falls_back(capsys, chat_model, tmp_path):
+    """generate and perplexity used to fall back to plain decoding for `--speculate lookup|sparse` on an engine
+    without the fused step (the dense default) and say so only after the run; tandem serve refuses them. Now both
+    refuse before the work; `auto` still falls back and says why (reference: the plain run's tokens)."""
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 4)
+    for command in (["generate", "--prompt", "hello", "--max-new-tokens", "6"],
+                    ["perplexity", "--text-file", str(text), "--window", "16"]):
+        for mode in ("lookup", "sparse"):
+            code, out, err = run_cli(capsys, command[0], "--model", chat_model, *command[1:], "--speculate", mode)
+            lines = [line for line in err.splitlines() if line.strip()]
+            assert (code, out, len(lines)) == (2, "", 1) and f"--speculate {mode}: " in lines[0], (command, mode)
+            assert "fused decode step" in lines[0]
+    common = ["generate", "--model", chat_model, "--prompt", "hello", "--max-new-tokens", "6", "--ignore-eos", "--json"]
+    _, out, _ = run_cli(capsys, *common)
+    code, auto_out, _ = run_cli(capsys, *common, "--speculate", "auto")
+    auto = json.loads(auto_out)
+    assert code == 0 and auto["token_ids"] == json.loads(out)["token_ids"]
+    assert auto["speculate"] == "off" and "fused decode step" in auto["speculate_reason"]
