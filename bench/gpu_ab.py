@@ -16,15 +16,16 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.gpu_bench import CONTEXT_TOKENS, PROMPT
+from bench.gpu_bench import PROMPT, context_tokens
 
 
 def load_engines(args, fractions: list[str]) -> tuple[dict, dict]:
     """{name: engine} and {name: modeled tok/s or None}, CPU only first."""
     from online import Engine
     from placement.plan import read_plan
+    context = context_tokens(args.model)
     engines = {"CPU only": Engine.load(args.model, layer_offload=True, gpu_budget_bytes=0, threads=args.threads,
-                                       context_length=CONTEXT_TOKENS)}
+                                       context_length=context)}
     modeled = {"CPU only": None}
     for f in fractions:
         plan_dir = Path(args.plans) / f"plan-{float(f):g}"
@@ -32,7 +33,7 @@ def load_engines(args, fractions: list[str]) -> tuple[dict, dict]:
         if float(f) > 0:
             engines[f"layer offload {f}"] = Engine.load(args.model, layer_offload=True,
                                                         gpu_budget_bytes=plan.gpu_budget_bytes, threads=args.threads,
-                                                        context_length=CONTEXT_TOKENS)
+                                                        context_length=context)
             modeled[f"layer offload {f}"] = plan.modeled.get("layer_offload_tokens_per_s")
         engines[f"plan {f}"] = Engine.load(args.model, plan=str(plan_dir), profile=args.profile,
                                            predictors=args.predictors, threads=args.threads)

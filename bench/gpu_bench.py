@@ -21,6 +21,12 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 FRACTIONS = (0.10, 0.25, 0.50, 1.00)
 CONTEXT_TOKENS = 2048  # the KV cache both the plans and layer offload size
+
+
+def context_tokens(model: str) -> int:
+    """CONTEXT_TOKENS, or the model's own context where shorter (an engine refuses one longer than the model's)."""
+    from tandem.core.loading import load_checkpoint
+    return min(CONTEXT_TOKENS, load_checkpoint(model, deferred=True).config.max_context)
 PROMPT = "Write a short story about a robot who learns to paint. Once upon a time"
 
 
@@ -138,13 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         print(" | ".join(rows[-1]), flush=True)
 
     threads = {"threads": args.threads} if args.threads else {}
+    context = context_tokens(args.model)
     row("CPU only (fused C step, layer offload at 0 bytes)", 0,
         lambda: Engine.load(args.model, layer_offload=True, gpu_budget_bytes=0, gpu_device=device,
-                            context_length=CONTEXT_TOKENS, **threads), None)
+                            context_length=context, **threads), None)
     if not args.skip_dense:
         row("dense, all layers + output layer on the GPU (layer offload, 100%)", reserve + 2 * total,
             lambda: Engine.load(args.model, layer_offload=True, gpu_budget_bytes=reserve + 2 * total, gpu_device=device,
-                                context_length=CONTEXT_TOKENS, **threads), None)
+                                context_length=context, **threads), None)
     for fraction in (float(f) for f in args.fractions.split(",")):
         budget = plan_budget(fraction, total, reserve)
         plan_dir = make_plan_dir(args.model, Path(args.profile), args.hardware, budget,
@@ -152,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = read_plan(plan_dir)
         row(f"layer offload at {fraction:.0%}", budget,
             lambda: Engine.load(args.model, layer_offload=True, gpu_budget_bytes=budget, gpu_device=device,
-                                context_length=CONTEXT_TOKENS, **threads),
+                                context_length=context, **threads),
             plan.modeled.get("layer_offload_tokens_per_s"))
         row(f"plan at {fraction:.0%}", budget,
             lambda: Engine.load(args.model, plan=plan_dir, gpu_device=device, profile=args.profile,

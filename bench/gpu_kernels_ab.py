@@ -12,7 +12,7 @@ import statistics
 import sys
 from collections import Counter
 
-from bench.gpu_bench import CONTEXT_TOKENS, PROMPT
+from bench.gpu_bench import PROMPT, context_tokens
 from bench.gpu_kernel_rates import HEADER, mat_bytes, matvec_configs, matvec_t_configs, rate_line, sweep, word_launches
 
 
@@ -79,10 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: bench.gpu_kernels_ab needs CUDA (and Triton)", file=sys.stderr)
         return 2
     from online import Engine
+    context = context_tokens(args.model)
 
     def load():
         return Engine.load(args.model, layer_offload=True, gpu_budget_bytes=1 << 37, threads=args.threads,
-                           context_length=CONTEXT_TOKENS)
+                           context_length=context)
     engines = {"default": load(), "words": load(), "tuned": load()}
     calls, counts = record_calls(engines["tuned"])
     lines = [f"# Whole-GPU decode of {args.model} on {torch.cuda.get_device_name(0)}", "",

@@ -24,7 +24,7 @@ from tandem.core.sampling_params import DecodeOptions, SamplingParams, TokenChoi
 from tandem.core.step_loop import LoopTimings
 
 from .engine_args import EngineArgs
-from .engine_kv import KVCaches
+from .engine_kv import KVCaches, context_capacity
 from .engine_lazy import LazyModules, load_fast
 from .engine_scoring import Scoring
 from .results import GenerationResult, TextStream
@@ -41,10 +41,7 @@ class Engine(LazyModules, Scoring, KVCaches):
         self.model_id = model_id
         self.model_fingerprint = model_fingerprint
         self.threads = threads
-        if context_length is not None and context_length > cfg.max_context:  # vLLM refuses it too; llama.cpp warns
-            raise TandemError(f"context length {context_length} (--context) is longer than {model_id}'s context length "
-                              f"({cfg.max_context} tokens)")
-        self.max_context = context_length or cfg.max_context
+        self.max_context = context_capacity(cfg, context_length, model_id)
         eos = set(cfg.eos_token_ids)
         if tokenizer is not None:
             eos |= set(tokenizer.eos_token_ids)

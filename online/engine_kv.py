@@ -9,10 +9,21 @@ from __future__ import annotations
 
 import math
 
+from tandem.core.errors import TandemError
+
 KV_CAPACITY_ROUND_TOKENS = 256
 # decode paths whose caches take kv_cache_type: the C step attends over them on the CPU (the GPU steps' CPU layers
 # do too, but keep float32 until a float16 cache is measured on CUDA)
 C_STEP_PATHS = ("fused", "layer-offload")
+
+
+def context_capacity(cfg, context_length: int | None, model_id: str) -> int:
+    """The engine's context: ``context_length`` (--context) or the model's; longer than the model's is an error (vLLM
+    refuses it too; llama.cpp warns), not cut to the model's in silence."""
+    if context_length is not None and context_length > cfg.max_context:
+        raise TandemError(f"context length {context_length} (--context) is longer than {model_id}'s context length "
+                          f"({cfg.max_context} tokens)")
+    return context_length or cfg.max_context
 
 
 def _is_half(cache) -> bool:
