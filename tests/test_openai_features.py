@@ -410,13 +410,21 @@ def test_tool_call_arguments_stream_in_pieces_that_join_to_the_parsed_call():
     assert [name for name, _ in reference] == ["get_weather", "get_time"]
     for max_calls in (None, 1):
         stream = ToolCallStream(known, max_calls)
-        deltas = [d for i in range(1, len(text) + 1) for d in stream.update(text[:i])]
+        updates = [stream.update(text[:i]) for i in range(1, len(text) + 1)]
+        deltas = [d for update in updates for d in update]
         starts = [d for d in deltas if "id" in d]
-        assert [(d["index"], d["function"]) for d in starts] == [
-            (i, {"name": name, "arguments": ""}) for i, (name, _) in enumerate(reference[:max_calls])]
+        assert [(d["index"], d["function"]["name"]) for d in starts] == list(enumerate(
+            name for name, _ in reference[:max_calls]))
         for i, (_, args) in enumerate(reference[:max_calls]):
-            pieces = [d["function"]["arguments"] for d in deltas if d["index"] == i and "id" not in d]
+            pieces = [d["function"]["arguments"] for d in deltas if d["index"] == i]
             assert len(pieces) > 5 and json.loads("".join(pieces)) == json.loads(args)
+        # the whole text at once, or a call's name and arguments in one look: one entry per call in a delta
+        # (two entries of one index lost the first fragment for clients that key them by index)
+        for update in [*updates, ToolCallStream(known, max_calls).update(text)]:
+            assert len({d["index"] for d in update}) == len(update)
+        whole = ToolCallStream(known, max_calls).update(text)
+        assert [json.loads(d["function"]["arguments"]) for d in whole] == [
+            json.loads(args) for _, args in reference[:max_calls]]
     for prefix in range(len(text)):  # a scan of a prefix never claims a call complete too early
         assert all(not done or json.loads(args) for _, args, done in scan_tool_calls(text[:prefix], known))
     assert ToolCallStream(known, None).update('{"name": "get_time", "arguments": {"zone"')[0]["function"]["name"] == "get_time"

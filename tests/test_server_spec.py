@@ -8,6 +8,7 @@ import random
 
 import httpx
 import pytest
+import torch
 
 from online import Engine
 from online.server import create_app
@@ -156,12 +157,29 @@ def _follow_up(sched, prompt):
 
 
 @pytest.mark.parametrize("mode", ["lookup", "sparse"])
-def test_sampling_under_speculation_completes_and_frees_blocks(engine, mode):
+def test_sampling_under_speculation_completes_and_frees_blocks(engine, mode, monkeypatch):
+    seeds = iter(range(3, 100))  # requests without a seed draw one from torch.seed(): pinned, so the drafts are too
+    monkeypatch.setattr(torch, "seed", lambda: next(seeds))
     batch = BatchConfig(block_tokens=4, prefill_chunk_tokens=32)
-    specs = [{"prompt": p, "max_tokens": 12, "temperature": 0.8, "seed": 3 + i}
-             for i, p in enumerate(repetitive_prompts(2, seed=9))]
+    specs = [{"prompt": p, "max_tokens": 12, "temperature": 0.8} for p in repetitive_prompts(2, seed=9)]
     results, sched, _ = run(engine, mode, specs, batch)  # serve() checks the pool is empty afterwards
     assert all(len(r.token_ids) == 12 for r in results) and sched.loop.spec.counters.verify_steps > 0
+
+
+def test_a_seeded_sampled_request_gives_its_text_whatever_else_runs(engine):
+    """Drafting depends on how many sequences run (spec_max_seqs) and draws random numbers differently, so a
+    seeded request's text used to depend on the load. Seeded sampled requests now decode token by token: with
+    speculation, alone and beside greedy requests that draft, the text equals the one served without
+    speculation (the reference)."""
+    batch = BatchConfig(block_tokens=4, prefill_chunk_tokens=32, spec_max_seqs=2)
+    prompts = repetitive_prompts(3, seed=11)
+    seeded = {"prompt": prompts[0], "max_tokens": 16, "temperature": 0.3, "seed": 5}
+    want, _, _ = run(engine, None, [seeded], batch)
+    alone, sched, _ = run(engine, "lookup", [seeded], batch)
+    assert alone[0].token_ids == want[0].token_ids and sched.loop.spec.counters.verify_steps == 0
+    greedy = [{"prompt": p, "max_tokens": 24} for p in prompts[1:]]
+    loaded, sched, _ = run(engine, "lookup", [greedy[0], seeded, greedy[1]], batch)
+    assert loaded[1].token_ids == want[0].token_ids and sched.loop.spec.counters.verify_steps > 0  # others drafted
 
 
 def test_health_metrics_and_logprobs_requests_decode_token_by_token(engine):

@@ -96,7 +96,8 @@ class BatchSpeculation:
             return cls(engine, config, max_seqs, "off", probe.reason)
         mode = config.mode
         why = (f"drafts for decoding sequences while at most {max_seqs} run; batching alone above that "
-               f"(a T-token step costs ~1 + 0.4(T-1) single steps); logprobs/grammar requests decode token by token")
+               f"(a T-token step costs ~1 + 0.4(T-1) single steps); logprobs/grammar and seeded sampled requests decode token "
+               f"by token")
         return cls(engine, config, max_seqs, mode, why + (f"; {probe.reason}" if probe.reason else ""))
 
     @property
@@ -113,7 +114,11 @@ class BatchSpeculation:
         options = seq.decode_options
         plain = options is None or (not getattr(options, "logprobs", False) and not getattr(options, "top_logprobs", 0)
                                     and getattr(options, "constraint", None) is None and seq.state is None)
-        return self.enabled and plain and seq.decoding and seq.n_generated > 0
+        # a seeded sampled request decodes token by token: whether it drafts depends on what else runs (max_seqs),
+        # and drafting draws its random numbers differently, so its text would depend on the load
+        params = seq.params
+        seeded = params is not None and not params.greedy and params.seed is not None
+        return self.enabled and plain and not seeded and seq.decoding and seq.n_generated > 0
 
     def _spec_of(self, seq: Any, pool: Any) -> SeqSpec:
         if seq.spec is None:

@@ -4,15 +4,15 @@ OpenAI streams a call as ``delta.tool_calls`` chunks: the first carries ``index`
 ``function.name`` (with empty ``arguments``); the next ones carry ``function.arguments`` fragments
 whose concatenation is the arguments' JSON. ``scan_tool_calls`` finds the calls in the text so far
 (``<tool_call>`` blocks, or a whole answer that is a bare JSON call) and ``ToolCallStream`` turns
-what is new since the last look into such deltas. A call is streamed once its name is a known tool
+what is new since the last look into such deltas, at most one entry per call in a delta (the first carries the
+arguments begun so far: clients that key a chunk's entries by index lose nothing). A call is streamed once its name is a known tool
 and its ``"arguments"`` object has begun; anything else is left to the whole-call parse at the end.
 
 Example::
 
     stream = ToolCallStream({"get_time"}, max_calls=None)
     stream.update('<tool_call>\\n{"name": "get_time", "arguments": {"zo')
-    # [{"index": 0, "id": "call_...", "type": "function", "function": {"name": "get_time", "arguments": ""}},
-    #  {"index": 0, "function": {"arguments": '{"zo'}}]
+    # [{"index": 0, "id": "call_...", "type": "function", "function": {"name": "get_time", "arguments": '{"zo'}}]
     stream.update('<tool_call>\\n{"name": "get_time", "arguments": {"zone": "UTC"}}')
     # [{"index": 0, "function": {"arguments": 'ne": "UTC"}'}}]
 """
@@ -93,11 +93,11 @@ class ToolCallStream:
         """The ``delta.tool_calls`` entries for what ``text`` (everything held back so far) adds."""
         deltas: list[dict[str, Any]] = []
         for index, (name, args, _) in enumerate(scan_tool_calls(text, self.known)[:self.max_calls]):
-            if index == len(self.sent_chars):
-                deltas.append({"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                               "function": {"name": name, "arguments": ""}})
-                self.sent_chars.append(0)
-            if len(args) > self.sent_chars[index]:
+            if index == len(self.sent_chars):  # the call's first entry carries its arguments so far too: one
+                deltas.append({"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",  # entry
+                               "function": {"name": name, "arguments": args}})  # per index in a delta, as OpenAI
+                self.sent_chars.append(len(args))
+            elif len(args) > self.sent_chars[index]:
                 deltas.append({"index": index, "function": {"arguments": args[self.sent_chars[index]:]}})
                 self.sent_chars[index] = len(args)
         return deltas
