@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.core.errors import TandemError
+from tandem.core.errors import ArtifactError, TandemError
 from offline.calibration import DEFAULT_MAX_QUALITY_LOSS
 
 
@@ -51,7 +51,11 @@ def run_profile(args) -> int:
 def run_show_profile(args) -> int:
     from .profile_artifact import load_profile
     profile = load_profile(args.dir)
-    print(format_summary(profile, Path(args.dir)))
+    try:  # a field of the wrong type in a profile older than the content checksum (tandem/core/artifacts.py)
+        summary = format_summary(profile, Path(args.dir))
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        raise ArtifactError(f"profile metadata in {args.dir} is malformed ({e}); run `tandem profile` again") from None
+    print(summary)
     return 0
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.core.artifacts import atomic_write_bytes, check_file_out
-from tandem.core.errors import TandemError
+from tandem.core.errors import ArtifactError, TandemError
 
 from .budget import format_bytes
 from .hardware import PRESETS
@@ -202,8 +202,12 @@ def cmd_show_plan(args: argparse.Namespace) -> int:
     if args.plot:
         check_plot_out(args.plot)
     plan = read_plan(args.plan_dir)
+    try:  # a field of the wrong type in a plan older than the content checksum (tandem/core/artifacts.py)
+        summary = format_plan_summary(plan)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        raise ArtifactError(f"plan metadata in {args.plan_dir} is malformed ({e}); make the plan again") from None
     print(f"plan {args.plan_dir}")
-    print(format_plan_summary(plan))
+    print(summary)
     if args.plot:
         print(f"plot written to {plot_plan(plan, args.plot)}")
     if args.calibration or args.measure:

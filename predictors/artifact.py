@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tandem.core.artifacts import fingerprint, load_artifact, save_artifact
+from tandem.core.artifacts import CHECKSUM_KEY, fingerprint, load_artifact, save_artifact
 from tandem.core.errors import ArtifactError, TandemError
 from .model import LayerEntry, LayerPredictor, PredictorSet
 
@@ -38,7 +38,7 @@ def _tensor_digest(tensors: dict[str, torch.Tensor]) -> list:
 
 
 def predictors_fingerprint(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
-    body = {k: v for k, v in meta.items() if k != "predictors_fingerprint"}
+    body = {k: v for k, v in meta.items() if k not in ("predictors_fingerprint", CHECKSUM_KEY)}  # (save adds that)
     return fingerprint({"meta": body, "tensors": _tensor_digest(tensors)})
 
 

@@ -56,6 +56,17 @@ def test_an_artifact_never_replaces_other_files(tmp_path, capsys, prepared, tiny
         assert str(out) in line
     assert (user / "notes.txt").read_text() == "important" and (user / "sub").is_dir()
     assert lone.read_text() == "also important"
+    # an artifact's folder that holds the user's files too (or prepare's nested artifacts) is not replaced either:
+    # profile --out used to delete them, as only profile.json was looked for
+    shared = tmp_path / "shared"
+    save_artifact(shared, "plan", {"x": torch.zeros(1)}, {"kind": "plan"})
+    (shared / "step-cache").mkdir()
+    assert check_artifact_out(shared, "plan") == shared  # its own files and its step cache: replaced
+    (shared / "NOTES.md").write_text("mine")
+    (shared / "plan-mine").mkdir()
+    with pytest.raises(ArtifactError, match="NOTES.md, plan-mine"):
+        save_artifact(shared, "plan", {"x": torch.zeros(1)}, {"kind": "plan"})
+    assert (shared / "NOTES.md").read_text() == "mine" and (shared / "plan.json").is_file()
     # an existing artifact of the same name is replaced (the documented overwrite), an empty folder filled
     (tmp_path / "empty").mkdir()
     for out in (prepared.plan.path, tmp_path / "empty"):
@@ -127,3 +138,28 @@ def test_perplexity_scores_each_window_once_down_to_a_last_token(tiny_folder, tm
     assert "--stride" in one_line_error(capsys, "perplexity", "--model", str(tiny_folder), "--text-file", str(path),
                                         "--window", "8", "--stride", "9")
 
+
+
+def test_an_edited_artifact_is_refused_whichever_field_changed(prepared, tiny_folder, tmp_path, capsys):
+    """The kinds' fingerprints cover what later stages compare; a plan's output_head_on_gpu or a profile layer's
+    sparsity were outside them, so an edit changed what ran (or crashed show-profile with a traceback). The
+    content checksum refuses any edit; the same metadata in other bytes (indentation) still loads."""
+    import json
+    import shutil
+    from offline.profile_artifact import load_profile
+    from placement.plan import read_plan
+    edits = {"plan": lambda m: m.update(output_head_on_gpu=True),
+             "profile": lambda m: m["layers"][1].update(sparsity="abc")}
+    for name, edit in edits.items():
+        source = prepared.plan.path if name == "plan" else prepared.profile.path
+        copy = tmp_path / name
+        shutil.copytree(source, copy)
+        meta = json.loads((copy / f"{name}.json").read_text())
+        (copy / f"{name}.json").write_text(json.dumps(meta, indent=1))  # same content, other bytes: loads
+        (read_plan if name == "plan" else load_profile)(copy)
+        edit(meta)
+        (copy / f"{name}.json").write_text(json.dumps(meta))
+        with pytest.raises(ArtifactError, match="corrupted or was edited"):
+            (read_plan if name == "plan" else load_profile)(copy)
+        line = one_line_error(capsys, f"show-{name}", str(copy))
+        assert "corrupted or was edited" in line

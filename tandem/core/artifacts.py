@@ -1,7 +1,10 @@
 """Typed, versioned artifacts: ``NAME.safetensors`` (tensors) + ``NAME.json`` (metadata).
 
 Every artifact directory is written atomically: files go to a temporary sibling directory that
-is renamed into place only when complete, so an interrupted run leaves no half artifact.
+is renamed into place only when complete, so an interrupted run leaves no half artifact. The metadata
+carries ``content_sha256``, a checksum over itself (canonical JSON) and the tensor file: an edited or
+damaged artifact is refused when loaded, whichever field changed (the kinds' own fingerprints cover only
+what later stages compare). Artifacts written before it (2026-11-29) load without that check.
 
 Example::
 
@@ -36,6 +39,18 @@ def umask_mode(mode: int) -> int:
     return mode & ~umask
 
 
+CHECKSUM_KEY = "content_sha256"
+
+
+def content_checksum(meta: dict[str, Any], tensor_bytes: bytes) -> str:
+    """sha256 over the metadata (canonical JSON, without the checksum itself) and the tensor file's bytes."""
+    plain = json.loads(json.dumps({k: v for k, v in meta.items() if k != CHECKSUM_KEY}))  # as the file reads back
+    body = json.dumps(plain, sort_keys=True, separators=(",", ":"))  # (tuples as lists, int keys as strings)
+    h = hashlib.sha256(body.encode())
+    h.update(tensor_bytes)
+    return h.hexdigest()
+
+
 def check_file_out(path: str | os.PathLike) -> Path:
     """Fail fast, before any work, where ``atomic_write_bytes(path, ...)`` could not write: ``path`` a folder,
     or its nearest existing ancestor not a writable folder. Returns ``path``."""
@@ -59,8 +74,19 @@ def check_artifact_out(out_dir: str | os.PathLike, name: str) -> Path:
         if not (out_dir / f"{name}.json").is_file() and any(out_dir.iterdir()):
             raise ArtifactError(f"{out_dir} holds other files and no {name} artifact ({name}.json): writing the "
                                 f"artifact there would delete them; choose another folder")
+        others = sorted(p.name for p in out_dir.iterdir() if not _artifact_own(p.name, name))
+        if others:  # an artifact's folder that also holds the user's files (or prepare's nested artifacts)
+            shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+            raise ArtifactError(f"{out_dir} holds the {name} artifact and other files ({shown}): writing the artifact "
+                                f"there would delete them; move them or choose another folder")
     _check_parent_writable(out_dir)
     return out_dir
+
+
+def _artifact_own(entry: str, name: str) -> bool:
+    """Whether a folder entry is the ``name`` artifact's own: its files (``name.*``, e.g. the profile's plot) and
+    the prepared-step cache written beside it (``step-cache``), which a new artifact replaces."""
+    return entry.startswith(f"{name}.") or entry == "step-cache"
 
 
 def _check_parent_writable(path: Path) -> None:
@@ -129,6 +155,7 @@ def save_artifact(out_dir: str | os.PathLike, name: str, tensors: dict[str, torc
     try:
         contiguous = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         save_file(contiguous, str(tmp_dir / f"{name}.safetensors"))
+        meta = {**meta, CHECKSUM_KEY: content_checksum(meta, (tmp_dir / f"{name}.safetensors").read_bytes())}
         (tmp_dir / f"{name}.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         for fname, data in (extra_files or {}).items():
             (tmp_dir / fname).write_bytes(data)
@@ -171,4 +198,7 @@ def load_artifact(art_dir: str | os.PathLike, name: str, kind: str,
         tensors = load_file(str(tensor_path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise ArtifactError(f"corrupted {kind} tensors {tensor_path}: {str(e).splitlines()[0]}") from None
+    if CHECKSUM_KEY in meta and meta[CHECKSUM_KEY] != content_checksum(meta, tensor_path.read_bytes()):
+        raise ArtifactError(f"{kind} in {art_dir} is corrupted or was edited: its content does not match its "
+                            f"checksum ({CHECKSUM_KEY}); make it again")
     return tensors, meta
