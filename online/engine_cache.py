@@ -101,7 +101,7 @@ def cache_path(args: EngineArgs, model_path: Path) -> Path:
     """Where the cache file for ``args`` lives (one file per model and packing arguments; beside the plan
     its name does not depend on the plan's path, so a copied plan folder keeps its cache)."""
     packing = [model_path.name, args.weight_format, args.down_format, args.sparse]
-    if args.plan is not None:
+    if args.plan is not None and (Path(args.plan) / "plan.json").is_file():  # (never a folder in one that is no plan)
         folder = Path(args.plan) / "step-cache"
         try:
             folder.mkdir(exist_ok=True)

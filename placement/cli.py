@@ -219,6 +219,12 @@ def cmd_show_plan(args: argparse.Namespace) -> int:
 
 def cmd_probe(args: argparse.Namespace) -> int:
     from tandem import pipeline
+    from tandem.core.cpus import usable_cpus
+    if args.threads is not None and args.threads > 8 * usable_cpus():  # as engines: the plan runs on these threads
+        raise TandemError(f"--threads must be at most {8 * usable_cpus()} (8 per CPU this process may use), "
+                          f"got {args.threads}")
+    if args.fused and args.out and Path(args.fused).absolute() == Path(args.out).absolute():
+        raise TandemError("--fused and --out name the same file: the calibration would replace the hardware profile")
     if args.fused:
         check_file_out(args.fused)  # before the probe's minute, not after it
     hardware = pipeline.probe(args.out, threads=args.threads, name=args.name)

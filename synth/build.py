@@ -56,8 +56,13 @@ class SynthSpec:
             raise TandemError(f"--qtype must be one of {', '.join(QTYPES)}, got {self.qtype!r}")
         if self.gate_rank < 1 or self.sample_seqs < 2 or self.sample_len < 2:
             raise TandemError("gate rank, sample sequences and sample length must be positive (>= 2 sequences)")
-        if self.gate_scale <= 0 or self.gate_noise < 0:
-            raise TandemError("gate scale must be > 0 and gate noise >= 0")
+        if not (math.isfinite(self.gate_scale) and math.isfinite(self.gate_noise)) or self.gate_scale <= 0 \
+                or self.gate_noise < 0:  # (nan / inf made a degenerate model and bare NaN in its sidecar JSON)
+            raise TandemError(f"gate scale must be finite and > 0 and --gate-noise finite and >= 0, got "
+                              f"{self.gate_scale} and {self.gate_noise}")
+        most = (self.shape.hidden - BIAS_DIMS) // 2  # the gate's low-rank part lives in half the input dimensions
+        if self.gate_rank > most:
+            raise TandemError(f"--gate-rank must be at most {most} for shape {self.shape.name}, got {self.gate_rank}")
         if not 0 <= self.seed < 2**63:
             raise TandemError(f"--seed must be in [0, 2^63), got {self.seed}")
         firing_rates(64, self.sparsity, self.hot_fraction, self.hot_share)  # validates the request

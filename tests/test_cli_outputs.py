@@ -163,3 +163,23 @@ def test_an_edited_artifact_is_refused_whichever_field_changed(prepared, tiny_fo
             (read_plan if name == "plan" else load_profile)(copy)
         line = one_line_error(capsys, f"show-{name}", str(copy))
         assert "corrupted or was edited" in line
+
+
+def test_a_folder_refused_as_a_plan_is_left_as_it_was(tiny_folder, tmp_path, capsys):
+    """The step cache's folder was made inside --plan before the plan was read: a refused folder kept an empty
+    step-cache/ (reference: the folder's listing before the call)."""
+    folder = tmp_path / "not-a-plan"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    line = one_line_error(capsys, "generate", "--model", str(tiny_folder), "--plan", str(folder), "--prompt", "hi")
+    assert "not a plan" in line and sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+
+
+def test_probe_refuses_threads_past_the_cap_and_one_file_for_two_outputs(tmp_path, capsys):
+    """probe recorded --threads 1000 on a 2-CPU machine (plans then run with it), and --out F --fused F let the
+    calibration replace the hardware profile; both are refused before the probe's minute of measuring."""
+    from tandem.core.cpus import usable_cpus
+    line = one_line_error(capsys, "probe", "--threads", str(8 * usable_cpus() + 1))
+    assert f"at most {8 * usable_cpus()}" in line
+    line = one_line_error(capsys, "probe", "--out", str(tmp_path / "hw.json"), "--fused", str(tmp_path / "." / "hw.json"))
+    assert "same file" in line and not (tmp_path / "hw.json").exists()

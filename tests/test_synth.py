@@ -150,3 +150,14 @@ def test_readme_pipeline_on_a_synthetic_model_decodes_fused(tiny90, tmp_path, ca
                  "--predictors", str(d / "predictors"), "--threads", "2"]) == 0
     side, reads = capsys.readouterr().out.strip().splitlines()[-2:]
     assert "modeled (by packed format)" in side and "n/a" not in side and reads.startswith("modeled reads per token: ")
+
+
+def test_gate_values_that_would_degenerate_the_model_are_refused():
+    """--gate-noise nan / inf made a 100%-sparse model and bare NaN in the sidecar JSON; --gate-rank past what the
+    shape holds was cut to it in silence. All three are refused naming the flag (reference: the valid edges load)."""
+    tiny = get_shape("tiny")
+    for kwargs, fragment in (({"gate_noise": float("nan")}, "--gate-noise"), ({"gate_noise": float("inf")}, "--gate-noise"),
+                             ({"gate_rank": (tiny.hidden - 32) // 2 + 1}, "--gate-rank must be at most 48")):
+        with pytest.raises(TandemError, match=fragment):
+            SynthSpec(tiny, **kwargs)
+    SynthSpec(tiny, gate_rank=(tiny.hidden - 32) // 2, gate_noise=0.0)
