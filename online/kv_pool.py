@@ -31,6 +31,7 @@ import torch
 
 from tandem.core.errors import TandemError
 from tandem.core.config import kv_row_bytes
+from tandem.core.huge_pages import huge_page_tensor
 
 DEFAULT_BLOCK_TOKENS = 16
 
@@ -72,8 +73,9 @@ class KVPool:
         self.block_tokens = block_tokens
         shape = (cfg.num_layers, cfg.num_kv_heads, n_blocks * block_tokens, cfg.head_dim)
         self.kv_cache_type = kv_cache_type
-        self.keys = torch.zeros(shape, dtype=kv_dtype(kv_cache_type))  # [L, KV, n_blocks*bt, hd]
-        self.values = torch.zeros(shape, dtype=kv_dtype(kv_cache_type))  # [L, KV, n_blocks*bt, hd]
+        dtype = kv_dtype(kv_cache_type)  # on 2 MiB pages: a step reads 2 KiB runs all over (tandem/core/huge_pages.py)
+        self.keys = huge_page_tensor(shape, dtype)  # [L, KV, n_blocks*bt, hd]
+        self.values = huge_page_tensor(shape, dtype)  # [L, KV, n_blocks*bt, hd]
         self.refs = [0] * n_blocks
         self._free: collections.deque[int] = collections.deque(range(n_blocks))  # never-hashed free blocks
         self._cached_free: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU order: oldest first

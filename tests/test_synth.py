@@ -156,7 +156,8 @@ def test_gate_values_that_would_degenerate_the_model_are_refused():
     """--gate-noise nan / inf made a 100%-sparse model and bare NaN in the sidecar JSON; --gate-rank past what the
     shape holds was cut to it in silence. All three are refused naming the flag (reference: the valid edges load)."""
     tiny = get_shape("tiny")
-    for kwargs, fragment in (({"gate_noise": float("nan")}, "--gate-noise"), ({"gate_noise": float("inf")}, "--gate-noise"),
+    for kwargs, fragment in (({"gate_noise": float("nan")}, "--gate-noise"),
+                             ({"gate_noise": float("inf")}, "--gate-noise"),
                              ({"gate_rank": (tiny.hidden - 32) // 2 + 1}, "--gate-rank must be at most 48")):
         with pytest.raises(TandemError, match=fragment):
             SynthSpec(tiny, **kwargs)

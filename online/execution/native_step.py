@@ -21,6 +21,7 @@ import os
 import numpy as np
 
 from tandem.core.errors import TandemError
+from tandem.core.huge_pages import huge_page_zeros
 
 from ..kernels.native import load_native
 from ..kernels.native.step_calls import StepCalls
@@ -34,8 +35,8 @@ class ArrayKVCache:
 
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity_tokens: int, dtype=np.float16) -> None:
         self.capacity_tokens = capacity_tokens
-        self.keys = np.zeros((n_layers, n_kv, capacity_tokens, head_dim), dtype=dtype)  # [L, KV, C, hd]
-        self.values = np.zeros_like(self.keys)
+        self.keys = huge_page_zeros((n_layers, n_kv, capacity_tokens, head_dim), dtype)  # [L, KV, C, hd]
+        self.values = huge_page_zeros(self.keys.shape, dtype)  # (2 MiB pages: tandem/core/huge_pages.py)
 
     @property
     def block_tokens(self) -> int:

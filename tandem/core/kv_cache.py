@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
+from .huge_pages import huge_page_tensor
 
 
 class KVCache:
@@ -25,8 +26,11 @@ class KVCache:
                  dtype: torch.dtype = torch.float32) -> None:
         self.capacity_tokens = capacity_tokens
         shape = (cfg.num_layers, cfg.num_kv_heads, capacity_tokens, cfg.head_dim)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # [L, KV, C, hd]
-        self.values = torch.zeros(shape, device=device, dtype=dtype)  # [L, KV, C, hd]
+        def zeros() -> torch.Tensor:  # [L, KV, C, hd]; on the host on 2 MiB pages: a step reads scattered runs
+            if torch.device(device).type == "cpu":
+                return huge_page_tensor(shape, dtype)
+            return torch.zeros(shape, device=device, dtype=dtype)
+        self.keys, self.values = zeros(), zeros()  # [L, KV, C, hd] each
 
     @property
     def block_tokens(self) -> int:

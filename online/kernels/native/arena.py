@@ -16,13 +16,11 @@ Example::
 """
 from __future__ import annotations
 
-import mmap
-
 import numpy as np
 
 from tandem.core.errors import TandemError
+from tandem.core.huge_pages import HUGE_PAGE_BYTES, huge_page_buffer
 
-HUGE_PAGE_BYTES = 2 * 2**20
 CHUNK_BYTES = 64 * 2**20  # per mapping; a larger request gets a mapping of its own size
 ALIGN_BYTES = 64
 
@@ -34,7 +32,7 @@ class WeightArena:
         if chunk_bytes <= 0:
             raise TandemError(f"arena chunk size must be positive, got {chunk_bytes}")
         self.chunk_bytes = -(-chunk_bytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-        self._maps: list = []  # mmap objects: the arrays handed out are views into them
+        self._maps: list = []  # one array per mapping (each keeps its mmap alive); allocate hands out views of them
         self._free: np.ndarray | None = None  # [n] uint8: the current chunk's unused aligned tail
         self.used_bytes = 0
         self.mapped_bytes = 0
@@ -66,19 +64,10 @@ class WeightArena:
         return out
 
     def _map(self, nbytes: int) -> np.ndarray:
-        size = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-        flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-        m = mmap.mmap(-1, size + HUGE_PAGE_BYTES, flags=flags) if flags else mmap.mmap(-1, size + HUGE_PAGE_BYTES)
-        buf = np.frombuffer(m, dtype=np.uint8)
-        start = (-buf.ctypes.data) % HUGE_PAGE_BYTES  # the first 2 MiB boundary: whole huge pages from there
-        if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                m.madvise(mmap.MADV_HUGEPAGE, start, size)
-            except OSError:  # THP compiled out or refused: plain pages, same arrays
-                pass
-        self._maps.append(m)
-        self.mapped_bytes += size + HUGE_PAGE_BYTES
-        return buf[start:start + size]
+        out = huge_page_buffer(-(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES)  # whole huge pages
+        self._maps.append(out)
+        self.mapped_bytes += out.size + HUGE_PAGE_BYTES
+        return out
 
 
 def _padded(nbytes: int) -> int:
