@@ -32,7 +32,7 @@ class Scoring:
         (the fused C step where it applies): what sampling sees, unlike ``logits`` (batched prefill).
         ``tokens_per_step`` > 1: that many tokens per multi-token step (``step_many``, the speculative
         verify step: bit-identical to single steps; needs the fused step)."""
-        ids = [int(t) for t in token_ids]
+        ids = token_id_list(token_ids)  # (as logits and perplexity: int("a") was a ValueError, True a token)
         if not ids:
             raise TandemError("no tokens to score")
         if len(ids) > self.max_context:

@@ -54,7 +54,9 @@ def test_bad_inputs_name_themselves_and_arrays_are_token_lists(engine):
     text = engine.generate("Once upon a time", max_new_tokens=8, ignore_eos=True).text
     one = engine.generate("Once upon a time", max_new_tokens=8, ignore_eos=True, stop=text[2:5])
     assert one.text == text[:text.index(text[2:5])]  # the string as one stop string, not its characters
+    assert torch.equal(engine.step_logits(np.array(ids)), engine.step_logits(ids))
     calls = [lambda: engine.logits("hello"), lambda: engine.logits([True, 2]), lambda: engine.logits(None),
+             lambda: engine.step_logits(["a"]), lambda: engine.step_logits([True, 2]),
              lambda: engine.perplexity(ids * 4, window_tokens=0), lambda: engine.perplexity(ids * 4, window_tokens=2.5),
              lambda: engine.perplexity(ids * 4, window_tokens=8, stride_tokens=None),
              lambda: engine.perplexity(ids * 4, window_tokens=8, stride_tokens=9),
