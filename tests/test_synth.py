@@ -162,3 +162,15 @@ def test_gate_values_that_would_degenerate_the_model_are_refused():
         with pytest.raises(TandemError, match=fragment):
             SynthSpec(tiny, **kwargs)
     SynthSpec(tiny, gate_rank=(tiny.hidden - 32) // 2, gate_noise=0.0)
+
+
+def test_a_packed_engine_reads_a_q4_output_layer_as_stored(tiny90):
+    """The output layer kept its GGUF blocks only when they were Q8_0: a synthetic model's Q4_0 head (or a Q6_K one
+    from a downloaded Q4_K_M) was decoded and quantized again, up to 1.17 off in a logit (std 2.6) on the module
+    path. Reference: the float32 engine, which decodes the same blocks exactly."""
+    ids = [5806, 16033, 16762, 34565, 7955, 43234, 35220, 27248, 13513, 6555]
+    ref = Engine.load(str(tiny90.path), weight_format="fp32").step_logits(ids)
+    packed = Engine.load(str(tiny90.path), weight_format="int4", fused_decode=False, down_format="fp32")
+    assert packed.executor.head.fmt == Engine.load(str(tiny90.path), weight_format="int8",
+                                                   fused_decode=False).executor.head.fmt  # one kind for both
+    assert (packed.step_logits(ids) - ref).abs().max() < 1e-3
