@@ -54,3 +54,39 @@ def test_vanishing_temperature_or_top_p_samples_the_argmax(kw):
         assert probs[best] == 1.0 and probs.sum() == 1.0
     assert sample_next(logits, params, torch.Generator().manual_seed(3)) == best
     assert sample_next_np(logits.numpy(), params, make_rng(params)) == best
+
+
+def test_a_seed_gives_the_same_text_on_every_decode_path(tmp_path):
+    """Plain requests on the cached C step sample in numpy (step_loop), logprobs and module-path requests in
+    torch: the same seed gave other text on each (a user adding --logprobs saw another story). Both now draw from
+    numpy's generator over the same logits: the same tokens on the torch-free path, with logprobs, on the module
+    graph's step and through the server's scheduler (references: each other, and greedy where temperature is 0)."""
+    import asyncio
+
+    from helpers_tiny import build_tiny_chat_model
+    from online import Engine
+    from online.server.scheduler import Scheduler
+    from online.server.metrics import Metrics
+    folder = build_tiny_chat_model(tmp_path / "model")
+    fast = Engine.load(str(folder), weight_format="int4")
+    kw = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    plain = fast.generate("Once upon a time", **kw)
+    assert fast.generate("Once upon a time", **kw, logprobs=True).token_ids == plain.token_ids
+    modules = Engine.load(str(folder), weight_format="int4", step_cache=False)
+    assert modules.generate("Once upon a time", **kw).token_ids == plain.token_ids
+    assert fast.generate("Once upon a time", **{**kw, "seed": 8}).token_ids != plain.token_ids  # the seed matters
+
+    async def served():
+        sched = Scheduler(fast, max_queue=4, request_timeout_s=60.0, metrics=Metrics())
+        sched.start()
+        ids = fast.encode_prompt("Once upon a time")
+        job = sched.submit(ids, 24, {"temperature": 0.9, "top_p": 0.95, "seed": 7, "top_k": 0, "stop": None,
+                                     "ignore_eos": True}, stream_pieces=False, loop=asyncio.get_running_loop())
+        try:
+            while True:
+                kind, value = await job.events.get()
+                if kind == "done":
+                    return value
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, sched.close)
+    assert asyncio.run(served()).token_ids == plain.token_ids

@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from tandem.core.loading.detokenize import TextDecoder
 
 
@@ -27,7 +25,7 @@ class Sequence:
     tokens: list[int]
     n_prompt: int
     params: Any  # SamplingParams
-    generator: torch.Generator
+    generator: Any  # numpy's Generator (tandem.core.sampling.make_generator): the request's random draws
     eos_ids: set[int]
     max_total_tokens: int  # n_prompt + the generation budget
     decoder: TextDecoder

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.core.sampling import SamplingParams, greedy_token, sampling_probs
+from tandem.core.sampling import SamplingParams, greedy_token, sample_from, sampling_probs
 from .lookup import LookupDrafter
 
 
@@ -61,7 +61,7 @@ class SparseDrafter:
                 token = greedy_token(logits)
             else:
                 q = sampling_probs(logits, params)  # [vocab]
-                token = int(torch.multinomial(q, 1, generator=generator))
+                token = sample_from(q, generator)
                 rows.append(q)
             tokens.append(token)
         return Draft(tokens, torch.stack(rows) if rows else None)

@@ -15,11 +15,11 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-from tandem.core.sampling import SamplingParams, sampling_probs
+from tandem.core.sampling import SamplingParams, sample_from, sampling_probs, uniform
 
 
 def accept_greedy(draft: Sequence[int], logits: torch.Tensor) -> list[int]:
@@ -35,14 +35,14 @@ def accept_greedy(draft: Sequence[int], logits: torch.Tensor) -> list[int]:
 
 
 def accept_sampled(draft: Sequence[int], draft_probs: torch.Tensor | None, logits: torch.Tensor,
-                   params: SamplingParams, generator: torch.Generator) -> list[int]:
+                   params: SamplingParams, generator: Any) -> list[int]:
     """Speculative sampling. ``draft_probs`` [k, vocab]: the drafter's q rows the drafts were drawn
     from (``None``: deterministic drafts, q one-hot). Returns the emitted tokens (1..k+1)."""
     out: list[int] = []
     for i, d in enumerate(draft):
         p = sampling_probs(logits[i], params)  # [vocab]
         q_d = 1.0 if draft_probs is None else float(draft_probs[i, d])
-        u = float(torch.rand((), generator=generator, dtype=torch.float64))
+        u = uniform(generator)
         if q_d > 0.0 and u * q_d < float(p[d]):  # u < p(d) / q(d)
             out.append(int(d))
             continue
@@ -54,8 +54,8 @@ def accept_sampled(draft: Sequence[int], draft_probs: torch.Tensor | None, logit
         total = float(residual.sum())
         if total <= 0.0:  # p == q up to rounding: the residual is empty, p itself is the answer
             residual, total = p.double(), float(p.sum())
-        out.append(int(torch.multinomial((residual / total).float(), 1, generator=generator)))
+        out.append(sample_from(residual / total, generator))
         return out
     p = sampling_probs(logits[len(draft)], params)  # [vocab]
-    out.append(int(torch.multinomial(p, 1, generator=generator)))
+    out.append(sample_from(p, generator))
     return out

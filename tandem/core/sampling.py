@@ -3,26 +3,47 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
+from .sampling_np import draw_index, sample_next_np
 from .sampling_params import MAX_TOP_LOGPROBS, DecodeOptions, SamplingParams, TokenChoice
 
 __all__ = ["MAX_TOP_LOGPROBS", "DecodeOptions", "SamplingParams", "TokenChoice", "choose_token", "make_generator",
-           "greedy_token", "sample_next", "sampling_probs"]
+           "greedy_token", "sample_from", "sample_next", "sampling_probs", "uniform"]
 
 
-def make_generator(params: SamplingParams) -> torch.Generator:
-    gen = torch.Generator()
-    gen.manual_seed(params.seed if params.seed is not None else torch.seed())
-    return gen
+def make_generator(params: SamplingParams) -> np.random.Generator:
+    """A request's random draws: numpy's generator from its seed, as the torch-free path's (sampling_np.make_rng),
+    so a seed gives the same text whichever path decodes (the cached C step, the module graph, logprobs, the
+    server); before 2026-11-29 this path drew from torch's generator and the same seed gave other text. Without a
+    seed, one from ``torch.seed()``."""
+    return np.random.default_rng(params.seed if params.seed is not None else torch.seed())
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """logits [vocab] -> token id."""
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: Any) -> int:
+    """logits [vocab] -> token id: with numpy's generator (make_generator) the torch-free path's draw over the
+    same logits (sampling_np.sample_next_np), token for token; a torch.Generator draws with torch.multinomial."""
     if params.greedy:
         return greedy_token(logits)
+    if isinstance(generator, np.random.Generator):
+        return sample_next_np(logits.detach().float().cpu().numpy(), params, generator)
     probs = sampling_probs(logits, params)  # [vocab]
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def uniform(generator: Any) -> float:
+    """One uniform draw in [0, 1) from numpy's generator (make_generator) or a torch.Generator."""
+    if isinstance(generator, np.random.Generator):
+        return float(generator.random())
+    return float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
+def sample_from(probs: torch.Tensor, generator: Any) -> int:
+    """An index drawn from ``probs`` [vocab] (need not sum to 1) with ``generator`` (numpy's or torch's)."""
+    if isinstance(generator, np.random.Generator):
+        return draw_index(probs.detach().double().cpu().numpy(), generator)
+    return int(torch.multinomial(probs.float(), 1, generator=generator))
 
 
 def greedy_token(logits: torch.Tensor) -> int:
@@ -57,7 +78,7 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return torch.softmax(scores, dim=-1)
 
 
-def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+def choose_token(logits: torch.Tensor, params: SamplingParams, generator: Any,
                  options: DecodeOptions | None = None, state: Any = None) -> TokenChoice:
     """logits [vocab] -> the next token, through the constraint ``state`` when there is one.
 

@@ -2,8 +2,8 @@
 
 The same distribution as tandem.core.sampling.sampling_probs (temperature, then top-k, then top-p,
 the first token always kept) and the same greedy choice (the first index of the maximum, as
-``torch.argmax``). Sampled draws come from numpy's generator, so a seed reproduces this path's
-text, not the torch path's.
+``torch.argmax``). Sampled draws come from numpy's generator, as the torch path's do
+(tandem.core.sampling.make_generator), so a seed gives the same text on both.
 
 Example::
 
@@ -45,7 +45,11 @@ def sample_next_np(logits: np.ndarray, params: SamplingParams, rng: np.random.Ge
     """logits [vocab] -> token id."""
     if params.greedy:
         return int(np.argmax(logits))
-    probs = sampling_probs_np(logits, params)  # [vocab]
+    return draw_index(sampling_probs_np(logits, params), rng)
+
+
+def draw_index(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """An index drawn from ``probs`` [vocab] (float64, need not sum to 1): the inverse CDF at one uniform draw."""
     cumulative = np.cumsum(probs)
     return int(min(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"), len(probs) - 1))
 
