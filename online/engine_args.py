@@ -108,6 +108,12 @@ class EngineArgs:
                 if not torch.cuda.is_available():
                     raise TandemError("gpu_device cuda: no CUDA device is available (gpu_device cpu runs the tier "
                                       "on the CPU)")
+        if not self.sparse and not packed:  # (the QA pass: --no-sparse was accepted there and changed nothing)
+            raise TandemError("sparse=False (--no-sparse) needs plan or weight_format: the dense float32 runtime "
+                              "computes every FFN neuron already")
+        if not self.prefetch and self.plan is None and self.expert_slots is None:
+            raise TandemError("prefetch=False (--no-prefetch) is for a MoE expert cache: it needs expert_slots or a "
+                              "plan that places experts")
         if self.down_format is not None and not packed:
             raise TandemError("down_format needs plan or weight_format (the dense float32 runtime has no packed FFN)")
         if self.layer_offload:

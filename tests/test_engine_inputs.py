@@ -81,3 +81,15 @@ def test_a_context_longer_than_the_models_is_refused_not_clamped(tiny_folder, en
     with pytest.raises(TandemError, match="the context holds 8"):
         short.generate([1] * 8, max_new_tokens=1)
     assert len(short.generate([1] * 6, max_new_tokens=2, ignore_eos=True).token_ids) == 2
+
+
+def test_switches_the_dense_runtime_has_nothing_to_switch_off_are_refused(tiny_folder):
+    """sparse=False and prefetch=False were accepted on the dense float32 runtime (no expert cache, every neuron
+    computed) and changed nothing; with what they act on they load (reference: the plain int4 engine's tokens)."""
+    for kwargs, fragment in (({"sparse": False}, "--no-sparse"), ({"prefetch": False}, "--no-prefetch")):
+        with pytest.raises(TandemError, match=fragment):
+            Engine.load(str(tiny_folder), **kwargs)
+    want = Engine.load(str(tiny_folder), weight_format="int4").generate("Once", max_new_tokens=6, ignore_eos=True)
+    got = Engine.load(str(tiny_folder), weight_format="int4", sparse=False).generate("Once", max_new_tokens=6,
+                                                                                     ignore_eos=True)
+    assert got.token_ids == want.token_ids  # (a model without thresholds: no neuron was skipped either way)
