@@ -58,6 +58,9 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
     from placement.plan import load_plan, read_plan
     plan_dir = Path(plan_dir)
     plan = read_plan(plan_dir)
+    if plan.model_fingerprint != model_fingerprint:  # first: another model's plan differs in its formats too
+        raise TandemError(f"the plan in {plan_dir} was made for another model ({plan.model_id}); plan this model "
+                          "with `tandem plan` or `tandem prepare`")
     planned = dict(plan.settings.tensor_formats)
     if planned and tensor_formats is not None and planned != tensor_formats:
         role = next(r for r in sorted(set(planned) | set(tensor_formats)) if planned.get(r) != tensor_formats.get(r))
