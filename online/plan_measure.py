@@ -47,7 +47,7 @@ def measure_plan_quality(model: str | Path, plan_dir: str | Path, *, max_tokens:
     plan_nll, plan_greedy = scores(planned, tokens, window)
     scored = len(tokens) - 1
     ppl, dense_ppl = math.exp(plan_nll / scored), math.exp(dense_nll / scored)
-    return {"label": "measured", "held_out_tokens": scored, "perplexity": round(ppl, 6),
+    return {"label": "measured", "held_out_tokens": scored, "requested_tokens": max_tokens, "perplexity": round(ppl, 6),
             "dense_perplexity": round(dense_ppl, 6), "perplexity_increase": round(ppl / dense_ppl - 1.0, 6),
             "greedy_agreement": round(float((plan_greedy == dense_greedy).float().mean()), 6),
             "max_quality_loss": max_quality_loss, "window_tokens": window, "tier_device": str(planned.executor.tier.device),

@@ -25,9 +25,12 @@ def add_parsers(sub) -> None:
     p.add_argument("--out", default=None, help="artifact folder (default profiles/<model-id>)")
     p.add_argument("--predictors", choices=("auto", "on", "off"), default="auto",
                    help="auto: train for ReLU-family models only (on SwiGLU models predictors were measured not to pay)")
-    p.add_argument("--tokens", type=int, default=None, help="calibration tokens for profiling/training")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="calibration tokens for a new profile and new predictors (default: the whole corpus)")
     p.add_argument("--max-quality-loss", type=float, default=DEFAULT_MAX_QUALITY_LOSS)
     p.add_argument("--no-quality", action="store_true", help="plan without measuring its held-out quality")
+    p.add_argument("--replan", action="store_true",
+                   help="plan again even if a plan made for other hardware, predictors or budget is in the way")
     p.add_argument("--calib", nargs="+", default=None, metavar="FILE")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--print-plan-path", action="store_true",
@@ -44,7 +47,7 @@ def run_prepare(args) -> int:
         result = pipeline.prepare(args.model, out=args.out, hardware=args.hardware, gpu_budget=args.gpu_budget,
                                   predictors=args.predictors, tokens=args.tokens,
                                   max_quality_loss=args.max_quality_loss, calib=args.calib, threads=args.threads,
-                                  quality=not args.no_quality,
+                                  quality=not args.no_quality, replan=args.replan,
                                   log=lambda line: print(line, flush=True))
         if not result.profile.reused:
             print(format_summary(result.profile.profile, result.profile.path))

@@ -45,7 +45,9 @@ def add_parsers(subparsers: Any) -> None:
     plan.add_argument("--min-gpu-neurons", type=int, default=128, help="a layer puts at least this many neurons on the GPU, or none")
     plan.add_argument("--no-quality", action="store_true",
                       help="skip measuring held-out perplexity / greedy agreement through the plan's runtime")
-    plan.add_argument("--quality-tokens", type=int, default=256, help="held-out tokens for the quality measurement")
+    plan.add_argument("--quality-tokens", type=int, default=None,
+                      help="held-out tokens for the quality measurement (default 256; a reused plan measured on "
+                           "another number is measured again)")
     plan.add_argument("--gpu-device", choices=("cuda", "cpu"), default=None,
                       help="where the quality measurement runs the GPU tier (default: cuda when present)")
     plan.set_defaults(handler=cmd_plan)
@@ -71,26 +73,32 @@ def add_parsers(subparsers: Any) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from tandem import pipeline
-    if not args.no_quality:
+    quality = not args.no_quality
+    if quality and args.quality_tokens is not None:
         pipeline.check_quality_tokens(args.quality_tokens)  # before planning: no plan left without its quality
     result = pipeline.plan(args.model, args.profile, args.hardware, gpu_budget=args.gpu_budget,
                            predictors_dir=args.predictors, out=args.out, replan=args.replan,
                            time_limit_s=args.time_limit, weight_format=args.weight_format,
                            context_tokens=args.context, neurons_per_chunk=args.neurons_per_chunk,
-                           min_gpu_neurons=args.min_gpu_neurons)
-    if not args.no_quality and not result.reused:
-        pipeline.measure_quality(result, args.model, args.profile, args.predictors, tokens=args.quality_tokens,
-                                 gpu_device=args.gpu_device)
+                           min_gpu_neurons=args.min_gpu_neurons, quality=quality)
+    if result.reused:
+        print(f"reusing the plan in {result.path} (same model, profile, predictors, hardware, budget and settings)",
+              flush=True)
+    if quality:  # a new plan, or a reused one without the measurement this run asks for (interrupted, --no-quality)
+        pipeline.ensure_quality(result, args.model, args.profile, args.predictors, tokens=args.quality_tokens,
+                                gpu_device=args.gpu_device, log=lambda line: print(line, flush=True))
     # the first `generate --plan` starts from it
     pipeline.warm_step_cache(args.model, result.path, args.profile, args.predictors)
-    if result.reused:
-        print(f"reusing the plan in {result.path} (same model, profile, predictors, hardware, budget and settings)")
-    else:
+    if not result.reused:
         print(f"plan written to {result.path}")
     print(_headline(result.plan))
-    if result.plan.quality:
-        print(_quality_line(result.plan.quality))
+    print(_quality_line(result.plan.quality) if result.plan.quality else format_not_measured(result.plan))
     return 0
+
+
+def format_not_measured(plan: Plan) -> str:
+    from .quality import not_measured_line  # torch: not at the CLI's start
+    return not_measured_line(plan)
 
 
 def _quality_line(q: dict) -> str:
@@ -123,7 +131,7 @@ def format_plan_summary(plan: Plan) -> str:
              + (" (coarsened for the model's size)" if plan.solver.get("chunks_coarsened") else "")
              + f", solved in {plan.solver['solve_time_s']:.1f}s",
              _headline(plan),
-             _quality_line(plan.quality) if plan.quality else "quality: not measured (planned with --no-quality)",
+             _quality_line(plan.quality) if plan.quality else format_not_measured(plan),
              "tier formats: " + (", ".join(f"{role} {fmt}" for role, fmt in plan.settings.tensor_formats)
                                  if plan.settings.tensor_formats else f"every tensor {plan.settings.format_of('ffn_up')}"),
              "", "GPU bytes by kind:"]

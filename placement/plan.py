@@ -53,6 +53,9 @@ class Plan:
     embeddings_on_gpu: bool
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     quality: dict[str, Any] = field(default_factory=dict)  # measured through the runtime (placement/quality.py)
+    # why ``quality`` is empty: "pending" (planned, its measurement has not finished), "skipped" (--no-quality);
+    # "" for older plans and measured ones (placement.quality.quality_state)
+    quality_status: str = ""
 
     # --- accessors ---------------------------------------------------------------------------
     @property
@@ -92,7 +95,7 @@ class Plan:
                 "model_config": self.model_config, "solver": self.solver, "modeled": self.modeled,
                 "gpu_bytes_by_kind": self.gpu_bytes_by_kind, "gpu_bytes": self.gpu_bytes, "layers": self.layers,
                 "output_head_on_gpu": self.output_head_on_gpu, "embeddings_on_gpu": self.embeddings_on_gpu,
-                "quality": self.quality}
+                "quality": self.quality, "quality_status": self.quality_status}
 
 
 def save_plan(plan: Plan, out_dir: str | Path) -> Path:
@@ -129,7 +132,8 @@ def read_plan(plan_dir: str | Path) -> Plan:
                     model_config=meta["model_config"], solver=meta["solver"], modeled=meta["modeled"],
                     gpu_bytes_by_kind=meta["gpu_bytes_by_kind"], layers=meta["layers"],
                     output_head_on_gpu=bool(meta["output_head_on_gpu"]), embeddings_on_gpu=bool(meta["embeddings_on_gpu"]),
-                    tensors=tensors, quality=dict(meta.get("quality") or {}))
+                    tensors=tensors, quality=dict(meta.get("quality") or {}),
+                    quality_status=str(meta.get("quality_status") or ""))
     except (KeyError, TypeError, ValueError) as e:
         raise ArtifactError(f"plan metadata in {plan_dir} is incomplete or malformed ({e})") from None
     if meta.get("hardware_fingerprint") != plan.hardware.fingerprint or meta.get("settings_fingerprint") != plan.settings.fingerprint:
@@ -140,15 +144,17 @@ def read_plan(plan_dir: str | Path) -> Plan:
 
 def load_plan(plan_dir: str | Path, *, model_fingerprint: str, profile_fingerprint: str | None = None,
               predictors_fingerprint: str | None = None, hardware: HardwareProfile | str | None = None,
-              gpu_budget_bytes: int | None = None, settings: PlanSettings | None = None) -> Plan:
+              gpu_budget_bytes: int | None = None, settings: PlanSettings | None = None,
+              command: str = "plan") -> Plan:
     """Load a plan and refuse it when anything it was made for changed (each check names what).
 
     ``hardware`` may be a HardwareProfile or its fingerprint; checks with ``None`` are skipped,
     except the model's, which is always checked. A plan made for another budget is refused.
+    ``command``: the ``tandem`` command the refusal tells the user to run again with --replan.
     """
     plan = read_plan(plan_dir)
     plan_dir = Path(plan_dir)
-    replan = "run `tandem plan` again (with --replan to overwrite it)"
+    replan = f"run `tandem {command}` again (with --replan to overwrite it)"
     if plan.model_fingerprint != model_fingerprint:
         raise ArtifactError(f"plan in {plan_dir} was made for another model ({plan.model_id}, fingerprint "
                             f"{plan.model_fingerprint}, this model is {model_fingerprint}); {replan}")

@@ -49,6 +49,49 @@ def scores(engine, tokens: list[int], window_tokens: int) -> tuple[float, torch.
     return nll, torch.cat(greedy)
 
 
+QUALITY_PENDING, QUALITY_SKIPPED = "pending", "skipped"  # Plan.quality_status when Plan.quality is empty
+_NOT_MEASURED = {QUALITY_PENDING: "its quality measurement did not finish",
+                 QUALITY_SKIPPED: "it was planned with --no-quality",
+                 "unknown": "its quality was not measured (an older plan: --no-quality, or an interrupted measurement)"}
+
+
+def quality_state(plan) -> str:
+    """"measured", "pending" (planned; the measurement has not finished, e.g. it was interrupted),
+    "skipped" (planned with --no-quality) or "unknown" (an older plan that did not record why)."""
+    if plan.quality:
+        return "measured"
+    return plan.quality_status if plan.quality_status in (QUALITY_PENDING, QUALITY_SKIPPED) else "unknown"
+
+
+def quality_shortfall(plan, tokens: int | None = None, gpu_device: str | None = None) -> str | None:
+    """Why ``plan``'s recorded quality does not answer a run that wants it measured (on ``tokens``
+    held-out tokens, the GPU tier on ``gpu_device``; None: whatever it was measured with), else None."""
+    state = quality_state(plan)
+    if state != "measured":
+        return _NOT_MEASURED[state]
+    q = plan.quality
+    asked, scored = q.get("requested_tokens"), q.get("held_out_tokens")
+    if asked is None and isinstance(scored, int):  # older plans recorded the tokens scored (one fewer) only
+        asked = scored + 1
+    if tokens is not None and asked != tokens:
+        return f"its quality was measured on {asked} held-out tokens, not {tokens}"
+    device = str(q.get("tier_device") or "")
+    if gpu_device is not None and device.split(":")[0] != gpu_device:
+        return f"its quality was measured with the GPU tier on {device or 'an unrecorded device'}, not {gpu_device}"
+    return None
+
+
+def not_measured_line(plan) -> str:
+    """``show-plan``'s line for a plan without a quality measurement, saying why."""
+    state = quality_state(plan)
+    if state == QUALITY_SKIPPED:
+        return "quality: not measured (planned with --no-quality)"
+    if state == QUALITY_PENDING:
+        return ("quality: not measured (the measurement did not finish; `tandem plan` or `tandem prepare` "
+                "without --no-quality measures it)")
+    return "quality: not measured"
+
+
 def quality_warning(quality: dict[str, Any]) -> str | None:
     """A one-line warning when the recorded quality is outside its budget, else None."""
     budget = quality.get("max_quality_loss") if quality else None

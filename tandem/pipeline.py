@@ -3,7 +3,9 @@
 Each step writes its artifact (atomically, through the stage's own ``save_*``) and returns a frozen
 result naming the folder, the loaded artifact and whether an existing valid one was reused. The
 ``tandem profile`` / ``train-predictors`` / ``plan`` / ``prepare`` commands are thin wrappers
-around these functions: no argv round trips, nothing parsed back from printed lines.
+around these functions: no argv round trips, nothing parsed back from printed lines. The plan steps
+(``plan``, ``measure_quality``, ``ensure_quality``, ``warm_step_cache``) live in tandem/planning.py and are
+re-exported here.
 
 Example::
 
@@ -24,8 +26,11 @@ from typing import Any, Callable, Sequence
 from tandem.core.artifacts import check_artifact_out, check_file_out
 from offline.calibration import DEFAULT_MAX_QUALITY_LOSS, check_calibration_inputs
 from tandem.core.errors import ArtifactError, TandemError
+from tandem.planning import (PlanResult, check_quality_tokens, ensure_quality, measure_quality, plan,  # noqa: F401
+                             plan_settings, warm_step_cache)
 
 Log = Callable[[str], None]
+MIN_TRAIN_TOKENS = 64  # calibration tokens predictors train on at least (train-predictors --tokens)
 
 
 def _quiet(_: str) -> None:
@@ -46,15 +51,6 @@ class PredictorsResult:
     path: Path
     predictors: Any
     reused: bool
-
-
-@dataclass(frozen=True)
-class PlanResult:
-    """A plan on disk: ``plan`` is the loaded ``placement.plan.Plan``; ``Engine.load(model, plan=path)`` runs it."""
-    path: Path
-    plan: Any
-    reused: bool
-    profile: Any = None  # the offline.profile_artifact.Profile it was planned from
 
 
 @dataclass(frozen=True)
@@ -149,135 +145,51 @@ def probe(out: str | Path | None = None, *, threads: int | None = None, name: st
     return hardware
 
 
-def plan(model: str | Path, profile_dir: str | Path, hardware: str | Path, *, gpu_budget: str | int | None = None,
-         predictors_dir: str | Path | None = None, out: str | Path | None = None, replan: bool = False,
-         time_limit_s: float = 30.0, weight_format: str | float = "auto", context_tokens: int | None = None,
-         neurons_per_chunk: int = 64, min_gpu_neurons: int = 128, checkpoint: Any = None) -> PlanResult:
-    """Plan what lives on the GPU for ``hardware`` (preset or JSON file) within ``gpu_budget`` (bytes or
-    "2GiB"; default 90% of the GPU). An existing plan at ``out`` made from the same inputs is reused;
-    one made from other inputs is refused unless ``replan``. ``measure_quality`` then records its quality."""
-    from offline.profile_artifact import load_profile
-    from tandem.core.loading import load_checkpoint
-    from placement.budget import format_bytes, parse_bytes
-    from placement.hardware import load_hardware
-    from placement.ilp import SolverSettings
-    from placement.plan import load_plan, save_plan
-    from placement.planner import check_budget, default_gpu_budget, make_plan
-    from placement.predictor_info import load_predictor_info, no_predictors
-    from placement.settings import PlanSettings, checkpoint_bytes_per_weight, checkpoint_tensor_formats
-    from placement.settings import resolve_bytes_per_weight
-
-    hw = load_hardware(hardware)
-    budget = default_gpu_budget(hw) if gpu_budget is None else parse_bytes(str(gpu_budget))
-    checkpoint = checkpoint if checkpoint is not None else load_checkpoint(model, deferred=True)  # config, sizes, kinds
-    config = checkpoint.config
-    if context_tokens is not None and not 1 <= context_tokens <= config.max_context:
-        raise TandemError(f"the context to plan for must be 1..{config.max_context} tokens (the model's), "
-                          f"got {context_tokens}")
-    prof = load_profile(profile_dir, expected_model_fingerprint=checkpoint.fingerprint)
-    preds = (load_predictor_info(predictors_dir, config.num_layers, checkpoint.fingerprint, prof.fingerprint)
-             if predictors_dir else no_predictors(config.num_layers))
-    bytes_per_weight = (checkpoint_bytes_per_weight(checkpoint) if weight_format == "auto"
-                        else resolve_bytes_per_weight(_number_or_name(weight_format)))
-    tensor_formats = checkpoint_tensor_formats(checkpoint) if weight_format == "auto" else {}  # GGUF blocks as they are
-    settings = PlanSettings(bytes_per_weight=bytes_per_weight, tensor_formats=tensor_formats,
-                            context_tokens=context_tokens or min(config.max_context, 2048),
-                            neurons_per_chunk=neurons_per_chunk, min_gpu_neurons_per_layer=min_gpu_neurons)
-    check_budget(config, hw, budget, settings)
-    out_dir = Path(out) if out else Path("profiles") / checkpoint.model_id / f"plan-{hw.name}-{format_bytes(budget)}"
-    if (out_dir / "plan.json").exists() and not replan:
-        try:
-            existing = load_plan(out_dir, model_fingerprint=checkpoint.fingerprint, profile_fingerprint=prof.fingerprint,
-                                 predictors_fingerprint=preds.fingerprint, hardware=hw, gpu_budget_bytes=budget,
-                                 settings=settings)
-        except ArtifactError as e:
-            raise TandemError(f"refusing to overwrite: {e}") from None
-        return PlanResult(out_dir, existing, reused=True, profile=prof)
-    check_artifact_out(out_dir, "plan")
-    new_plan = make_plan(config, model_fingerprint=checkpoint.fingerprint, model_id=checkpoint.model_id, profile=prof,
-                         hardware=hw, gpu_budget_bytes=budget, predictors=preds, settings=settings,
-                         solver=SolverSettings(time_limit_s=time_limit_s))
-    try:
-        save_plan(new_plan, out_dir)
-    except OSError as e:
-        raise TandemError(f"cannot write the plan to {out_dir}: {e.strerror or e}") from None
-    return PlanResult(out_dir, new_plan, reused=False, profile=prof)
-
-
-def check_quality_tokens(tokens: int) -> None:
-    if tokens < 16:
-        raise TandemError(f"quality_tokens must be at least 16, got {tokens}")
-
-
-def measure_quality(result: PlanResult, model: str | Path, profile_dir: str | Path,
-                    predictors_dir: str | Path | None = None, *, tokens: int = 256,
-                    gpu_device: str | None = None) -> PlanResult:
-    """Measure a plan's held-out perplexity and greedy agreement with dense through the runtime it
-    describes (``tokens`` held-out tokens) and record them in the plan on disk. It loads two engines:
-    call it after letting go of the checkpoint given to ``plan``."""
-    check_quality_tokens(tokens)
-    from placement.plan import save_plan
-    from online.plan_measure import measure_plan_quality
-    result.plan.quality = measure_plan_quality(model, result.path, max_tokens=tokens, gpu_device=gpu_device,
-                                               max_quality_loss=result.profile.quality.get("max_quality_loss"),
-                                               profile_dir=profile_dir, predictors_dir=predictors_dir)
-    save_plan(result.plan, result.path)
-    return result
-
-
-def warm_step_cache(model: str | Path, plan_dir: str | Path, profile: str | Path | None = None,
-                    predictors: str | Path | None = None) -> Path | None:
-    """Write the plan's prepared-step cache (online/engine_cache.py) now, keyed as ``generate --plan``
-    will look it up, so the first generation after ``plan``/``prepare`` starts from the cache. Its
-    key covers plan.json, so this runs after the last write of the plan (its quality). Returns the
-    cache file, or None where the plan does not run on the cached CPU step (a GPU tier, no C library).
-    ``profile``/``predictors``: where the plan's are when they are not beside it (``plan --profile``).
-
-    Example::
-
-        warm_step_cache("smollm2", "profiles/SmolLM2/plan-cpu-only-0")   # .../step-cache/step-....safetensors
-    """
-    from online import Engine
-    from online.engine_args import EngineArgs
-    from online.engine_cache import cache_applies, cache_path, load_cached
-    from tandem.core.loading.resolve import resolve_model_path
-    from placement.plan import read_plan
-    args = EngineArgs.create(str(model), plan=str(plan_dir), profile=None if profile is None else str(profile),
-                             predictors=None if predictors is None else str(predictors))
-    if not cache_applies(args) or sum(read_plan(Path(plan_dir)).gpu_bytes_by_kind.values()) > 0:
-        return None  # the GPU tier holds part of it: no cached CPU step to write
-    if load_cached(args) is None:
-        Engine.from_args(args)  # builds the modules and writes the cache (engine_lazy.load_fast)
-    return cache_path(args, resolve_model_path(args.model)) if load_cached(args) is not None else None
-
-
 def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str | Path | None = None,
             gpu_budget: str | int | None = None, predictors: str = "auto", tokens: int | None = None,
             max_quality_loss: float = DEFAULT_MAX_QUALITY_LOSS, calib: Sequence[str] | None = None,
-            threads: int | None = None, progress: bool = True, quality: bool = True,
+            threads: int | None = None, progress: bool = True, quality: bool = True, replan: bool = False,
             log: Log = _quiet) -> PrepareResult:
-    """profile -> (predictors) -> probe -> plan under ``out`` (default profiles/<model-id>), reusing each
+    """probe -> profile -> (predictors) -> plan under ``out`` (default profiles/<model-id>), reusing each
     artifact that is still valid for the same model and inputs; ``log`` gets one line per step.
 
     ``predictors``: "auto" trains them for ReLU-family models only (on SwiGLU models they were
     measured not to pay), "on" / "off" force it. ``hardware``: preset or JSON file (default: probe
     this machine once, kept as ``<out>/hardware-probed.json``). ``gpu_budget``: default the GPU's
-    free memory (90%), 0 without a GPU. ``quality``: measure a newly made plan's quality (``measure_quality``).
+    free memory (90%), 0 without a GPU; hardware and budget are checked before the profile.
+    ``tokens``: calibration tokens for a new profile and new predictors. ``quality``: measure the plan's
+    quality unless it records one (``ensure_quality``). ``replan``: plan again even if a plan made from
+    other inputs (hardware, predictors, budget) is in the way.
     """
+    from placement.budget import format_bytes, parse_bytes
+    from placement.hardware import load_hardware
     if predictors not in ("auto", "on", "off"):
         raise TandemError(f"predictors must be auto, on or off, got {predictors!r}")
     check_calibration_inputs(tokens, max_quality_loss, threads, calib)  # whether or not a profile is made
+    hw = load_hardware(hardware) if hardware is not None else None  # an unknown preset or bad file fails now
     if gpu_budget is not None:
-        from placement.budget import parse_bytes
         parse_bytes(str(gpu_budget))  # a bad budget fails now, not after the profile
     if out:
         check_file_out(Path(out) / "hardware-probed.json")  # the folder can be made and written
-    from placement.settings import checkpoint_tensor_formats
     from tandem.core.loading import load_checkpoint
     checkpoint = load_checkpoint(model, deferred=True)  # its config, fingerprint and block kinds
     cfg, fingerprint = checkpoint.config, checkpoint.fingerprint
-    tensor_formats = checkpoint_tensor_formats(checkpoint)  # what `plan` sets (weight format auto)
+    train = predictors == "on" or (predictors == "auto" and cfg.ffn_is_relu_sparse)
+    if train and tokens is not None and tokens < MIN_TRAIN_TOKENS:
+        raise TandemError(f"tokens (--tokens) must be at least {MIN_TRAIN_TOKENS} to train predictors, got {tokens}")
+    settings = plan_settings(checkpoint)  # what `plan` sets (weight format auto)
     base = Path(out) if out else Path("profiles") / checkpoint.model_id
+    hardware_path = Path(hardware) if hardware is not None else base / "hardware-probed.json"
+    if hw is None and not hardware_path.is_file():
+        log(f"[prepare] measuring this machine into {hardware_path}")
+        probe(hardware_path, threads=threads)
+    elif hw is None:
+        log(f"[prepare] reusing hardware profile {hardware_path}")
+    hw = hw if hw is not None else load_hardware(hardware_path)
+    budget = gpu_budget if gpu_budget is not None else _default_budget(hw)
+    budget_bytes = parse_bytes(str(budget)) if budget is not None else None
+    from placement.planner import check_budget, default_gpu_budget
+    check_budget(cfg, hw, default_gpu_budget(hw) if budget_bytes is None else budget_bytes, settings)  # before work
     profile_dir, engine = base / "profile", None
     existing = _valid_profile(profile_dir, fingerprint)
     if existing is not None:
@@ -292,7 +204,7 @@ def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str |
         prof = profile(model, out=profile_dir, calib=calib, tokens=tokens, max_quality_loss=max_quality_loss,
                        threads=threads, progress=progress, engine=engine)
     preds = None
-    if predictors == "on" or (predictors == "auto" and cfg.ffn_is_relu_sparse):
+    if train:
         predictors_dir = base / "predictors"
         if _predictors_valid(predictors_dir, fingerprint, prof.profile.fingerprint):
             log(f"[prepare] reusing predictors {predictors_dir}")
@@ -301,31 +213,20 @@ def prepare(model: str | Path, *, out: str | Path | None = None, hardware: str |
             log(f"[prepare] training predictors into {predictors_dir}")
             checkpoint = None
             engine = engine if engine is not None else _load_engine(model, threads)
-            preds = train_predictors(model, profile_dir, out=predictors_dir, threads=threads, progress=progress,
-                                     engine=engine)
+            preds = train_predictors(model, profile_dir, out=predictors_dir, tokens=tokens, threads=threads,
+                                     progress=progress, engine=engine)
     del engine
-    hardware_path = Path(hardware) if hardware is not None else base / "hardware-probed.json"
-    if hardware is None and not hardware_path.is_file():
-        log(f"[prepare] measuring this machine into {hardware_path}")
-        probe(hardware_path, threads=threads)
-    elif hardware is None:
-        log(f"[prepare] reusing hardware profile {hardware_path}")
-    from placement.budget import format_bytes, parse_bytes
-    from placement.hardware import load_hardware
-    hw = load_hardware(hardware_path)
-    budget = gpu_budget if gpu_budget is not None else _default_budget(hw)
-    budget_bytes = parse_bytes(str(budget)) if budget is not None else None
     plan_dir = base / f"plan-{hw.name}-{format_bytes(budget_bytes) if budget_bytes is not None else 'default'}"
     stale = (plan_dir / "plan.json").is_file() and not _plan_matches(plan_dir, fingerprint, prof.profile.fingerprint,
-                                                                     tensor_formats)
+                                                                     dict(settings.tensor_formats))
     if stale:
         log(f"[prepare] the plan in {plan_dir} is stale (its profile, model or tier formats changed): planning again")
     predictors_dir = preds.path if preds is not None else None
     result = plan(model, profile_dir, hardware_path, gpu_budget=budget, predictors_dir=predictors_dir, out=plan_dir,
-                  replan=stale, checkpoint=checkpoint)
+                  replan=stale or replan, checkpoint=checkpoint, quality=quality, command="prepare")
     del checkpoint  # not held while the quality measurement loads its engines
-    if quality and not result.reused:
-        measure_quality(result, model, profile_dir, predictors_dir)
+    if quality:
+        ensure_quality(result, model, profile_dir, predictors_dir, log=lambda line: log(f"[prepare] {line}"))
     log(f"[prepare] {'reusing' if result.reused else 'wrote'} plan {plan_dir}")
     cached = warm_step_cache(model, plan_dir, profile_dir, predictors_dir)
     if cached is not None:
@@ -370,13 +271,6 @@ def _plan_matches(plan_dir: Path, fingerprint: str, profile_fingerprint: str,
     except TandemError:
         return False
     return tensor_formats is None or dict(found.settings.tensor_formats) == tensor_formats
-
-
-def _number_or_name(text: str | float) -> str | float:
-    try:
-        return float(text)
-    except ValueError:
-        return text
 
 
 def _load_engine(model: str | Path, threads: int | None) -> Any:
