@@ -392,10 +392,8 @@ def _tier_predictor(split: LayerSplit):
 
 
 def _pack_head(weight: torch.Tensor, settings: ExecutionSettings, raw_blocks) -> QuantizedLinear:
-    """The output layer, packed: its GGUF blocks as they are wherever the kernels read that kind (Q8_0, Q4_0/Q4_1,
-    IQ4_NL and the k-quants read in place), for int8 and int4 alike: the head is one matrix that every token reads
-    whole, and a Q4_0 or Q6_K head decoded and quantized again cost up to 1.2 in a logit on synthetic models (logit
-    std 2.6). Only other kinds are quantized in ``weight_format``."""
+    """The output layer, packed: its GGUF blocks as they are wherever the kernels read that kind, for int8 and int4
+    (a Q4_0 head quantized again cost up to 1.2 in a logit); other kinds are quantized in ``weight_format``."""
     readable = {qtype for kinds in EXACT_GGUF_TYPES.values() for qtype in kinds}
     if raw_blocks is not None and settings.weight_format != "fp32" and raw_blocks.qtype in readable:
         return QuantizedLinear.from_gguf(raw_blocks, threads=settings.threads)
