@@ -25,7 +25,8 @@ _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\
 def parse_bytes(text: str | int) -> int:
     """A byte count from a size string (binary units KiB/MiB/GiB/TiB, decimal KB/MB/GB/TB).
 
-    Fractions are rounded down to whole bytes. Bad strings raise a one-line TandemError.
+    Fractions are rounded down to whole bytes; a size under one byte but not 0 is an error (a missing unit).
+    Bad strings raise a one-line TandemError.
     """
     if isinstance(text, bool):
         raise TandemError(f"bad size {text!r}: expected e.g. 2GiB, 512MiB, 1.5GB, 0 or a byte count")
@@ -39,6 +40,8 @@ def parse_bytes(text: str | int) -> int:
     value = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if not math.isfinite(value) or value > 2**62:
         raise TandemError(f"bad size {text!r}: too large")
+    if 0 < value < 1:  # --gpu-budget 0.5 became a budget of 0 bytes (an all-CPU plan) in silence
+        raise TandemError(f"bad size {text!r}: less than one byte (a unit, e.g. {match.group(1)}GiB?)")
     return int(math.floor(value))
 
 

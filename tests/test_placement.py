@@ -139,7 +139,8 @@ def test_budget_strings_parse_to_bytes():
         assert "/" not in label and " " not in label
         if size % 2**10 == 0 or size < 1024:
             assert parse_bytes(label) == size
-    for bad in ("2 GiBs", "-1", "abc", "", "1.5.3GB", "GiB", "2e400GB"):
+    assert parse_bytes("0.0") == 0 and parse_bytes("1.5") == 1  # fractions round down, zero stays zero
+    for bad in ("2 GiBs", "-1", "abc", "", "1.5.3GB", "GiB", "2e400GB", "0.5"):  # 0.5: a budget of 0 in silence
         with pytest.raises(TandemError):
             parse_bytes(bad)
 
