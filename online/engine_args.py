@@ -17,6 +17,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from tandem.core.cpus import max_threads
 from tandem.core.errors import TandemError, check_int
 
 WEIGHT_FORMATS = ("fp32", "int8", "int4")  # packed CPU weights of hybrid executors
@@ -149,12 +150,6 @@ class EngineArgs:
                 value = parse_bytes(value)
             values[f.name] = value
         return cls(**values)
-
-
-def max_threads() -> int:
-    """The most threads an engine takes: 8 per usable CPU (more only wait on each other; 100,000 failed to start)."""
-    from tandem.core.cpus import usable_cpus
-    return 8 * usable_cpus()
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

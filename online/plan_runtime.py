@@ -44,6 +44,16 @@ def _sibling(plan_dir: Path, explicit: str | Path | None, name: str) -> Path | N
     return candidate if candidate.is_dir() else None
 
 
+def _check_tensor_formats(plan, plan_dir: Path, tensor_formats: dict[str, str] | None) -> None:
+    """A plan that keeps GGUF blocks as they are runs only on the file whose formats it recorded."""
+    planned = dict(plan.settings.tensor_formats)
+    if planned and tensor_formats is not None and planned != tensor_formats:
+        role = next(r for r in sorted(set(planned) | set(tensor_formats)) if planned.get(r) != tensor_formats.get(r))
+        raise TandemError(f"the plan in {plan_dir} was made for a file that stores {role} as "
+                          f"{planned.get(role, 'nothing')}; this one stores {tensor_formats.get(role, 'nothing')} "
+                          "(another quantization of the model?): plan again for this file")
+
+
 def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_fingerprint: str,
                         settings: ExecutionSettings, head_weight=None, raw: dict | None = None,
                         gpu_budget_bytes: int | None = None, profile_dir: str | Path | None = None,
@@ -58,15 +68,6 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
     from placement.plan import load_plan, read_plan
     plan_dir = Path(plan_dir)
     plan = read_plan(plan_dir)
-    if plan.model_fingerprint != model_fingerprint:  # first: another model's plan differs in its formats too
-        raise TandemError(f"the plan in {plan_dir} was made for another model ({plan.model_id}); plan this model "
-                          "with `tandem plan` or `tandem prepare`")
-    planned = dict(plan.settings.tensor_formats)
-    if planned and tensor_formats is not None and planned != tensor_formats:
-        role = next(r for r in sorted(set(planned) | set(tensor_formats)) if planned.get(r) != tensor_formats.get(r))
-        raise TandemError(f"the plan in {plan_dir} was made for a file that stores {role} as "
-                          f"{planned.get(role, 'nothing')}; this one stores {tensor_formats.get(role, 'nothing')} "
-                          "(another quantization of the model?): plan again for this file")
     if gpu_budget_bytes is not None and gpu_budget_bytes < plan.gpu_bytes:
         raise TandemError(f"--gpu-budget {gpu_budget_bytes} bytes is smaller than the plan in {plan_dir} needs "
                           f"({plan.gpu_bytes} bytes on the GPU tier); plan again with this budget")
@@ -89,6 +90,7 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
     plan = load_plan(plan_dir, model_fingerprint=model_fingerprint, profile_fingerprint=profile.fingerprint,
                      predictors_fingerprint=predictors_fingerprint,
                      gpu_budget_bytes=gpu_budget_bytes if gpu_budget_bytes is not None else plan.gpu_budget_bytes)
+    _check_tensor_formats(plan, plan_dir, tensor_formats)  # after load_plan: another model's plan says so first
     from placement.quality import quality_warning
     warning = quality_warning(plan.quality)
     if warning is not None:  # one line on stderr, as the CLI's errors

@@ -227,9 +227,9 @@ def cmd_show_plan(args: argparse.Namespace) -> int:
 
 def cmd_probe(args: argparse.Namespace) -> int:
     from tandem import pipeline
-    from tandem.core.cpus import usable_cpus
-    if args.threads is not None and args.threads > 8 * usable_cpus():  # as engines: the plan runs on these threads
-        raise TandemError(f"--threads must be at most {8 * usable_cpus()} (8 per CPU this process may use), "
+    from tandem.core.cpus import max_threads
+    if args.threads is not None and args.threads > max_threads():  # as engines: the plan runs on these threads
+        raise TandemError(f"--threads must be at most {max_threads()} (8 per CPU this process may use), "
                           f"got {args.threads}")
     if args.fused and args.out and Path(args.fused).absolute() == Path(args.out).absolute():
         raise TandemError("--fused and --out name the same file: the calibration would replace the hardware profile")

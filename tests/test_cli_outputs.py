@@ -180,7 +180,7 @@ def test_probe_refuses_threads_past_the_cap_and_one_file_for_two_outputs(tmp_pat
     calibration replace the hardware profile; both are refused before the probe's minute of measuring."""
     from tandem.core.cpus import usable_cpus
     line = one_line_error(capsys, "probe", "--threads", str(8 * usable_cpus() + 1))
-    assert f"at most {8 * usable_cpus()}" in line
+    assert f"at most {8 * usable_cpus()}" in line  # (the engines' cap, written out: the reference)
     line = one_line_error(capsys, "probe", "--out", str(tmp_path / "hw.json"),
                           "--fused", str(tmp_path / "." / "hw.json"))
     assert "same file" in line and not (tmp_path / "hw.json").exists()

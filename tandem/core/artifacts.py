@@ -42,12 +42,15 @@ def umask_mode(mode: int) -> int:
 CHECKSUM_KEY = "content_sha256"
 
 
-def content_checksum(meta: dict[str, Any], tensor_bytes: bytes) -> str:
-    """sha256 over the metadata (canonical JSON, without the checksum itself) and the tensor file's bytes."""
+def content_checksum(meta: dict[str, Any], tensor_path: Path) -> str:
+    """sha256 over the metadata (canonical JSON, without the checksum itself) and the tensor file's bytes (read in
+    pieces: a large predictor set is not held twice in memory)."""
     plain = json.loads(json.dumps({k: v for k, v in meta.items() if k != CHECKSUM_KEY}))  # as the file reads back
     body = json.dumps(plain, sort_keys=True, separators=(",", ":"))  # (tuples as lists, int keys as strings)
     h = hashlib.sha256(body.encode())
-    h.update(tensor_bytes)
+    with open(tensor_path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            h.update(piece)
     return h.hexdigest()
 
 
@@ -155,7 +158,7 @@ def save_artifact(out_dir: str | os.PathLike, name: str, tensors: dict[str, torc
     try:
         contiguous = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         save_file(contiguous, str(tmp_dir / f"{name}.safetensors"))
-        meta = {**meta, CHECKSUM_KEY: content_checksum(meta, (tmp_dir / f"{name}.safetensors").read_bytes())}
+        meta = {**meta, CHECKSUM_KEY: content_checksum(meta, tmp_dir / f"{name}.safetensors")}
         (tmp_dir / f"{name}.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         for fname, data in (extra_files or {}).items():
             (tmp_dir / fname).write_bytes(data)
@@ -198,7 +201,7 @@ def load_artifact(art_dir: str | os.PathLike, name: str, kind: str,
         tensors = load_file(str(tensor_path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise ArtifactError(f"corrupted {kind} tensors {tensor_path}: {str(e).splitlines()[0]}") from None
-    if CHECKSUM_KEY in meta and meta[CHECKSUM_KEY] != content_checksum(meta, tensor_path.read_bytes()):
+    if CHECKSUM_KEY in meta and meta[CHECKSUM_KEY] != content_checksum(meta, tensor_path):
         raise ArtifactError(f"{kind} in {art_dir} is corrupted or was edited: its content does not match its "
                             f"checksum ({CHECKSUM_KEY}); make it again")
     return tensors, meta

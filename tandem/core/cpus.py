@@ -15,3 +15,9 @@ def usable_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # no affinity call on this platform
         return os.cpu_count() or 1
+
+
+def max_threads() -> int:
+    """The most threads an engine (or a probe, whose count plans run with) takes: 8 per usable CPU (more only wait
+    on each other; 100,000 failed to start)."""
+    return 8 * usable_cpus()
