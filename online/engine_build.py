@@ -79,7 +79,8 @@ def pin_float_leftovers(net, executor, ffn_layers: list) -> int:
     for i, w in enumerate(ffn_layers):
         if not isinstance(w, MoELayerWeights):
             continue
-        ffns = [w.shared_expert] + (list(w.experts) if i in float_moe else [])
+        in_floats = i in float_moe and i not in getattr(executor, "block_moe", {})  # (else: the file's blocks)
+        ffns = [w.shared_expert] + (list(w.experts) if in_floats else [])
         weights += [w.router, w.shared_expert_gate] + [t for f in ffns if isinstance(f, FFNWeights)
                                                        for t in vars(f).values()]
     return pin_deferred(weights)
@@ -119,9 +120,10 @@ def _expert_cache(args: EngineArgs, ckpt, ffn_layers: list, settings, head):
     from .experts.runtime import ExpertRuntime, tier_bytes_needed
     cfg = ckpt.config
     budget = args.gpu_budget_bytes if args.gpu_budget_bytes is not None else tier_bytes_needed(
-        cfg, ffn_layers, settings.weight_format, args.expert_slots)
+        cfg, ffn_layers, settings.weight_format, args.expert_slots, raw=ckpt.raw)
     tier = GpuTier.create(budget, args.gpu_device)
     executor = HybridExecutor.build(cfg, ffn_layers, tier, settings, head_weight=head, raw=ckpt.raw)
     executor.attach_experts(ExpertRuntime(cfg, ffn_layers, tier, weight_format=settings.weight_format,
-                                          slots=args.expert_slots, prefetch=args.prefetch, threads=settings.threads))
+                                          slots=args.expert_slots, prefetch=args.prefetch, threads=settings.threads,
+                                          raw=ckpt.raw))  # Q4_0 / Q4_1 experts kept as they are (int4)
     return executor

@@ -44,9 +44,16 @@ def _sibling(plan_dir: Path, explicit: str | Path | None, name: str) -> Path | N
     return candidate if candidate.is_dir() else None
 
 
+def _names_experts(formats: dict[str, str]) -> bool:
+    """Whether a plan's tensor formats keep its experts in the file's blocks (placement.settings' ``experts``)."""
+    return any(key.endswith("experts") for key in formats)
+
+
 def _check_tensor_formats(plan, plan_dir: Path, tensor_formats: dict[str, str] | None) -> None:
     """A plan that keeps GGUF blocks as they are runs only on the file whose formats it recorded."""
     planned = dict(plan.settings.tensor_formats)
+    if tensor_formats is not None and not _names_experts(planned):  # made before the role: experts re-quantized
+        tensor_formats = {k: v for k, v in tensor_formats.items() if not k.endswith("experts")}
     if planned and tensor_formats is not None and planned != tensor_formats:
         role = next(r for r in sorted(set(planned) | set(tensor_formats)) if planned.get(r) != tensor_formats.get(r))
         raise TandemError(f"the plan in {plan_dir} was made for a file that stores {role} as "
@@ -122,7 +129,9 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
                                               weight_format=expert_format_for(plan.settings.bytes_per_weight),
                                               slots=slots, pinned=plan.expert_pinned, prefetch=prefetch,
                                               cost_model=default_cost_model(tier, plan.hardware),
-                                              threads=settings.threads, fit_to_budget=expert_slots is None))
+                                              threads=settings.threads, fit_to_budget=expert_slots is None,
+                                              raw=raw if _names_experts(dict(plan.settings.tensor_formats))
+                                              else None))  # the file's blocks where the plan counted them
         executor.experts.tier_shared = shared
     info = PlanInfo(plan_dir=plan_dir, profile_dir=profile_path, predictors_dir=predictors_path if predictors else None,
                     hardware=plan.hardware.name, gpu_budget_bytes=plan.gpu_budget_bytes, gpu_bytes_planned=plan.gpu_bytes,

@@ -153,13 +153,13 @@ def _neuron_read_rows(config: ModelConfig, activity: str, freq: np.ndarray, pred
     return rows_always + (rows_total - rows_always) * freq
 
 
-def _expert_options(config: ModelConfig, hw: HardwareProfile, bpw: float, expert_freq: np.ndarray,
-                    repeat_rate: float, gpu_enabled: bool) -> tuple[list[ExpertOption], np.ndarray]:
+def _expert_options(config: ModelConfig, hw: HardwareProfile, bpw: float, expert_freq: np.ndarray, repeat_rate: float,
+                    gpu_enabled: bool, file_blocks: bool = False) -> tuple[list[ExpertOption], np.ndarray]:
     rows = 3 if config.mlp_gated else 2
     expert_bytes = math.ceil(rows * config.hidden_size * config.moe_intermediate_size * bpw)
     # a cache slot holds one expert as the runtime packs it (one buffer, its own format and alignment)
     slot_bytes = expert_layout_bytes(config.hidden_size, config.moe_intermediate_size, config.mlp_gated,
-                                     expert_format_for(bpw), bias=config.mlp_bias)
+                                     expert_format_for(bpw), bias=config.mlp_bias, file_blocks=file_blocks)
     gpu_s = cost_model.gpu_weight_seconds(expert_bytes, bpw, hw)
     cpu_s = cost_model.cpu_weight_seconds(expert_bytes, bpw, hw)
     copy_s = slot_bytes / hw.h2d_bandwidth_bytes_per_s if hw.h2d_bandwidth_bytes_per_s > 0 else math.inf
@@ -242,7 +242,8 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
             read_weights = rows_total * d * (config.num_experts_per_tok * config.moe_intermediate_size + config.shared_expert_intermediate_size)
             dense_ffn = DenseUnit(math.ceil(ffn_weights * bpw), *_read_seconds(read_weights * bpw, bpw, hw))
             repeat = float(stats.expert_repeat[i]) if stats.expert_repeat is not None else 0.0
-            options, order = _expert_options(config, hw, bpw, stats.expert_freq[i], repeat, gpu_enabled)
+            in_blocks = settings.explicit_format("experts", i) in ("q4", "q4_1")  # the file's Q4 blocks, kept
+            options, order = _expert_options(config, hw, bpw, stats.expert_freq[i], repeat, gpu_enabled, in_blocks)
             shared = None
             if config.shared_expert_intermediate_size:  # as the tier stores it: rows, down as it is, fp32 gate vector
                 width_s = config.shared_expert_intermediate_size

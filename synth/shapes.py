@@ -60,6 +60,8 @@ SHAPES = {s.name: s for s in (
     Shape("llama-350m", 1024, 24, 16, 16, 4096, note="a 350M-parameter Llama"),
     Shape("tiny", 128, 2, 4, 2, 512, context=512, note="test shape"),
     Shape("tiny-moe", 128, 2, 4, 2, 256, n_experts=4, n_experts_used=2, context=512, note="test shape"),
+    Shape("mixtral-650m", 1024, 8, 16, 4, 2816, n_experts=8, n_experts_used=2, rope_theta=1e6,
+          note="a Mixtral-shaped MoE that fits this machine: 8 layers of 8 experts, top 2"),
 )}
 
 

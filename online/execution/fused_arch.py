@@ -95,12 +95,19 @@ def model_fields(model) -> tuple[dict, list, int | None]:
 
 
 def _expert(weights: dict, keep: list) -> TdmExpert:
-    """weights: gate / up / down_t (packed or Fp32Weight) and up_bias / down_bias arrays (or None)."""
-    refs = {k: describe(weights[k], dot_input=k != "down_t") for k in ("gate", "up", "down_t")}
+    """weights: gate / up and down_t (rows = neurons) or down ([d, n_ff], read dense: moe.h), packed or
+    Fp32Weight, and up_bias / down_bias arrays (or None)."""
+    refs = {k: describe(weights[k], dot_input=k != "down_t") for k in ("gate", "up", "down_t", "down")
+            if weights.get(k) is not None}
     biases = {k: _opt(weights.get(k)) for k in ("up_bias", "down_bias")}
     keep += list(refs.values()) + [b for b in biases.values() if b is not None]
     return TdmExpert(n_ff=refs["up"].desc.rows, **{k: r.desc for k, r in refs.items()},
                      **{k: addr(b) for k, b in biases.items()})
+
+
+def _block_expert(q) -> dict:
+    """A QuantizedFFN in a GGUF file's blocks (online/experts/block_experts.py): its rows and dense down."""
+    return dict(gate=q.gate, up=q.up, down=q.down, up_bias=None, down_bias=None)
 
 
 def _float_expert(w) -> dict:
@@ -120,7 +127,7 @@ def _packed_expert(p) -> dict:
     q = p.qffn
     if q.gate is None or q.gate_bias.size:
         raise TandemError("experts without a gate, or with a gate bias")
-    return dict(gate=q.gate, up=q.up, down_t=q.down_t, up_bias=q.up_bias, down_bias=q.down_bias)
+    return dict(gate=q.gate, up=q.up, down_t=q.down_t, down=q.down, up_bias=q.up_bias, down_bias=q.down_bias)
 
 
 def build_moe(cfg, executor, layer: int) -> MoeRef:
@@ -129,6 +136,9 @@ def build_moe(cfg, executor, layer: int) -> MoeRef:
     if runtime is not None:
         moe = runtime.moe[layer]
         experts = [_packed_expert(p) for p in runtime.packed[layer]]
+    elif layer in getattr(executor, "block_moe", {}):  # the file's blocks, read in place
+        moe = executor.block_moe[layer].weights
+        experts = [_block_expert(q) for q in executor.block_moe[layer].experts]
     else:
         moe = executor.float_moe[layer]
         experts = [_float_expert(w) for w in moe.experts]

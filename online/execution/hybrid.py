@@ -8,7 +8,7 @@ remaining (cold) neurons stay on the CPU in a packed format and are computed spa
 - other (SwiGLU) layers: gate and up in full, then only the down rows whose |h| passes the
   profile's threshold (the exact path).
 The two partial outputs are added. MoE layers run through an attached ``online.experts.ExpertRuntime``
-(expert cache on the GPU tier, prefetch, CPU compute of misses), else the dense expert path.
+(expert cache on the GPU tier, prefetch, CPU compute of misses), else their GGUF blocks or float experts.
 
 Example::
 
@@ -43,11 +43,9 @@ PREDICTOR_MAX_TOKENS = 4  # longer batches (prefill) activate nearly every neuro
 class ExecutionSettings:
     """How the online stage executes. ``sparse=False`` computes every neuron (exact)."""
     weight_format: str = "int8"
-    # The down projection is kept transposed (rows = neurons) for the sparse axpy form. GGUF blocks
-    # run along the other axis, so packing it means re-quantizing. Measured on SmolLM2 (512 held-out
-    # tokens, next-token agreement with dense): fp32 1.000, int8b (per-32 scales) 0.957, per-row
-    # int8 0.879. fp16 holds the GGUF Q4 values to 2^-11 relative (agreement as fp32 to within
-    # noise) at half fp32's bytes: the largest stream of the sparse decode step.
+    # The down projection transposed (rows = neurons, the sparse axpy form) is re-quantized: GGUF blocks run along
+    # the other axis. SmolLM2, 512 held-out tokens, agreement with dense: fp32 1.000, int8b 0.957, per-row int8
+    # 0.879; fp16 holds the Q4 values to 2^-11 (as fp32 within noise) at half fp32's bytes.
     down_format: str = "fp16"
     sparse: bool = True
     threads: int = 2
@@ -56,7 +54,6 @@ class ExecutionSettings:
     tier_formats: tuple[tuple[str, str], ...] = ()  # per tensor role (a plan's ``tensor_formats``); others: tier_format
 
     def __post_init__(self) -> None:
-        from tandem.core.errors import TandemError
         if self.weight_format not in WEIGHT_FORMATS:
             raise TandemError(f"unknown weight format {self.weight_format!r} (choose from {', '.join(WEIGHT_FORMATS)})")
         if self.down_format not in DOWN_FORMATS:
@@ -89,9 +86,8 @@ class GpuPart:
 
     @property
     def nbytes(self) -> int:
-        mats = (self.up, self.down_t, self.gate)
         vecs = (self.index, self.up_bias, self.gate_bias)
-        return (sum(m.nbytes for m in mats if m is not None)
+        return (sum(m.nbytes for m in (self.up, self.down_t, self.gate) if m is not None)
                 + sum(t.numel() * t.element_size() for t in vecs if t is not None))
 
 
@@ -120,20 +116,18 @@ class ExecutionCounters:
 
 class HybridExecutor:
     """Packed, split FFN execution (the executor contract, tandem.core.ffn.contract.Executor). Dense layers are
-    ``splits``; MoE layers run through an attached ExpertRuntime, else float from ``float_moe``."""
+    ``splits``; MoE layers run through an attached ExpertRuntime, else ``block_moe`` (experts in a GGUF file's
+    blocks, online/experts/block_experts.py) or float from ``float_moe``."""
 
     packed = True
 
     def __init__(self, cfg: ModelConfig, float_moe: dict[int, MoELayerWeights], splits: list[LayerSplit | None],
                  tier: GpuTier, settings: ExecutionSettings, head: QuantizedLinear | None) -> None:
-        self.cfg = cfg
+        self.cfg, self.splits, self.tier, self.settings, self.head = cfg, splits, tier, settings, head
         self.float_moe = float_moe  # layer -> float MoE weights (until an ExpertRuntime takes them)
-        self.splits = splits
-        self.tier = tier
-        self.settings = settings
-        self.head = head
         self.counters = ExecutionCounters()
         self.experts = None  # online.experts.ExpertRuntime for MoE layers (attach_experts)
+        self.block_moe: dict = {}  # layer -> BlockExperts (float_moe's experts as the file's blocks)
         self.tier_head = None  # TierMatrix: the output layer on the GPU tier (tier_units.place_plan_units)
         # layer -> (hot FFN output, tier predictor's mask), fetched in the layer's tier-attention exchange
         self.pending_hot: dict[int, tuple] = {}
@@ -142,7 +136,7 @@ class HybridExecutor:
         """Run MoE layers through ``runtime``; it holds the (packed) experts, so the float ones go."""
         self.experts = runtime
         for i in runtime.moe:
-            self.float_moe.pop(i, None)
+            self.float_moe.pop(i, None), self.block_moe.pop(i, None)
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
@@ -167,7 +161,10 @@ class HybridExecutor:
         if head_weight is not None:
             head = _pack_head(head_weight, settings, (raw or {}).get("lm_head.weight")
                               or ((raw or {}).get("model.embed_tokens.weight") if cfg.tie_word_embeddings else None))
-        return cls(cfg, float_moe, splits, tier, settings, head)
+        from ..experts.block_experts import block_moe_layers
+        executor = cls(cfg, float_moe, splits, tier, settings, head)
+        executor.block_moe = block_moe_layers(cfg, float_moe, raw, settings)
+        return executor
 
     # --- execution ---------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -179,7 +176,8 @@ class HybridExecutor:
             self.counters.ffn_neurons_active += n
             return self.experts.forward(layer, x)
         if split is None:
-            return moe_forward(self.cfg, self.float_moe[layer], x)
+            blocks = self.block_moe.get(layer)
+            return blocks.forward(x) if blocks is not None else moe_forward(self.cfg, self.float_moe[layer], x)
         start = time.perf_counter()
         n_tokens = x.shape[0]
         y = handle = None
@@ -286,7 +284,7 @@ class HybridExecutor:
             if split is None and self.experts is not None:
                 continue
             if split is None:
-                total += self.float_moe[i].nbytes
+                total += (self.block_moe.get(i) or self.float_moe[i]).nbytes
                 continue
             if split.cpu is not None:
                 total += split.cpu.nbytes

@@ -12,6 +12,11 @@ Example::
     y_cpu = packed.cpu_forward(x)   # [T, d] on the host
     slot = packed.host.clone()      # what the cache holds on the tier
     y_tier = tier_forward(cfg, packed.layout, slot, x)
+
+An int4 expert of a GGUF file with Q4_0 / Q4_1 blocks (``raw``, see ``expert_blocks``) keeps the file's values:
+gate / up and the down projection ``[d, n_ff]`` (``down``: its blocks run along n_ff, one dense product) as
+those blocks with float32 scales, which hold f16 exactly. Re-quantizing them (gate / up to int4 codes again, the
+down to per-row int8) moved the output wherever an expert cache was on (``--expert-slots``, MoE plans).
 """
 from __future__ import annotations
 
@@ -27,10 +32,11 @@ from tandem.core.ffn.activations import gated_hidden, activate
 from tandem.core.ffn.dense import ffn_down, ffn_hidden
 from tandem.core.ffn.weights import FFNWeights
 from ..kernels.ffn import QuantizedFFN
-from ..kernels.quantize import Fp32Weight, Int4Weight, Int8Weight, quantize
+from ..kernels.quantize import Fp32Weight, Int4Weight, Int8Weight, quantize, weight_from_gguf
 
 ALIGN_BYTES = 64
 EXPERT_FORMATS = ("fp32", "int8", "int4")
+KEPT_BLOCKS = ("Q4_0", "Q4_1")  # GGUF blocks an int4 expert buffer holds as they are
 _NP_TO_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16, np.dtype(np.int8): torch.int8,
                 np.dtype(np.uint8): torch.uint8}  # float16: int4 scales (quantize.py keeps them as GGUF does)
 
@@ -110,6 +116,15 @@ def _float_forward(cfg: ModelConfig, layout: ExpertLayout, v: dict[str, torch.Te
     return ffn_down(w, ffn_hidden(cfg, w, x))  # [T, d], exactly DenseExecutor's arithmetic
 
 
+def expert_blocks(raw: dict | None, layer: int, expert: int) -> dict | None:
+    """The GGUF tensors {"up", "gate", "down"} of one expert in a checkpoint's ``raw``, where all three are
+    Q4_0 / Q4_1 blocks (else None: the expert is quantized from its float values)."""
+    prefix = f"model.layers.{layer}.mlp.experts.{expert}"
+    found = {n: (raw or {}).get(f"{prefix}.{n}_proj.weight") for n in ("up", "gate", "down")}
+    ok = all(getattr(t, "qtype", None) in KEPT_BLOCKS for t in found.values())
+    return found if ok else None
+
+
 def _dequantize(v: dict[str, torch.Tensor], prefix: str, group_size: int) -> torch.Tensor:
     if f"{prefix}.q" in v:
         return v[f"{prefix}.q"].float() * v[f"{prefix}.scale"][:, None]  # [out, in]
@@ -132,12 +147,17 @@ def tier_forward(cfg: ModelConfig, layout: ExpertLayout, buffer: torch.Tensor, x
         h = gated_hidden(cfg.hidden_act, gate, up, cfg.act_threshold)
     else:
         h = activate(cfg.hidden_act, up, cfg.act_threshold)
-    y = h @ _dequantize(v, "down_t", layout.group_size)  # [T, d] (down stored transposed)
+    if "down.packed" in v:  # the file's down blocks [d, n_ff]
+        y = h @ _dequantize(v, "down", layout.group_size).T  # [T, d]
+    else:
+        y = h @ _dequantize(v, "down_t", layout.group_size)  # [T, d] (down stored transposed)
     return y + v["down_bias"] if "down_bias" in v else y
 
 
-def pack_expert(cfg: ModelConfig, w: FFNWeights, fmt: str, threads: int = 2, pin: bool = False) -> PackedExpert:
-    """Quantize (unless fp32) and pack one expert into a single host buffer."""
+def pack_expert(cfg: ModelConfig, w: FFNWeights, fmt: str, threads: int = 2, pin: bool = False,
+                blocks: dict | None = None) -> PackedExpert:
+    """Quantize (unless fp32) and pack one expert into a single host buffer; int4 with ``blocks``
+    (``expert_blocks``): the file's blocks as they are (module docstring)."""
     if fmt not in EXPERT_FORMATS:
         raise TandemError(f"unknown expert weight format {fmt!r} (choose from {', '.join(EXPERT_FORMATS)})")
     biases = [(n, getattr(w, n)) for n in ("up_bias", "gate_bias", "down_bias") if getattr(w, n) is not None]
@@ -148,6 +168,10 @@ def pack_expert(cfg: ModelConfig, w: FFNWeights, fmt: str, threads: int = 2, pin
             t = getattr(w, name)
             if t is not None:
                 arrays.append((f"{name}.w", t.detach().float().contiguous().numpy()))
+    elif fmt == "int4" and blocks is not None and w.gate is not None:
+        weights = {n: weight_from_gguf(t.data, t.qtype, t.shape) for n, t in blocks.items()}  # up, gate, down
+        for name, qw in weights.items():
+            arrays += _weight_arrays(name, qw)
     else:
         down_t = np.ascontiguousarray(w.down.detach().float().numpy().T)  # [F, d]
         weights = {"up": quantize(w.up.detach().float().numpy(), fmt), "down_t": quantize(down_t, "int8")}
@@ -171,7 +195,8 @@ def pack_expert(cfg: ModelConfig, w: FFNWeights, fmt: str, threads: int = 2, pin
         views = {k: t.numpy() for k, t in layout.views(host).items()}
         rebuilt = {name: _rebuild(name, qw, views) for name, qw in weights.items()}
         bias = {n: views[n] for n, _ in biases}
-        qffn = QuantizedFFN(rebuilt["up"], rebuilt["down_t"], rebuilt.get("gate"), act=cfg.hidden_act,
+        qffn = QuantizedFFN(rebuilt["up"], rebuilt.get("down_t"), rebuilt.get("gate"), act=cfg.hidden_act,
                             act_threshold=cfg.act_threshold, up_bias=bias.get("up_bias"),
-                            gate_bias=bias.get("gate_bias"), down_bias=bias.get("down_bias"), threads=threads)
+                            gate_bias=bias.get("gate_bias"), down_bias=bias.get("down_bias"), threads=threads,
+                            down=rebuilt.get("down"))  # the file's down: one dense product
     return PackedExpert(layout=layout, host=host, qffn=qffn, cfg=cfg)

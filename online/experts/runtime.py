@@ -30,7 +30,7 @@ from tandem.core.ffn.weights import MoELayerWeights
 from .cache import ExpertCache
 from .copier import make_copier
 from .cost import MissCostModel
-from .packing import PackedExpert, pack_expert, tier_forward
+from .packing import PackedExpert, expert_blocks, pack_expert, tier_forward
 from .prefetch import Guesser, Prefetcher
 
 MISS_POLICIES = ("auto", "copy", "cpu")  # cost model | always copy (mixtral-offloading) | always CPU
@@ -64,13 +64,13 @@ def _compact(values: list[int]) -> int | list[int]:
 
 
 def tier_bytes_needed(cfg: ModelConfig, layer_weights: list, weight_format: str,
-                      slots: int | Sequence[int] | None, pinned=None) -> int:
-    """GPU-tier bytes an ExpertRuntime with these settings allocates (pinned experts + slots)."""
+                      slots: int | Sequence[int] | None, pinned=None, raw: dict | None = None) -> int:
+    """GPU-tier bytes an ExpertRuntime with these settings (and the checkpoint's GGUF ``raw``) allocates."""
     slots_per_layer, pinned_per_layer = _per_layer(slots, cfg, "expert cache slots"), _pinned_sets(pinned, cfg)
-    total, expert_nbytes = 0, None
+    total = 0
     for i, w in enumerate(layer_weights):
         if isinstance(w, MoELayerWeights):
-            expert_nbytes = expert_nbytes or pack_expert(cfg, w.experts[0], weight_format).nbytes
+            expert_nbytes = pack_expert(cfg, w.experts[0], weight_format, blocks=expert_blocks(raw, i, 0)).nbytes
             n_pinned = len(pinned_per_layer[i])
             total += (min(slots_per_layer[i], len(w.experts) - n_pinned) + n_pinned) * expert_nbytes
     return total
@@ -95,7 +95,8 @@ class ExpertRuntime:
     def __init__(self, cfg: ModelConfig, layer_weights: list, tier: GpuTier, *, weight_format: str = "fp32",
                  slots: int | Sequence[int] | None = 0, pinned=None, prefetch: bool = True,
                  miss_policy: str = "auto", cost_model: MissCostModel | None = None, threads: int = 2,
-                 guesser: Guesser | None = None, fit_to_budget: bool = False) -> None:
+                 guesser: Guesser | None = None, fit_to_budget: bool = False, raw: dict | None = None) -> None:
+        """``raw``: the checkpoint's GGUF tensors, whose Q4_0 / Q4_1 experts int4 keeps as they are (packing.py)."""
         if miss_policy not in MISS_POLICIES:
             raise TandemError(f"unknown miss policy {miss_policy!r} (choose from {', '.join(MISS_POLICIES)})")
         slots_per_layer = _per_layer(slots, cfg, "expert cache slots")
@@ -115,7 +116,8 @@ class ExpertRuntime:
             bad = [e for e in pinned_per_layer[i] if not 0 <= e < len(w.experts)]
             if bad:
                 raise TandemError(f"pinned expert {bad[0]} out of range in layer {i} ({len(w.experts)} experts)")
-            self.packed[i] = [pack_expert(cfg, e, weight_format, threads, pin=tier.is_cuda) for e in w.experts]
+            self.packed[i] = [pack_expert(cfg, e, weight_format, threads, pin=tier.is_cuda,
+                                          blocks=expert_blocks(raw, i, j)) for j, e in enumerate(w.experts)]
             self.moe[i] = MoELayerWeights(router=w.router, experts=[], shared_expert=w.shared_expert,
                                           shared_expert_gate=w.shared_expert_gate)
         if not self.moe:

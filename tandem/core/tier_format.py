@@ -76,11 +76,12 @@ def expert_format_for(bytes_per_weight: float) -> str:
 
 
 def expert_layout_bytes(hidden_size: int, n_ff: int, gated: bool, fmt: str, bias: bool = False,
-                        align_bytes: int = 64, group_size: int = 32) -> int:
-    """Bytes of one packed expert buffer, from shapes alone (mirrors ``online.experts.packing.pack_expert``).
+                        align_bytes: int = 64, group_size: int = 32, file_blocks: bool = False) -> int:
+    """Bytes of one packed expert buffer, from shapes alone (mirrors ``online.experts.packing.pack_expert``);
+    ``file_blocks``: an int4 expert kept in a GGUF file's Q4_0 / Q4_1 blocks (the down [d, n_ff] in int4 too).
 
-    >>> expert_layout_bytes(64, 48, True, "int4")
-    7872
+    >>> expert_layout_bytes(64, 48, True, "int4"), expert_layout_bytes(64, 48, True, "int4", file_blocks=True)
+    (7872, 7104)
     """
     def aligned(n: int) -> int:
         return (n + align_bytes - 1) // align_bytes * align_bytes
@@ -93,7 +94,11 @@ def expert_layout_bytes(hidden_size: int, n_ff: int, gated: bool, fmt: str, bias
         else:
             groups = n_ff * (hidden_size // group_size)
             first = [n_ff * hidden_size // 2, 4 * groups, 4 * groups]  # nibbles, scale, minimum
-        fields = first * (n_mats - 1) + [n_ff * hidden_size, 4 * n_ff]  # down_t is always int8 rows
+        if fmt == "int4" and file_blocks:  # the down as the file stores it: [d, n_ff], blocks along n_ff
+            groups_down = hidden_size * (n_ff // group_size)
+            fields = first * (n_mats - 1) + [n_ff * hidden_size // 2, 4 * groups_down, 4 * groups_down]
+        else:
+            fields = first * (n_mats - 1) + [n_ff * hidden_size, 4 * n_ff]  # down_t as int8 rows
     if bias:
         fields += [4 * n_ff] * (n_mats - 1) + [4 * hidden_size]
     return sum(aligned(n) for n in fields)

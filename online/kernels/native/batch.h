@@ -171,6 +171,7 @@ int64_t tdm_decode_batch(const tdm_model *m, const tdm_batch *B) {
     int nt = (int)m->threads;
     for (int j = 0; j < nt; j++) sb.counts[j] = 0;
     memset(sb.hfull, 0, 4 * (size_t)(T * m->n_ff));
+    moe_clear(m, m->work + batch_shared_bytes(m, T, span) + m->threads * batch_thread_bytes(m, T, span));
     int64_t n_want = 0;
     for (int64_t i = 0; i < T; i++) n_want += B->want[i] != 0;
     memset(sb.units, 0, (size_t)unit_bytes(m));

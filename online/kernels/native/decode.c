@@ -363,6 +363,7 @@ static int64_t decode_parts(const tdm_model *m, int64_t first, int64_t last, int
     int nt = (int)m->threads;
     for (int j = 0; j < nt; j++) sb.counts[j] = 0;
     memset(sb.hfull, 0, 4 * (size_t)m->n_ff);
+    moe_clear(m, m->work + shared_bytes(m) + m->threads * thread_bytes(m));
     int64_t n_run = last > first ? last - first : 0; /* counters of these layers and the output layer only */
     memset(sb.units, 0, 8 * (size_t)((n_run * UNIT_PHASES + 1) * nt * UNIT_STRIDE));
 #pragma omp parallel num_threads(nt)

@@ -104,6 +104,7 @@ static int64_t ffn_rows(const tdm_model *m, const ffn_view *F, const qvec *x, fl
 }
 
 static void moe_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int t, int nt);
+static void moe_clear(const tdm_model *m, uint8_t *base);
 
 static void ffn_block(const tdm_model *m, const tdm_layer *L, shared_bufs *sb, thread_bufs *tb, int64_t *units, int t,
                       int nt) {

@@ -31,7 +31,7 @@ class TdmPredictor(ctypes.Structure):  # predict.h
 
 class TdmExpert(ctypes.Structure):  # moe.h: one expert or the shared expert
     _fields_ = [("gate", TdmWeight), ("up", TdmWeight), ("down_t", TdmWeight), ("up_bias", _P), ("down_bias", _P),
-                ("n_ff", _I)]
+                ("n_ff", _I), ("down", TdmWeight)]  # down: [d, n_ff] dense (data 0: the down_t rows)
 
 
 class TdmMoe(ctypes.Structure):  # moe.h: a MoE layer

@@ -1,0 +1,166 @@
+"""A packed engine keeps a GGUF MoE file's experts in the file's blocks (online/experts/block_experts.py): gate / up
+rows and a dense down read in place by the module path and by the fused step (moe.h), never decoded to float32
+(which took 7x the file's bytes). References: gguf's own dequantizer with float math for an expert, the float
+engine for the model, and the single-token fused step for the multi-token and batched steps."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+IDS = [5806, 16033, 16762, 34565, 7955, 43234, 35220, 27248, 13513, 6555, 43998, 35207]
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(tmp_path_factory, smollm2_path):
+    """synth's tiny-moe: Q4_0 experts, 2 MoE layers, top 2 of 4 experts."""
+    from synth import SynthSpec, get_shape, synthesize
+    out = tmp_path_factory.mktemp("block-experts")
+    return synthesize(SynthSpec(get_shape("tiny-moe"), sparsity=0.9), out / "tiny-moe", str(smollm2_path)).path
+
+
+def _engine(path, **kw):
+    from online import Engine
+    return Engine.load(path, step_cache=False, **kw)
+
+
+def _expert_bytes(raw) -> int:
+    return sum(np.asarray(t.data).nbytes for name, t in raw.items() if ".mlp.experts." in name)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_experts_stay_in_the_files_blocks(moe_gguf):
+    """Every MoE layer's experts are the file's bytes: the executor holds about the file's expert bytes (router
+    aside), not the float32 decode (7.1x for Q4_0), and nothing decodes them."""
+    from tandem.core.loading import load_checkpoint
+    engine = _engine(moe_gguf, weight_format="int4", threads=1)
+    ex = engine.executor
+    assert sorted(ex.block_moe) == [0, 1] and engine.decode_path == "fused"
+    file_bytes = _expert_bytes(load_checkpoint(moe_gguf).raw)
+    assert file_bytes <= ex.ffn_nbytes <= 1.05 * file_bytes
+    float_bytes = sum(e.nbytes for i in ex.float_moe for e in ex.float_moe[i].experts)
+    assert float_bytes > 6 * file_bytes  # what they took before
+
+
+def test_a_block_expert_equals_the_dequantized_float_expert(moe_gguf):
+    """The module path's expert (C row kernels, dense down over the file's blocks) against gguf's dequantizer
+    and float math: within the int8 activation rounding, far inside what a wrong row or axis would give."""
+    from tandem.core.loading import load_checkpoint
+    engine = _engine(moe_gguf, weight_format="int4", threads=1)
+    raw = load_checkpoint(moe_gguf).raw
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((2, engine.model.cfg.hidden_size)).astype(np.float32))
+    for layer, expert in ((0, 1), (1, 3)):
+        def deq(name):
+            t = raw[f"model.layers.{layer}.mlp.experts.{expert}.{name}_proj.weight"]
+            kind = getattr(gguf.GGMLQuantizationType, t.qtype)
+            return torch.from_numpy(gguf.quants.dequantize(np.asarray(t.data), kind).reshape(t.shape).astype(np.float32))
+        want = (torch.nn.functional.silu(x @ deq("gate").T) * (x @ deq("up").T)) @ deq("down").T  # [2, d]
+        got = engine.executor.block_moe[layer].expert_forward(expert, x)
+        assert _rel(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_fused_and_module_paths_agree_with_the_float_model(moe_gguf, fmt):
+    """Logits of every position, one token a step, through the fused step and through the modules, against the
+    float engine: the same argmax, within the packed formats' rounding."""
+    ref = _engine(moe_gguf, threads=1).logits(IDS)  # [T, vocab] float32 reference
+    fused = _engine(moe_gguf, weight_format=fmt, threads=2).step_logits(IDS)
+    modules = _engine(moe_gguf, weight_format=fmt, threads=2, fused_decode=False).step_logits(IDS)
+    for got in (fused, modules):
+        assert _rel(got, ref) < 3e-2
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_multi_token_and_batched_steps_equal_single_steps(moe_gguf, threads):
+    """step_many and step_batch (paged KV, three sequences) give the single step's logits bit for bit with
+    experts in blocks, also over scratch that another call left dirty."""
+    from online.execution.fused_decode import FusedDecodeStep  # noqa: F401  (the step type under test)
+    from tandem.core.kv_cache import KVCache
+    engine = _engine(moe_gguf, weight_format="int4", threads=threads)
+    step, cfg = engine.compiled_decode, engine.model.cfg
+    single = KVCache(cfg, 32)
+    want = torch.stack([step(t, i, single) for i, t in enumerate(IDS)])
+    assert torch.equal(step.step_many(IDS, 0, KVCache(cfg, 32)), want)
+    block_tokens, seqs = 4, [IDS[:5], IDS, IDS[:3]]
+    pool_kv = KVCache(cfg, block_tokens * 12)
+    pool = SimpleNamespace(keys=pool_kv.keys, values=pool_kv.values, block_tokens=block_tokens)
+    tables = [np.arange(4 * s, 4 * s + 4, dtype=np.int32)[::-1].copy() for s in range(3)]
+    tokens, positions, token_tables, wanted = [], [], [], []
+    for s, ids in enumerate(seqs):
+        for pos, tok in enumerate(ids):
+            tokens.append(tok), positions.append(pos), token_tables.append(tables[s]), wanted.append(True)
+    got = step.step_batch(tokens, positions, token_tables, pool, wanted)
+    rows = [want[p] for ids in seqs for p in range(len(ids))]
+    assert torch.equal(got, torch.stack(rows))
+    again = KVCache(cfg, 32)  # the single step after the batched one: the same logits
+    assert torch.equal(torch.stack([step(t, i, again) for i, t in enumerate(IDS)]), want)
+    again = KVCache(cfg, 32)
+    step._calls._batch_work[:] = 0x41  # scratch left dirty (another layout's buffers lie there): the step clears
+    step._calls._work[:] = 0x41        # what it reads before writing (the experts' h buffers among them)
+    assert torch.equal(step.step_many(IDS[:5], 0, KVCache(cfg, 32)), want[:5])
+    assert torch.equal(torch.stack([step(t, i, again) for i, t in enumerate(IDS)]), want)
+
+
+def test_cached_int4_experts_hold_the_files_values(moe_gguf):
+    """An expert cache's int4 buffers (pack_expert with the file's Q4_0 blocks) read back as the file's decode, bit
+    for bit: gate / up and the down projection (they were re-quantized: int4 codes again, a per-row int8 down)."""
+    from online.experts.packing import _dequantize, expert_blocks, pack_expert
+    from tandem.core.loading import load_checkpoint
+    from tandem.core.model.build import build_model
+    ckpt = load_checkpoint(moe_gguf)
+    _, ffn_layers = build_model(ckpt)
+    for layer, expert in ((0, 1), (1, 3)):
+        w = ffn_layers[layer].experts[expert]
+        packed = pack_expert(ckpt.config, w, "int4", blocks=expert_blocks(ckpt.raw, layer, expert))
+        views = packed.layout.views(packed.host)
+        for name in ("up", "gate", "down"):
+            assert torch.equal(_dequantize(views, name, 32), getattr(w, name).float()), name
+
+
+@pytest.mark.parametrize("slots", [0, 2, 4])
+def test_expert_slots_keep_the_numbers(moe_gguf, slots):
+    """--expert-slots changes where experts run, not what they compute: the same logits as the engine without a
+    cache (float rounding), through the module path (cache hits on the tier, misses on the CPU) and the fused step."""
+    ref = _engine(moe_gguf, weight_format="int4", threads=1, fused_decode=False).logits(IDS)  # [T, vocab]
+    ours = _engine(moe_gguf, weight_format="int4", threads=1, fused_decode=False, expert_slots=slots,
+                   gpu_device="cpu").logits(IDS)
+    assert _rel(ours, ref) < 1e-5 and torch.equal(ours.argmax(-1), ref.argmax(-1))
+    fused_ref = _engine(moe_gguf, weight_format="int4", threads=1).step_logits(IDS)
+    fused = _engine(moe_gguf, weight_format="int4", threads=1, expert_slots=slots, gpu_device="cpu").step_logits(IDS)
+    assert _rel(fused, fused_ref) < 1e-5 and torch.equal(fused.argmax(-1), fused_ref.argmax(-1))
+
+
+def test_plans_count_the_experts_as_the_runtime_keeps_them(moe_gguf, tmp_path_factory):
+    """A plan made for the file's formats names its experts' blocks (the ``experts`` role) and counts each cache slot
+    as the runtime packs it: the tier holds, by kind, what plan.json says, at 10 / 50 / 100% of the model's bytes.
+    A plan without the role (made before it) still loads, its experts quantized as it counted them."""
+    from helpers_plans import tiny_plan
+    from placement.plan import read_plan
+    from placement.settings import checkpoint_tensor_formats
+    from tandem.core.loading import load_checkpoint
+    from test_gpu_plan import PLACED_KINDS
+    formats = checkpoint_tensor_formats(load_checkpoint(moe_gguf))
+    assert formats["experts"] == "q4"  # Q4_0 gate, up and down
+    out = tmp_path_factory.mktemp("moe-plans")
+    for fraction in (0.1, 0.5, 1.0):
+        plan_dir = tiny_plan(moe_gguf, out, "rtx4090", fraction, tensor_formats=formats)
+        plan = read_plan(plan_dir)
+        engine = _engine(moe_gguf, plan=plan_dir, gpu_device="cpu", fused_decode=False, threads=1)
+        runtime = engine.executor.tier.bytes_by_kind()
+        for key in PLACED_KINDS:
+            assert runtime.get(key, 0) == plan.gpu_bytes_by_kind[key], (fraction, key, runtime, plan.gpu_bytes_by_kind)
+        packed = engine.executor.experts.packed[0][0]
+        assert "down.packed" in {f.name for f in packed.layout.fields}  # the file's blocks
+    older = {k: v for k, v in formats.items() if not k.endswith("experts")}
+    plan_dir = tiny_plan(moe_gguf, out / "older", "rtx4090", 0.5, tensor_formats=older)
+    engine = _engine(moe_gguf, plan=plan_dir, gpu_device="cpu", fused_decode=False, threads=1)
+    assert engine.executor.tier.bytes_by_kind().get("experts", 0) == read_plan(plan_dir).gpu_bytes_by_kind["experts"]
+    assert "down_t.q" in {f.name for f in engine.executor.experts.packed[0][0].layout.fields}
