@@ -164,3 +164,43 @@ def test_plans_count_the_experts_as_the_runtime_keeps_them(moe_gguf, tmp_path_fa
     engine = _engine(moe_gguf, plan=plan_dir, gpu_device="cpu", fused_decode=False, threads=1)
     assert engine.executor.tier.bytes_by_kind().get("experts", 0) == read_plan(plan_dir).gpu_bytes_by_kind["experts"]
     assert "down_t.q" in {f.name for f in engine.executor.experts.packed[0][0].layout.fields}
+
+
+@pytest.fixture(scope="module")
+def float_moe_dir(tmp_path_factory):
+    """A random transformers Mixtral whose expert width (64) the 32-wide blocks divide."""
+    import transformers as tf
+    from conftest import TINY_COMMON
+    torch.manual_seed(0)
+    cfg = tf.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                           **TINY_COMMON)
+    folder = tmp_path_factory.mktemp("float-moe")
+    tf.MixtralForCausalLM(cfg).eval().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_float_checkpoint_experts_are_packed_in_the_engines_format(float_moe_dir, fmt):
+    """A float MoE checkpoint (no blocks) under --weight-format int4 / int8: experts quantized as its dense layers
+    are (they stayed float32), in the same layout; the fused step and the modules agree with the float model."""
+    from online import Engine
+    folder = float_moe_dir
+    ref_engine = Engine.load(str(folder), threads=1)
+    ids = list(range(3, 15))
+    ref = ref_engine.logits(ids)
+    engine = Engine.load(str(folder), weight_format=fmt, threads=1, step_cache=False)
+    ex = engine.executor
+    moe_layers = sorted(ex.float_moe)
+    assert moe_layers and sorted(ex.block_moe) == moe_layers and engine.decode_path == "fused"
+    float_bytes = sum(e.nbytes for i in moe_layers for e in ex.float_moe[i].experts)
+    held = sum(e.nbytes for i in moe_layers for e in ex.block_moe[i].experts)
+    assert held < {"int4": 0.2, "int8": 0.3}[fmt] * float_bytes
+    fused = engine.step_logits(ids)
+    modules = Engine.load(str(folder), weight_format=fmt, threads=1, fused_decode=False).step_logits(ids)
+    assert _rel(fused, modules) < 3e-2  # the fused step's int8 activations
+    assert _rel(modules, ref) < {"int4": 0.2, "int8": 0.02}[fmt]  # random weights at int4: ~0.13 (attention included)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    for i in moe_layers:  # each layer against its float experts: the formats' rounding, not a wrong row or axis
+        from tandem.core.ffn.dense import moe_forward
+        want = moe_forward(engine.config, ex.float_moe[i], x)
+        assert _rel(ex.block_moe[i].forward(x), want) < {"int4": 0.15, "int8": 0.02}[fmt]

@@ -1,11 +1,12 @@
-"""MoE experts read in a GGUF file's blocks, for a packed engine without an expert cache.
+"""MoE experts read in a GGUF file's blocks (or packed from float), for a packed engine without an expert cache.
 
 A Mixtral- or Qwen-MoE GGUF keeps its experts in Q4_0 / Q4_1 / Q8_0 / k-quant blocks. Decoded to float32
 they take 7-8x the file's bytes (a 26 GB Mixtral Q4_0 would need ~180 GB), so a packed engine keeps each
 expert as the file stores it: gate / up rows and the down projection ``[d, n_ff]`` (its blocks run along
 n_ff: one dense product over the expert's h) in place, read by the same C row kernels as the dense layers
 (``QuantizedFFN`` with a dense down on the module path; the fused step's ``moe.h`` reads the same bytes).
-The router and a shared expert stay float32 (a few MB).
+The router and a shared expert stay float32 (a few MB). Experts without such blocks (a float checkpoint, another
+block type) are quantized to the engine's int4 / int8 in the same layout, as its dense layers are.
 
 Example::
 
@@ -22,6 +23,7 @@ from tandem.core.ffn.dense import moe_forward
 from tandem.core.ffn.weights import MoELayerWeights
 from ..execution.quantized_linear import DENSE_DOWN_EXTRA, EXACT_GGUF_TYPES, IN_PLACE_GGUF_TYPES
 from ..kernels.ffn import QuantizedFFN
+from ..kernels.quantize import quantize
 
 DOWN_GGUF_TYPES = (*IN_PLACE_GGUF_TYPES, *DENSE_DOWN_EXTRA, "Q8_0")  # kinds the row kernels read as a dense down
 
@@ -62,23 +64,30 @@ def _readable(blocks: dict, weight_format: str) -> bool:
             and cols % 32 == 0)
 
 
+def _packed(cfg: ModelConfig, w, blocks: dict | None, settings) -> QuantizedFFN:
+    """One expert: the file's blocks where the kernels read them in the engine's format, else quantized from float
+    (gate / up rows and the dense down [d, n_ff], all in ``settings.weight_format``)."""
+    kw = dict(act=cfg.hidden_act, act_threshold=cfg.act_threshold, threads=settings.threads)
+    if blocks is not None and _readable(blocks, settings.weight_format):
+        return QuantizedFFN.from_gguf(blocks["up"], blocks["down"], blocks["gate"], dense_down=True, **kw)
+    fmt = settings.weight_format
+    q = {n: quantize(getattr(w, n).detach().float().numpy(), fmt) for n in ("up", "gate", "down")}
+    return QuantizedFFN(q["up"], None, q["gate"], down=q["down"], **kw)
+
+
 def block_moe_layers(cfg: ModelConfig, moe_layers: dict[int, MoELayerWeights], raw: dict | None,
                      settings) -> dict[int, BlockExperts]:
-    """The layers of ``moe_layers`` whose every expert has gated GGUF blocks the kernels read in the packed
-    ``settings.weight_format`` (int4: Q4_0 / Q4_1 / k-quants; int8: Q8_0 / k-quants), without biases; others
-    stay float. ``settings``: an ExecutionSettings (weight_format, sparse, threads)."""
+    """The MoE layers of a packed ``settings.weight_format`` (int4 / int8) engine with gated experts without
+    biases, each expert in the file's blocks where the kernels read them in that format (int4: Q4_0 / Q4_1 /
+    k-quants; int8: Q8_0 / k-quants), else quantized to it. ``settings``: an ExecutionSettings."""
     out, weight_format = {}, settings.weight_format
-    if weight_format not in EXACT_GGUF_TYPES or not raw:
-        return out
+    if weight_format not in EXACT_GGUF_TYPES:
+        return out  # fp32: the float experts
     threshold = 0.0 if settings.sparse and cfg.ffn_is_relu_sparse else -1.0  # moe.h's: exact zeros skip the down
     for layer, w in moe_layers.items():
-        blocks = [_expert_blocks(raw, layer, e) for e in range(len(w.experts))]
-        if not all(b is not None and _readable(b, weight_format) for b in blocks):
-            continue
         if any(e.gate is None or e.up_bias is not None or e.gate_bias is not None or e.down_bias is not None
-               for e in w.experts):
+               or e.up.shape[1] % 32 or e.up.shape[0] % 32 for e in w.experts):
             continue
-        experts = [QuantizedFFN.from_gguf(b["up"], b["down"], b["gate"], dense_down=True, act=cfg.hidden_act,
-                                          act_threshold=cfg.act_threshold, threads=settings.threads) for b in blocks]
+        experts = [_packed(cfg, e, _expert_blocks(raw or {}, layer, j), settings) for j, e in enumerate(w.experts)]
         out[layer] = BlockExperts(cfg, w, experts, threshold)
     return out
