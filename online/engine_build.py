@@ -79,8 +79,10 @@ def pin_float_leftovers(net, executor, ffn_layers: list) -> int:
     for i, w in enumerate(ffn_layers):
         if not isinstance(w, MoELayerWeights):
             continue
-        in_floats = i in float_moe and i not in getattr(executor, "block_moe", {})  # (else: the file's blocks)
-        ffns = [w.shared_expert] + (list(w.experts) if in_floats else [])
+        if i in getattr(executor, "block_moe", {}):  # packed experts and shared expert: the router, gate vector
+            weights += [w.router, w.shared_expert_gate]
+            continue
+        ffns = [w.shared_expert] + (list(w.experts) if i in float_moe else [])
         weights += [w.router, w.shared_expert_gate] + [t for f in ffns if isinstance(f, FFNWeights)
                                                        for t in vars(f).values()]
     return pin_deferred(weights)

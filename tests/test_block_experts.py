@@ -166,23 +166,29 @@ def test_plans_count_the_experts_as_the_runtime_keeps_them(moe_gguf, tmp_path_fa
     assert "down_t.q" in {f.name for f in engine.executor.experts.packed[0][0].layout.fields}
 
 
-@pytest.fixture(scope="module")
-def float_moe_dir(tmp_path_factory):
-    """A random transformers Mixtral whose expert width (64) the 32-wide blocks divide."""
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+def float_moe_dir(tmp_path_factory, request):
+    """A random transformers Mixtral / Qwen2-MoE (a shared expert) whose widths the 32-wide blocks divide."""
     import transformers as tf
     from conftest import TINY_COMMON
     torch.manual_seed(0)
-    cfg = tf.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
-                           **TINY_COMMON)
-    folder = tmp_path_factory.mktemp("float-moe")
-    tf.MixtralForCausalLM(cfg).eval().save_pretrained(folder)
+    if request.param == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(num_key_value_heads=2, num_local_experts=4,
+                                                       num_experts_per_tok=2, intermediate_size=64, **TINY_COMMON))
+    else:
+        model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+            shared_expert_intermediate_size=96, intermediate_size=96, **TINY_COMMON))
+    folder = tmp_path_factory.mktemp(f"float-{request.param}")
+    model.eval().save_pretrained(folder)
     return folder
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_float_checkpoint_experts_are_packed_in_the_engines_format(float_moe_dir, fmt):
-    """A float MoE checkpoint (no blocks) under --weight-format int4 / int8: experts quantized as its dense layers
-    are (they stayed float32), in the same layout; the fused step and the modules agree with the float model."""
+    """A float MoE checkpoint (no blocks) under --weight-format int4 / int8: experts (and a shared expert) quantized
+    as its dense layers are (they stayed float32), in the same layout; the fused step and the modules agree with
+    the float model."""
     from online import Engine
     folder = float_moe_dir
     ref_engine = Engine.load(str(folder), threads=1)
@@ -192,8 +198,9 @@ def test_float_checkpoint_experts_are_packed_in_the_engines_format(float_moe_dir
     ex = engine.executor
     moe_layers = sorted(ex.float_moe)
     assert moe_layers and sorted(ex.block_moe) == moe_layers and engine.decode_path == "fused"
-    float_bytes = sum(e.nbytes for i in moe_layers for e in ex.float_moe[i].experts)
-    held = sum(e.nbytes for i in moe_layers for e in ex.block_moe[i].experts)
+    float_bytes = sum(ex.float_moe[i].nbytes for i in moe_layers)  # experts, shared expert, router
+    held = sum(ex.block_moe[i].nbytes for i in moe_layers)
+    assert all((ex.block_moe[i].shared is None) == (ex.float_moe[i].shared_expert is None) for i in moe_layers)
     assert held < {"int4": 0.2, "int8": 0.3}[fmt] * float_bytes
     fused = engine.step_logits(ids)
     modules = Engine.load(str(folder), weight_format=fmt, threads=1, fused_decode=False).step_logits(ids)

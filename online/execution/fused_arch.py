@@ -133,22 +133,24 @@ def _packed_expert(p) -> dict:
 def build_moe(cfg, executor, layer: int) -> MoeRef:
     """The TdmMoe of MoE layer ``layer`` (check_moe first)."""
     runtime, keep = getattr(executor, "experts", None), []
-    if runtime is not None:
-        moe = runtime.moe[layer]
-        experts = [_packed_expert(p) for p in runtime.packed[layer]]
-    elif layer in getattr(executor, "block_moe", {}):  # the file's blocks, read in place
-        moe = executor.block_moe[layer].weights
-        experts = [_block_expert(q) for q in executor.block_moe[layer].experts]
+    blocks = getattr(executor, "block_moe", {}).get(layer) if runtime is None else None
+    if blocks is not None:  # the file's blocks (or the engine's format), read in place
+        router, gate_vector = blocks.weights.router, blocks.shared_gate
+        experts = [_block_expert(q) for q in blocks.experts]
+        shared_weights = None if blocks.shared is None else _block_expert(blocks.shared)
     else:
-        moe = executor.float_moe[layer]
-        experts = [_float_expert(w) for w in moe.experts]
+        moe = runtime.moe[layer] if runtime is not None else executor.float_moe[layer]
+        router, gate_vector = moe.router, moe.shared_expert_gate
+        experts = ([_packed_expert(p) for p in runtime.packed[layer]] if runtime is not None
+                   else [_float_expert(w) for w in moe.experts])
+        shared_weights = None if moe.shared_expert is None else _float_expert(moe.shared_expert)
     table = (TdmExpert * len(experts))(*[_expert(e, keep) for e in experts])
-    router = _f32(moe.router)  # [E, d]
+    router = _f32(router)  # [E, d]
     shared = gate = None
     neurons = cfg.num_experts_per_tok * table[0].n_ff
-    if moe.shared_expert is not None:
-        shared = _expert(_float_expert(moe.shared_expert), keep)
-        gate = _f32(moe.shared_expert_gate).reshape(-1)  # [d]
+    if shared_weights is not None:
+        shared = _expert(shared_weights, keep)
+        gate = _f32(gate_vector).reshape(-1)  # [d]
         neurons += shared.n_ff
         keep += [shared, gate]
     sparse = executor.settings.sparse and cfg.ffn_is_relu_sparse

@@ -5,8 +5,9 @@ they take 7-8x the file's bytes (a 26 GB Mixtral Q4_0 would need ~180 GB), so a 
 expert as the file stores it: gate / up rows and the down projection ``[d, n_ff]`` (its blocks run along
 n_ff: one dense product over the expert's h) in place, read by the same C row kernels as the dense layers
 (``QuantizedFFN`` with a dense down on the module path; the fused step's ``moe.h`` reads the same bytes).
-The router and a shared expert stay float32 (a few MB). Experts without such blocks (a float checkpoint, another
-block type) are quantized to the engine's int4 / int8 in the same layout, as its dense layers are.
+A shared expert (Qwen2-MoE) is packed alike; the router and the shared expert's gate vector stay float32. Experts
+without such blocks (a float checkpoint, another block type) are quantized to the engine's int4 / int8 in the same
+layout, as its dense layers are.
 
 Example::
 
@@ -29,30 +30,36 @@ DOWN_GGUF_TYPES = (*IN_PLACE_GGUF_TYPES, *DENSE_DOWN_EXTRA, "Q8_0")  # kinds the
 
 
 class BlockExperts:
-    """One MoE layer: the float router and shared expert of ``weights``, its experts as ``QuantizedFFN``s in
-    the file's blocks (``threshold``: |h| <= it does not reach the down projection; < 0: every neuron)."""
+    """One MoE layer: the float router of ``weights``, its experts (and ``shared`` expert, with the float gate
+    vector of ``weights``) as ``QuantizedFFN``s in the file's blocks (``threshold``: |h| <= it does not reach the
+    down projection; < 0: every neuron)."""
 
-    def __init__(self, cfg: ModelConfig, weights: MoELayerWeights, experts: list[QuantizedFFN], threshold: float):
-        self.cfg, self.experts, self.threshold = cfg, experts, float(threshold)
-        self.weights = MoELayerWeights(router=weights.router, experts=[], shared_expert=weights.shared_expert,
-                                       shared_expert_gate=weights.shared_expert_gate)  # no float experts kept
+    def __init__(self, cfg: ModelConfig, weights: MoELayerWeights, experts: list[QuantizedFFN], threshold: float,
+                 shared: QuantizedFFN | None = None):
+        self.cfg, self.experts, self.threshold, self.shared = cfg, experts, float(threshold), shared
+        self.shared_gate = weights.shared_expert_gate  # [1, d] float32, or None
+        self.weights = MoELayerWeights(router=weights.router, experts=[])  # no float experts kept
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on its tokens x [n, d] -> [n, d]."""
         return torch.from_numpy(self.experts[e].forward_numpy(np.ascontiguousarray(x.numpy()), self.threshold)[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer on x [T, d] (float32) -> [T, d]: route, experts, combine, shared expert."""
-        return moe_forward(self.cfg, self.weights, x, self.expert_forward)
+        """The layer on x [T, d] (float32) -> [T, d]: route, experts, combine, shared expert (moe_forward's order)."""
+        out = moe_forward(self.cfg, self.weights, x, self.expert_forward)  # [T, d]
+        if self.shared is None:
+            return out
+        y = torch.from_numpy(self.shared.forward_numpy(np.ascontiguousarray(x.numpy()), self.threshold)[0])  # [T, d]
+        return out + torch.sigmoid(torch.nn.functional.linear(x, self.shared_gate)) * y
 
     @property
     def nbytes(self) -> int:
-        shared = self.weights.shared_expert.nbytes if self.weights.shared_expert is not None else 0
+        shared = self.shared.nbytes + self.shared_gate.numel() * 4 if self.shared is not None else 0
         return sum(e.nbytes for e in self.experts) + self.weights.router.numel() * 4 + shared
 
 
-def _expert_blocks(raw: dict, layer: int, expert: int) -> dict | None:
-    prefix = f"model.layers.{layer}.mlp.experts.{expert}"
+def _expert_blocks(raw: dict, layer: int, expert: int | None) -> dict | None:
+    prefix = f"model.layers.{layer}.mlp." + ("shared_expert" if expert is None else f"experts.{expert}")
     found = {n: raw.get(f"{prefix}.{n}_proj.weight") for n in ("up", "gate", "down")}
     return found if all(t is not None for t in found.values()) else None
 
@@ -85,9 +92,12 @@ def block_moe_layers(cfg: ModelConfig, moe_layers: dict[int, MoELayerWeights], r
         return out  # fp32: the float experts
     threshold = 0.0 if settings.sparse and cfg.ffn_is_relu_sparse else -1.0  # moe.h's: exact zeros skip the down
     for layer, w in moe_layers.items():
+        ffns = w.experts + ([w.shared_expert] if w.shared_expert is not None else [])
         if any(e.gate is None or e.up_bias is not None or e.gate_bias is not None or e.down_bias is not None
-               or e.up.shape[1] % 32 or e.up.shape[0] % 32 for e in w.experts):
+               or e.up.shape[1] % 32 or e.up.shape[0] % 32 for e in ffns):
             continue
         experts = [_packed(cfg, e, _expert_blocks(raw or {}, layer, j), settings) for j, e in enumerate(w.experts)]
-        out[layer] = BlockExperts(cfg, w, experts, threshold)
+        shared = None if w.shared_expert is None else _packed(cfg, w.shared_expert, _expert_blocks(raw or {}, layer,
+                                                                                                   None), settings)
+        out[layer] = BlockExperts(cfg, w, experts, threshold, shared)
     return out
