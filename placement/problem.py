@@ -242,7 +242,8 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
             read_weights = rows_total * d * (config.num_experts_per_tok * config.moe_intermediate_size + config.shared_expert_intermediate_size)
             dense_ffn = DenseUnit(math.ceil(ffn_weights * bpw), *_read_seconds(read_weights * bpw, bpw, hw))
             repeat = float(stats.expert_repeat[i]) if stats.expert_repeat is not None else 0.0
-            in_blocks = settings.explicit_format("experts", i) in ("q4", "q4_1")  # the file's Q4 blocks, kept
+            kept = {"int4": ("q4", "q4_1"), "int8": ("q8",)}.get(expert_format_for(bpw), ())  # the file's blocks
+            in_blocks = settings.explicit_format("experts", i) in kept
             options, order = _expert_options(config, hw, bpw, stats.expert_freq[i], repeat, gpu_enabled, in_blocks)
             shared = None
             if config.shared_expert_intermediate_size:  # as the tier stores it: rows, down as it is, fp32 gate vector

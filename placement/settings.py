@@ -29,7 +29,7 @@ GGUF_BYTES_PER_WEIGHT = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 34 / 32, "
                          "Q3_K": 110 / 256, "Q4_K": 144 / 256, "Q5_K": 176 / 256, "Q6_K": 210 / 256}
 # tensor roles a plan may give their own tier format (``PlanSettings.tensor_formats``)
 TENSOR_ROLES = ("attn_q", "attn_k", "attn_v", "attn_o", "ffn_up", "ffn_gate", "ffn_down", "output", "embeddings",
-                "experts")  # experts: a MoE layer's int4 experts kept in the file's Q4_0 / Q4_1 blocks (q4 / q4_1)
+                "experts")  # experts: a MoE layer's experts kept in the file's Q4_0 / Q4_1 / Q8_0 blocks
 _LAYER_KEY = re.compile(r"^layers\.\d+\.")
 # role -> the checkpoint tensor (``{i}``: every layer) it takes its format from
 _ROLE_TENSORS = {"attn_q": "model.layers.{i}.self_attn.q_proj.weight", "attn_k": "model.layers.{i}.self_attn.k_proj.weight",
@@ -37,7 +37,7 @@ _ROLE_TENSORS = {"attn_q": "model.layers.{i}.self_attn.q_proj.weight", "attn_k":
                  "ffn_up": "model.layers.{i}.mlp.up_proj.weight", "ffn_gate": "model.layers.{i}.mlp.gate_proj.weight",
                  "ffn_down": "model.layers.{i}.mlp.down_proj.weight", "embeddings": "model.embed_tokens.weight",
                  "output": "lm_head.weight", "experts": "model.layers.{i}.mlp.experts.0.{proj}_proj.weight"}
-EXPERT_BLOCKS = ("Q4_0", "Q4_1")  # online/experts/packing.py's KEPT_BLOCKS: an int4 expert holds them as they are
+EXPERT_BLOCKS = (("Q4_0", "Q4_1"), ("Q8_0",))  # online/experts/packing.py's KEPT_BLOCKS (int4, int8): kept as they are
 # GGUF block type -> the tier format that holds it: as it is (F32, F16, Q8_0, Q4_0, Q4_1) or re-encoded at
 # no fewer bits (5/6-bit types in q8; 2/3/4-bit k-quants, whose blocks carry a minimum, in q4_1)
 GGUF_TIER_FORMAT = {"F32": "fp32", "F16": "fp16", "BF16": "fp16", "Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4_1",
@@ -209,10 +209,11 @@ def checkpoint_tensor_formats(checkpoint: Any) -> dict[str, str]:
         if role == "output" and config.tie_word_embeddings:
             pattern = _ROLE_TENSORS["embeddings"]
         layers = range(config.num_layers) if "{i}" in pattern else [None]
-        if role == "experts":  # the down's blocks where gate, up and down all are Q4_0 / Q4_1 (else not kept)
+        if role == "experts":  # the down's blocks where gate, up and down are all Q4_0 / Q4_1, or all Q8_0
             kinds = {i: [types.get(pattern.format(i=i, proj=p), "").upper() for p in ("gate", "up", "down")]
                      for i in layers}
-            found = {i: GGUF_TIER_FORMAT[k[2]] for i, k in kinds.items() if all(q in EXPERT_BLOCKS for q in k)}
+            found = {i: GGUF_TIER_FORMAT[k[2]] for i, k in kinds.items()
+                     if any(all(q in kept for q in k) for kept in EXPERT_BLOCKS)}
         else:
             found = {i: GGUF_TIER_FORMAT.get(types[pattern.format(i=i)].upper(), "fp32") for i in layers
                      if pattern.format(i=i) in types}

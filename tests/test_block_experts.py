@@ -60,7 +60,8 @@ def test_a_block_expert_equals_the_dequantized_float_expert(moe_gguf):
         def deq(name):
             t = raw[f"model.layers.{layer}.mlp.experts.{expert}.{name}_proj.weight"]
             kind = getattr(gguf.GGMLQuantizationType, t.qtype)
-            return torch.from_numpy(gguf.quants.dequantize(np.asarray(t.data), kind).reshape(t.shape).astype(np.float32))
+            values = gguf.quants.dequantize(np.asarray(t.data), kind).reshape(t.shape)
+            return torch.from_numpy(values.astype(np.float32))
         want = (torch.nn.functional.silu(x @ deq("gate").T) * (x @ deq("up").T)) @ deq("down").T  # [2, d]
         got = engine.executor.block_moe[layer].expert_forward(expert, x)
         assert _rel(got, want) < 2e-2
@@ -109,36 +110,54 @@ def test_multi_token_and_batched_steps_equal_single_steps(moe_gguf, threads):
     assert torch.equal(torch.stack([step(t, i, again) for i, t in enumerate(IDS)]), want)
 
 
-def test_cached_int4_experts_hold_the_files_values(moe_gguf):
-    """An expert cache's int4 buffers (pack_expert with the file's Q4_0 blocks) read back as the file's decode, bit
-    for bit: gate / up and the down projection (they were re-quantized: int4 codes again, a per-row int8 down)."""
+@pytest.fixture(scope="module")
+def moe_gguf_q8(moe_gguf, tmp_path_factory):
+    """The same model with Q8_0 blocks (bench/requant_gguf.py)."""
+    from bench.requant_gguf import requantize
+    out = tmp_path_factory.mktemp("block-experts-q8") / "tiny-moe.Q8_0.gguf"
+    requantize(moe_gguf, out)
+    return out
+
+
+@pytest.fixture(params=["int4", "int8"])
+def fmt_file(request, moe_gguf, moe_gguf_q8):
+    """(weight format, the GGUF whose experts' blocks it keeps: Q4_0 for int4, Q8_0 for int8)."""
+    return request.param, moe_gguf if request.param == "int4" else moe_gguf_q8
+
+
+def test_cached_experts_hold_the_files_values(fmt_file):
+    """An expert cache's buffers (pack_expert with the file's Q4_0 / Q8_0 blocks) read back as the file's decode, bit
+    for bit: gate / up and the down projection (they were re-quantized: int4 / int8 codes again, a per-row int8
+    down)."""
     from online.experts.packing import _dequantize, expert_blocks, pack_expert
     from tandem.core.loading import load_checkpoint
     from tandem.core.model.build import build_model
-    ckpt = load_checkpoint(moe_gguf)
+    fmt, path = fmt_file
+    ckpt = load_checkpoint(path)
     _, ffn_layers = build_model(ckpt)
     for layer, expert in ((0, 1), (1, 3)):
         w = ffn_layers[layer].experts[expert]
-        packed = pack_expert(ckpt.config, w, "int4", blocks=expert_blocks(ckpt.raw, layer, expert))
+        packed = pack_expert(ckpt.config, w, fmt, blocks=expert_blocks(ckpt.raw, layer, expert, fmt))
         views = packed.layout.views(packed.host)
         for name in ("up", "gate", "down"):
             assert torch.equal(_dequantize(views, name, 32), getattr(w, name).float()), name
 
 
 @pytest.mark.parametrize("slots", [0, 2, 4])
-def test_expert_slots_keep_the_numbers(moe_gguf, slots):
+def test_expert_slots_keep_the_numbers(fmt_file, slots):
     """--expert-slots changes where experts run, not what they compute: the same logits as the engine without a
     cache (float rounding), through the module path (cache hits on the tier, misses on the CPU) and the fused step."""
-    ref = _engine(moe_gguf, weight_format="int4", threads=1, fused_decode=False).logits(IDS)  # [T, vocab]
-    ours = _engine(moe_gguf, weight_format="int4", threads=1, fused_decode=False, expert_slots=slots,
+    fmt, path = fmt_file
+    ref = _engine(path, weight_format=fmt, threads=1, fused_decode=False).logits(IDS)  # [T, vocab]
+    ours = _engine(path, weight_format=fmt, threads=1, fused_decode=False, expert_slots=slots,
                    gpu_device="cpu").logits(IDS)
     assert _rel(ours, ref) < 1e-5 and torch.equal(ours.argmax(-1), ref.argmax(-1))
-    fused_ref = _engine(moe_gguf, weight_format="int4", threads=1).step_logits(IDS)
-    fused = _engine(moe_gguf, weight_format="int4", threads=1, expert_slots=slots, gpu_device="cpu").step_logits(IDS)
+    fused_ref = _engine(path, weight_format=fmt, threads=1).step_logits(IDS)
+    fused = _engine(path, weight_format=fmt, threads=1, expert_slots=slots, gpu_device="cpu").step_logits(IDS)
     assert _rel(fused, fused_ref) < 1e-5 and torch.equal(fused.argmax(-1), fused_ref.argmax(-1))
 
 
-def test_plans_count_the_experts_as_the_runtime_keeps_them(moe_gguf, tmp_path_factory):
+def test_plans_count_the_experts_as_the_runtime_keeps_them(fmt_file, tmp_path_factory):
     """A plan made for the file's formats names its experts' blocks (the ``experts`` role) and counts each cache slot
     as the runtime packs it: the tier holds, by kind, what plan.json says, at 10 / 50 / 100% of the model's bytes.
     A plan without the role (made before it) still loads, its experts quantized as it counted them."""
@@ -147,21 +166,22 @@ def test_plans_count_the_experts_as_the_runtime_keeps_them(moe_gguf, tmp_path_fa
     from placement.settings import checkpoint_tensor_formats
     from tandem.core.loading import load_checkpoint
     from test_gpu_plan import PLACED_KINDS
-    formats = checkpoint_tensor_formats(load_checkpoint(moe_gguf))
-    assert formats["experts"] == "q4"  # Q4_0 gate, up and down
+    fmt, path = fmt_file
+    formats = checkpoint_tensor_formats(load_checkpoint(path))
+    assert formats["experts"] == {"int4": "q4", "int8": "q8"}[fmt]  # gate, up and down all Q4_0 / Q8_0
     out = tmp_path_factory.mktemp("moe-plans")
     for fraction in (0.1, 0.5, 1.0):
-        plan_dir = tiny_plan(moe_gguf, out, "rtx4090", fraction, tensor_formats=formats)
+        plan_dir = tiny_plan(path, out, "rtx4090", fraction, weight_format=fmt, tensor_formats=formats)
         plan = read_plan(plan_dir)
-        engine = _engine(moe_gguf, plan=plan_dir, gpu_device="cpu", fused_decode=False, threads=1)
+        engine = _engine(path, plan=plan_dir, gpu_device="cpu", fused_decode=False, threads=1)
         runtime = engine.executor.tier.bytes_by_kind()
         for key in PLACED_KINDS:
             assert runtime.get(key, 0) == plan.gpu_bytes_by_kind[key], (fraction, key, runtime, plan.gpu_bytes_by_kind)
-        packed = engine.executor.experts.packed[0][0]
-        assert "down.packed" in {f.name for f in packed.layout.fields}  # the file's blocks
+        fields = {f.name for f in engine.executor.experts.packed[0][0].layout.fields}
+        assert {"down.packed", "down.q"} & fields  # the file's blocks
     older = {k: v for k, v in formats.items() if not k.endswith("experts")}
-    plan_dir = tiny_plan(moe_gguf, out / "older", "rtx4090", 0.5, tensor_formats=older)
-    engine = _engine(moe_gguf, plan=plan_dir, gpu_device="cpu", fused_decode=False, threads=1)
+    plan_dir = tiny_plan(path, out / "older", "rtx4090", 0.5, weight_format=fmt, tensor_formats=older)
+    engine = _engine(path, plan=plan_dir, gpu_device="cpu", fused_decode=False, threads=1)
     assert engine.executor.tier.bytes_by_kind().get("experts", 0) == read_plan(plan_dir).gpu_bytes_by_kind["experts"]
     assert "down_t.q" in {f.name for f in engine.executor.experts.packed[0][0].layout.fields}
 

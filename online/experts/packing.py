@@ -13,10 +13,10 @@ Example::
     slot = packed.host.clone()      # what the cache holds on the tier
     y_tier = tier_forward(cfg, packed.layout, slot, x)
 
-An int4 expert of a GGUF file with Q4_0 / Q4_1 blocks (``raw``, see ``expert_blocks``) keeps the file's values:
-gate / up and the down projection ``[d, n_ff]`` (``down``: its blocks run along n_ff, one dense product) as
-those blocks with float32 scales, which hold f16 exactly. Re-quantizing them (gate / up to int4 codes again, the
-down to per-row int8) moved the output wherever an expert cache was on (``--expert-slots``, MoE plans).
+An int4 expert of a GGUF file with Q4_0 / Q4_1 blocks, or an int8 one with Q8_0 blocks (``expert_blocks``), keeps
+the file's values: gate / up and the down projection ``[d, n_ff]`` (``down``: its blocks run along n_ff, one dense
+product) as those blocks with float32 scales, which hold f16 exactly. Re-quantizing them (gate / up to int4 codes
+again, the down to per-row int8) moved the output wherever an expert cache was on (``--expert-slots``, MoE plans).
 """
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ from tandem.core.ffn.activations import gated_hidden, activate
 from tandem.core.ffn.dense import ffn_down, ffn_hidden
 from tandem.core.ffn.weights import FFNWeights
 from ..kernels.ffn import QuantizedFFN
-from ..kernels.quantize import Fp32Weight, Int4Weight, Int8Weight, quantize, weight_from_gguf
+from ..kernels.quantize import BlockInt8Weight, Fp32Weight, Int4Weight, Int8Weight, quantize, weight_from_gguf
 
 ALIGN_BYTES = 64
 EXPERT_FORMATS = ("fp32", "int8", "int4")
-KEPT_BLOCKS = ("Q4_0", "Q4_1")  # GGUF blocks an int4 expert buffer holds as they are
+KEPT_BLOCKS = {"int4": ("Q4_0", "Q4_1"), "int8": ("Q8_0",)}  # GGUF blocks an expert buffer holds as they are
 _NP_TO_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16, np.dtype(np.int8): torch.int8,
                 np.dtype(np.uint8): torch.uint8}  # float16: int4 scales (quantize.py keeps them as GGUF does)
 
@@ -76,6 +76,8 @@ def _weight_arrays(prefix: str, w) -> list[tuple[str, np.ndarray]]:
         return [(f"{prefix}.w", w.w)]
     if isinstance(w, Int8Weight):
         return [(f"{prefix}.q", w.q), (f"{prefix}.scale", w.scale)]
+    if isinstance(w, BlockInt8Weight):  # Q8_0: one scale per 32 inputs, float32 (exact)
+        return [(f"{prefix}.q", w.q), (f"{prefix}.bscale", w.scale.astype(np.float32))]
     if isinstance(w, Int4Weight):  # float32 scale and minimum: the slot size the planner counts from shapes
         scale = w.scale.astype(np.float32)  # (quantize_int4 keeps f16 only where every value is normal)
         minimum = -8.0 * scale if w.minimum is None else w.minimum.astype(np.float32)
@@ -88,6 +90,8 @@ def _rebuild(prefix: str, w, views: dict[str, np.ndarray]):
         return Fp32Weight(views[f"{prefix}.w"])
     if isinstance(w, Int8Weight):
         return Int8Weight(views[f"{prefix}.q"], views[f"{prefix}.scale"])
+    if isinstance(w, BlockInt8Weight):
+        return BlockInt8Weight(views[f"{prefix}.q"], views[f"{prefix}.bscale"])
     return Int4Weight(views[f"{prefix}.packed"], views[f"{prefix}.scale"], views[f"{prefix}.minimum"], w.group_size)
 
 
@@ -116,16 +120,18 @@ def _float_forward(cfg: ModelConfig, layout: ExpertLayout, v: dict[str, torch.Te
     return ffn_down(w, ffn_hidden(cfg, w, x))  # [T, d], exactly DenseExecutor's arithmetic
 
 
-def expert_blocks(raw: dict | None, layer: int, expert: int) -> dict | None:
-    """The GGUF tensors {"up", "gate", "down"} of one expert in a checkpoint's ``raw``, where all three are
-    Q4_0 / Q4_1 blocks (else None: the expert is quantized from its float values)."""
+def expert_blocks(raw: dict | None, layer: int, expert: int, fmt: str) -> dict | None:
+    """The GGUF tensors {"up", "gate", "down"} of one expert in a checkpoint's ``raw``, where all three are blocks
+    a ``fmt`` buffer keeps (int4: Q4_0 / Q4_1, int8: Q8_0; else None: the expert is quantized from float)."""
     prefix = f"model.layers.{layer}.mlp.experts.{expert}"
     found = {n: (raw or {}).get(f"{prefix}.{n}_proj.weight") for n in ("up", "gate", "down")}
-    ok = all(getattr(t, "qtype", None) in KEPT_BLOCKS for t in found.values())
+    ok = all(getattr(t, "qtype", None) in KEPT_BLOCKS.get(fmt, ()) for t in found.values())
     return found if ok else None
 
 
 def _dequantize(v: dict[str, torch.Tensor], prefix: str, group_size: int) -> torch.Tensor:
+    if f"{prefix}.bscale" in v:  # Q8_0 blocks: a scale per 32 inputs
+        return v[f"{prefix}.q"].float() * v[f"{prefix}.bscale"].repeat_interleave(32, dim=1)  # [out, in]
     if f"{prefix}.q" in v:
         return v[f"{prefix}.q"].float() * v[f"{prefix}.scale"][:, None]  # [out, in]
     packed = v[f"{prefix}.packed"]  # [out, in/2] uint8, nibble order of online.kernels.quantize
@@ -147,7 +153,7 @@ def tier_forward(cfg: ModelConfig, layout: ExpertLayout, buffer: torch.Tensor, x
         h = gated_hidden(cfg.hidden_act, gate, up, cfg.act_threshold)
     else:
         h = activate(cfg.hidden_act, up, cfg.act_threshold)
-    if "down.packed" in v:  # the file's down blocks [d, n_ff]
+    if "down.packed" in v or "down.q" in v:  # the file's down blocks [d, n_ff]
         y = h @ _dequantize(v, "down", layout.group_size).T  # [T, d]
     else:
         y = h @ _dequantize(v, "down_t", layout.group_size)  # [T, d] (down stored transposed)
@@ -156,8 +162,8 @@ def tier_forward(cfg: ModelConfig, layout: ExpertLayout, buffer: torch.Tensor, x
 
 def pack_expert(cfg: ModelConfig, w: FFNWeights, fmt: str, threads: int = 2, pin: bool = False,
                 blocks: dict | None = None) -> PackedExpert:
-    """Quantize (unless fp32) and pack one expert into a single host buffer; int4 with ``blocks``
-    (``expert_blocks``): the file's blocks as they are (module docstring)."""
+    """Quantize (unless fp32) and pack one expert into a single host buffer; with ``blocks`` (``expert_blocks``
+    for this ``fmt``): the file's blocks as they are (module docstring)."""
     if fmt not in EXPERT_FORMATS:
         raise TandemError(f"unknown expert weight format {fmt!r} (choose from {', '.join(EXPERT_FORMATS)})")
     biases = [(n, getattr(w, n)) for n in ("up_bias", "gate_bias", "down_bias") if getattr(w, n) is not None]
@@ -168,7 +174,7 @@ def pack_expert(cfg: ModelConfig, w: FFNWeights, fmt: str, threads: int = 2, pin
             t = getattr(w, name)
             if t is not None:
                 arrays.append((f"{name}.w", t.detach().float().contiguous().numpy()))
-    elif fmt == "int4" and blocks is not None and w.gate is not None:
+    elif blocks is not None and w.gate is not None:
         weights = {n: weight_from_gguf(t.data, t.qtype, t.shape) for n, t in blocks.items()}  # up, gate, down
         for name, qw in weights.items():
             arrays += _weight_arrays(name, qw)

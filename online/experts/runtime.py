@@ -70,7 +70,8 @@ def tier_bytes_needed(cfg: ModelConfig, layer_weights: list, weight_format: str,
     total = 0
     for i, w in enumerate(layer_weights):
         if isinstance(w, MoELayerWeights):
-            expert_nbytes = pack_expert(cfg, w.experts[0], weight_format, blocks=expert_blocks(raw, i, 0)).nbytes
+            blocks = expert_blocks(raw, i, 0, weight_format)
+            expert_nbytes = pack_expert(cfg, w.experts[0], weight_format, blocks=blocks).nbytes
             n_pinned = len(pinned_per_layer[i])
             total += (min(slots_per_layer[i], len(w.experts) - n_pinned) + n_pinned) * expert_nbytes
     return total
@@ -96,7 +97,7 @@ class ExpertRuntime:
                  slots: int | Sequence[int] | None = 0, pinned=None, prefetch: bool = True,
                  miss_policy: str = "auto", cost_model: MissCostModel | None = None, threads: int = 2,
                  guesser: Guesser | None = None, fit_to_budget: bool = False, raw: dict | None = None) -> None:
-        """``raw``: the checkpoint's GGUF tensors, whose Q4_0 / Q4_1 experts int4 keeps as they are (packing.py)."""
+        """``raw``: the checkpoint's GGUF tensors, whose experts' blocks int4 / int8 keep (packing.py)."""
         if miss_policy not in MISS_POLICIES:
             raise TandemError(f"unknown miss policy {miss_policy!r} (choose from {', '.join(MISS_POLICIES)})")
         slots_per_layer = _per_layer(slots, cfg, "expert cache slots")
@@ -117,7 +118,8 @@ class ExpertRuntime:
             if bad:
                 raise TandemError(f"pinned expert {bad[0]} out of range in layer {i} ({len(w.experts)} experts)")
             self.packed[i] = [pack_expert(cfg, e, weight_format, threads, pin=tier.is_cuda,
-                                          blocks=expert_blocks(raw, i, j)) for j, e in enumerate(w.experts)]
+                                          blocks=expert_blocks(raw, i, j, weight_format))
+                              for j, e in enumerate(w.experts)]
             self.moe[i] = MoELayerWeights(router=w.router, experts=[], shared_expert=w.shared_expert,
                                           shared_expert_gate=w.shared_expert_gate)
         if not self.moe:

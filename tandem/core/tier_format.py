@@ -30,9 +30,11 @@ _RAW_AS_IS = {"Q8_0": ("q8", 2), "Q4_0": ("q4", 2), "Q4_1": ("q4_1", 4), "F32": 
 def format_lookup(pairs, role: str, layer: int | None, default: str) -> str:
     """A tensor's tier format from ``(key, format)`` pairs: ``layers.{layer}.{role}``, else ``role``, else ``default``.
 
-    >>> format_lookup((("ffn_up", "q4_1"), ("layers.2.ffn_up", "q8")), "ffn_up", 2, "q4"), \
-    ...     format_lookup((("ffn_up", "q4_1"),), "ffn_up", 0, "q4"), format_lookup((), "output", None, "q4")
-    ('q8', 'q4_1', 'q4')
+    >>> pairs = (("ffn_up", "q4_1"), ("layers.2.ffn_up", "q8"))
+    >>> format_lookup(pairs, "ffn_up", 2, "q4"), format_lookup(pairs, "ffn_up", 0, "q4")
+    ('q8', 'q4_1')
+    >>> format_lookup((), "output", None, "q4")
+    'q4'
     """
     table = dict(pairs)
     if layer is not None and f"layers.{layer}.{role}" in table:
@@ -78,10 +80,10 @@ def expert_format_for(bytes_per_weight: float) -> str:
 def expert_layout_bytes(hidden_size: int, n_ff: int, gated: bool, fmt: str, bias: bool = False,
                         align_bytes: int = 64, group_size: int = 32, file_blocks: bool = False) -> int:
     """Bytes of one packed expert buffer, from shapes alone (mirrors ``online.experts.packing.pack_expert``);
-    ``file_blocks``: an int4 expert kept in a GGUF file's Q4_0 / Q4_1 blocks (the down [d, n_ff] in int4 too).
+    ``file_blocks``: an expert kept in a GGUF file's blocks (int4: Q4_0 / Q4_1, int8: Q8_0; the down [d, n_ff] too).
 
     >>> expert_layout_bytes(64, 48, True, "int4"), expert_layout_bytes(64, 48, True, "int4", file_blocks=True)
-    (7872, 7104)
+    (7872, 6656)
     """
     def aligned(n: int) -> int:
         return (n + align_bytes - 1) // align_bytes * align_bytes
@@ -89,14 +91,18 @@ def expert_layout_bytes(hidden_size: int, n_ff: int, gated: bool, fmt: str, bias
     if fmt == "fp32":
         fields = [4 * n_ff * hidden_size] * n_mats
     else:
-        if fmt == "int8":
+        if fmt == "int8" and file_blocks:  # Q8_0: codes, a float32 scale per 32 inputs; the down alike
+            first = [n_ff * hidden_size, 4 * n_ff * (hidden_size // 32)]
+        elif fmt == "int8":
             first = [n_ff * hidden_size, 4 * n_ff]  # codes, per-row scale
         else:
             groups = n_ff * (hidden_size // group_size)
             first = [n_ff * hidden_size // 2, 4 * groups, 4 * groups]  # nibbles, scale, minimum
-        if fmt == "int4" and file_blocks:  # the down as the file stores it: [d, n_ff], blocks along n_ff
+        if file_blocks:  # the down as the file stores it: [d, n_ff], blocks along n_ff
             groups_down = hidden_size * (n_ff // group_size)
-            fields = first * (n_mats - 1) + [n_ff * hidden_size // 2, 4 * groups_down, 4 * groups_down]
+            down = ([n_ff * hidden_size // 2, 4 * groups_down, 4 * groups_down] if fmt == "int4"
+                    else [n_ff * hidden_size, 4 * groups_down])
+            fields = first * (n_mats - 1) + down
         else:
             fields = first * (n_mats - 1) + [n_ff * hidden_size, 4 * n_ff]  # down_t as int8 rows
     if bias:
