@@ -22,12 +22,12 @@ def model_path(args) -> str:
     if args.gguf:
         return args.gguf
     from synth import SynthSpec, get_shape, synthesize
-    from tandem.core.loading.resolve import default_gguf_path
+    from tandem.core.loading.resolve import resolve_model_path
     out = Path(args.models_dir) / args.shape
     found = sorted(out.glob("*.gguf")) if out.is_dir() else []
     if found:
         return str(found[0])
-    return str(synthesize(SynthSpec(get_shape(args.shape), sparsity=0.9), out, str(default_gguf_path())).path)
+    return str(synthesize(SynthSpec(get_shape(args.shape), sparsity=0.9), out, str(resolve_model_path("smollm2"))).path)
 
 
 def main() -> None:

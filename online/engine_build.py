@@ -29,10 +29,11 @@ class BuiltExecutor:
 
 
 def default_weight_format(raw: dict) -> str:
-    """int4 when the checkpoint's FFN weights are GGUF Q4 blocks (read exactly, no re-quantization),
-    else int8."""
-    qtype = getattr(raw.get("model.layers.0.mlp.up_proj.weight"), "qtype", None)
-    return "int4" if qtype in ("Q4_0", "Q4_1") else "int8"
+    """int4 when the checkpoint's FFN weights (a MoE model's: its first expert's) are GGUF Q4 blocks (read
+    exactly, no re-quantization), else int8."""
+    names = ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.experts.0.up_proj.weight")
+    up = next((raw[n] for n in names if raw.get(n) is not None), None)
+    return "int4" if getattr(up, "qtype", None) in ("Q4_0", "Q4_1") else "int8"
 
 
 def build_executor(args: EngineArgs, ckpt, net, ffn_layers: list) -> BuiltExecutor:
@@ -124,7 +125,8 @@ def _expert_cache(args: EngineArgs, ckpt, ffn_layers: list, settings, head):
     budget = args.gpu_budget_bytes if args.gpu_budget_bytes is not None else tier_bytes_needed(
         cfg, ffn_layers, settings.weight_format, args.expert_slots, raw=ckpt.raw)
     tier = GpuTier.create(budget, args.gpu_device)
-    executor = HybridExecutor.build(cfg, ffn_layers, tier, settings, head_weight=head, raw=ckpt.raw)
+    executor = HybridExecutor.build(cfg, ffn_layers, tier, settings, head_weight=head, raw=ckpt.raw,
+                                    pack_experts=False)  # the runtime below packs them
     executor.attach_experts(ExpertRuntime(cfg, ffn_layers, tier, weight_format=settings.weight_format,
                                           slots=args.expert_slots, prefetch=args.prefetch, threads=settings.threads,
                                           raw=ckpt.raw))  # Q4_0 / Q4_1 experts kept as they are (int4)

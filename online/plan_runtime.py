@@ -109,7 +109,8 @@ def build_plan_executor(plan_dir: str | Path, cfg, ffn_layers: list, model_finge
     thresholds = [float(t) for t in profile.thresholds.tolist()]
     gpu_neurons = [plan.gpu_neurons(i) if not cfg.is_moe_layer(i) else None for i in range(cfg.num_layers)]
     executor = HybridExecutor.build(cfg, ffn_layers, tier, settings, gpu_neurons=gpu_neurons, thresholds=thresholds,
-                                    predictors=predictors, head_weight=head_weight, raw=raw)
+                                    predictors=predictors, head_weight=head_weight, raw=raw,
+                                    pack_experts=not cfg.is_moe)  # MoE: the expert runtime below packs them
     if predictors is not None:  # before the plan units: a tier attention fetches its layer's predictor mask
         from .execution.tier_units import place_predictors
         place_predictors(executor, tier, predictors, [bool(layer.get("predictor_on_gpu")) for layer in plan.layers])

@@ -212,8 +212,10 @@ def checkpoint_tensor_formats(checkpoint: Any) -> dict[str, str]:
         if role == "experts":  # the down's blocks where gate, up and down are all Q4_0 / Q4_1, or all Q8_0
             kinds = {i: [types.get(pattern.format(i=i, proj=p), "").upper() for p in ("gate", "up", "down")]
                      for i in layers}
-            found = {i: GGUF_TIER_FORMAT[k[2]] for i, k in kinds.items()
-                     if any(all(q in kept for q in k) for kept in EXPERT_BLOCKS)}
+            found = {i: GGUF_TIER_FORMAT[k[2]] if any(all(q in kept for q in k) for kept in EXPERT_BLOCKS)
+                     else "fp32" for i, k in kinds.items() if all(k)}  # fp32: packed from their float values
+            if all(f == "fp32" for f in found.values()):
+                continue  # no layer keeps its experts' blocks: no role (as before it existed)
         else:
             found = {i: GGUF_TIER_FORMAT.get(types[pattern.format(i=i)].upper(), "fp32") for i in layers
                      if pattern.format(i=i) in types}

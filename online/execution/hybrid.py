@@ -136,15 +136,17 @@ class HybridExecutor:
         """Run MoE layers through ``runtime``; it holds the (packed) experts, so the float ones go."""
         self.experts = runtime
         for i in runtime.moe:
-            self.float_moe.pop(i, None), self.block_moe.pop(i, None)
+            self.float_moe.pop(i, None)
+            self.block_moe.pop(i, None)
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
     def build(cls, cfg: ModelConfig, ffn_layers: list, tier: GpuTier, settings: ExecutionSettings,
               gpu_neurons: list[torch.Tensor | None] | None = None, thresholds: list[float] | None = None,
               predictors: list | None = None, head_weight: torch.Tensor | None = None,
-              raw: dict | None = None) -> "HybridExecutor":
-        """Split every dense FFN layer; float FFN weights are released once packed."""
+              raw: dict | None = None, pack_experts: bool = True) -> "HybridExecutor":
+        """Split every dense FFN layer; float FFN weights are released once packed. ``pack_experts``: MoE layers
+        get their experts packed (block_moe), unless an ExpertRuntime will take them (False)."""
         splits: list[LayerSplit | None] = []
         float_moe = {i: w for i, w in enumerate(ffn_layers) if isinstance(w, MoELayerWeights)}
         for i, w in enumerate(ffn_layers):
@@ -163,7 +165,7 @@ class HybridExecutor:
                               or ((raw or {}).get("model.embed_tokens.weight") if cfg.tie_word_embeddings else None))
         from ..experts.block_experts import block_moe_layers
         executor = cls(cfg, float_moe, splits, tier, settings, head)
-        executor.block_moe = block_moe_layers(cfg, float_moe, raw, settings)
+        executor.block_moe = block_moe_layers(cfg, float_moe, raw, settings) if pack_experts else {}
         return executor
 
     # --- execution ---------------------------------------------------------------------------

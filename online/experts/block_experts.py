@@ -66,9 +66,8 @@ def _expert_blocks(raw: dict, layer: int, expert: int | None) -> dict | None:
 
 def _readable(blocks: dict, weight_format: str) -> bool:
     exact = EXACT_GGUF_TYPES.get(weight_format, ())
-    rows, cols = blocks["down"].shape
     return (blocks["up"].qtype in exact and blocks["gate"].qtype in exact and blocks["down"].qtype in DOWN_GGUF_TYPES
-            and cols % 32 == 0)
+            and blocks["down"].shape[1] % 32 == 0)
 
 
 def _packed(cfg: ModelConfig, w, blocks: dict | None, settings) -> QuantizedFFN:

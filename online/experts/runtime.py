@@ -67,11 +67,14 @@ def tier_bytes_needed(cfg: ModelConfig, layer_weights: list, weight_format: str,
                       slots: int | Sequence[int] | None, pinned=None, raw: dict | None = None) -> int:
     """GPU-tier bytes an ExpertRuntime with these settings (and the checkpoint's GGUF ``raw``) allocates."""
     slots_per_layer, pinned_per_layer = _per_layer(slots, cfg, "expert cache slots"), _pinned_sets(pinned, cfg)
-    total = 0
+    total, sizes = 0, {}  # packed size by the first expert's block types (one packing per kind, not per layer)
     for i, w in enumerate(layer_weights):
         if isinstance(w, MoELayerWeights):
             blocks = expert_blocks(raw, i, 0, weight_format)
-            expert_nbytes = pack_expert(cfg, w.experts[0], weight_format, blocks=blocks).nbytes
+            key = None if blocks is None else tuple(t.qtype for t in blocks.values())
+            if key not in sizes:
+                sizes[key] = pack_expert(cfg, w.experts[0], weight_format, blocks=blocks).nbytes
+            expert_nbytes = sizes[key]
             n_pinned = len(pinned_per_layer[i])
             total += (min(slots_per_layer[i], len(w.experts) - n_pinned) + n_pinned) * expert_nbytes
     return total
