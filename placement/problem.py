@@ -154,7 +154,7 @@ def _neuron_read_rows(config: ModelConfig, activity: str, freq: np.ndarray, pred
 
 
 def _expert_options(config: ModelConfig, hw: HardwareProfile, bpw: float, expert_freq: np.ndarray, repeat_rate: float,
-                    gpu_enabled: bool, file_blocks: bool = False) -> tuple[list[ExpertOption], np.ndarray]:
+                    gpu_enabled: bool, file_blocks: str | None = None) -> tuple[list[ExpertOption], np.ndarray]:
     rows = 3 if config.mlp_gated else 2
     expert_bytes = math.ceil(rows * config.hidden_size * config.moe_intermediate_size * bpw)
     # a cache slot holds one expert as the runtime packs it (one buffer, its own format and alignment)
@@ -243,7 +243,8 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
             dense_ffn = DenseUnit(math.ceil(ffn_weights * bpw), *_read_seconds(read_weights * bpw, bpw, hw))
             repeat = float(stats.expert_repeat[i]) if stats.expert_repeat is not None else 0.0
             kept = {"int4": ("q4", "q4_1"), "int8": ("q8",)}.get(expert_format_for(bpw), ())  # the file's blocks
-            in_blocks = settings.explicit_format("experts", i) in kept
+            in_blocks = settings.explicit_format("experts", i)
+            in_blocks = in_blocks if in_blocks in kept else None
             options, order = _expert_options(config, hw, bpw, stats.expert_freq[i], repeat, gpu_enabled, in_blocks)
             shared = None
             if config.shared_expert_intermediate_size:  # as the tier stores it: rows, down as it is, fp32 gate vector

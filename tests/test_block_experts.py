@@ -47,6 +47,9 @@ def test_experts_stay_in_the_files_blocks(moe_gguf):
     assert file_bytes <= ex.ffn_nbytes <= 1.05 * file_bytes
     float_bytes = sum(e.nbytes for i in ex.float_moe for e in ex.float_moe[i].experts)
     assert float_bytes > 6 * file_bytes  # what they took before
+    modules = _engine(moe_gguf, weight_format="int4", threads=1, fused_decode=False)
+    stats = modules.generate(IDS[:4], max_new_tokens=2, ignore_eos=True).stats
+    assert stats["ffn_sparsity"] == 0.0  # the selected experts' neurons, all computed (it read 1.0: 0 of 0 counted)
 
 
 def test_a_block_expert_equals_the_dequantized_float_expert(moe_gguf):
@@ -144,10 +147,14 @@ def test_cached_experts_hold_the_files_values(fmt_file):
 
 
 @pytest.mark.parametrize("slots", [0, 2, 4])
-def test_expert_slots_keep_the_numbers(fmt_file, slots):
+@pytest.mark.parametrize("kept", [True, False])
+def test_expert_slots_keep_the_numbers(fmt_file, slots, kept, moe_gguf, moe_gguf_q8):
     """--expert-slots changes where experts run, not what they compute: the same logits as the engine without a
-    cache (float rounding), through the module path (cache hits on the tier, misses on the CPU) and the fused step."""
+    cache (float rounding), through the module path (cache hits on the tier, misses on the CPU) and the fused step;
+    also where the format does not keep the file's blocks (int4 on Q8_0, int8 on Q4_0: both quantize alike)."""
     fmt, path = fmt_file
+    if not kept:
+        path = moe_gguf_q8 if fmt == "int4" else moe_gguf
     ref = _engine(path, weight_format=fmt, threads=1, fused_decode=False).logits(IDS)  # [T, vocab]
     ours = _engine(path, weight_format=fmt, threads=1, fused_decode=False, expert_slots=slots,
                    gpu_device="cpu").logits(IDS)
@@ -177,15 +184,17 @@ def test_plans_count_the_experts_as_the_runtime_keeps_them(fmt_file, tmp_path_fa
         runtime = engine.executor.tier.bytes_by_kind()
         for key in PLACED_KINDS:
             assert runtime.get(key, 0) == plan.gpu_bytes_by_kind[key], (fraction, key, runtime, plan.gpu_bytes_by_kind)
-        fields = {f.name for f in engine.executor.experts.packed[0][0].layout.fields}
-        assert {"down.packed", "down.q"} & fields  # the file's blocks
+        fields = {f.name: f for f in engine.executor.experts.packed[0][0].layout.fields}
+        assert {"down.packed", "down.q"} & set(fields)  # the file's blocks, their f16 scales as stored
+        assert fields["up.scale" if fmt == "int4" else "up.bscale"].dtype == torch.float16
         assert engine.executor.block_moe == {}  # the runtime packs the experts, once
         assert engine.executor.settings.weight_format == fmt  # the file's kind (was int8 for any MoE GGUF)
     older = {k: v for k, v in formats.items() if not k.endswith("experts")}
     plan_dir = tiny_plan(path, out / "older", "rtx4090", 0.5, weight_format=fmt, tensor_formats=older)
     engine = _engine(path, plan=plan_dir, gpu_device="cpu", fused_decode=False, threads=1)
-    assert engine.executor.tier.bytes_by_kind().get("experts", 0) == read_plan(plan_dir).gpu_bytes_by_kind["experts"]
-    assert "down_t.q" in {f.name for f in engine.executor.experts.packed[0][0].layout.fields}
+    assert engine.executor.tier.bytes_by_kind().get("experts", 0) <= read_plan(plan_dir).gpu_bytes_by_kind["experts"]
+    scale = next(f for f in engine.executor.experts.packed[0][0].layout.fields if f.name.endswith("scale"))
+    assert scale.dtype == torch.float32  # quantized again (the file's blocks: f16 scales)
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
@@ -236,7 +245,7 @@ def test_float_checkpoint_experts_are_packed_in_the_engines_format(float_moe_dir
 
 
 def test_the_experts_role_marks_each_layer_whose_blocks_are_kept():
-    """checkpoint_tensor_formats' ``experts``: the kept kind where gate, up and down are all Q4_0 / Q4_1 (or all Q8_0),
+    """checkpoint_tensor_formats' ``experts``: the kept kind where gate, up and down are all Q4_0, Q4_1 or Q8_0,
     ``fp32`` for a layer whose experts are packed from float (another kind), no role where no layer keeps them."""
     from placement.settings import checkpoint_tensor_formats
 
@@ -249,7 +258,37 @@ def test_the_experts_role_marks_each_layer_whose_blocks_are_kept():
         pairs = checkpoint_tensor_formats(SimpleNamespace(quant_types=types, config=cfg)).items()
         return [format_lookup(pairs, "experts", i, None) for i in range(len(kinds_by_layer))]
     assert per_layer([("Q4_0",) * 3] * 3) == ["q4"] * 3
-    assert per_layer([("Q4_0", "Q4_0", "Q4_1")] * 2) == ["q4_1"] * 2
+    assert per_layer([("Q4_1",) * 3] * 2) == ["q4_1"] * 2
+    assert per_layer([("Q4_0", "Q4_0", "Q4_1")] * 2) == [None, None]  # kinds mixed within an expert: not kept
     assert per_layer([("Q4_0",) * 3, ("Q4_0", "Q4_0", "Q6_K"), ("Q4_0",) * 3]) == ["q4", "fp32", "q4"]
     assert per_layer([("Q8_0",) * 3, ("Q4_K",) * 3]) == ["q8", "fp32"]
     assert per_layer([("Q4_K", "Q4_K", "Q6_K")] * 2) == [None, None]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n_ff", [64, 96])
+def test_a_cache_slot_is_the_files_bytes_and_the_planners_count(qtype, n_ff):
+    """An expert kept in Q4_0 / Q4_1 / Q8_0 blocks takes the file's bytes (f16 scales; 64-byte aligned fields), and
+    expert_layout_bytes(file_blocks=...) counts exactly that; quantized from float, the count matches too."""
+    from online.experts.packing import _dequantize, pack_expert
+    from tandem.core.config import ModelConfig
+    from tandem.core.ffn.weights import FFNWeights
+    from tandem.core.tier_format import expert_layout_bytes
+    d = 64
+    rng = np.random.default_rng(0)
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    floats = {n: rng.standard_normal(s).astype(np.float32) for n, s in (("up", (n_ff, d)), ("gate", (n_ff, d)),
+                                                                         ("down", (d, n_ff)))}
+    blocks = {n: SimpleNamespace(data=gguf.quants.quantize(w, kind), qtype=qtype, shape=w.shape)
+              for n, w in floats.items()}
+    decoded = {n: torch.from_numpy(gguf.quants.dequantize(b.data, kind).reshape(b.shape)) for n, b in blocks.items()}
+    cfg = ModelConfig(arch="llama", vocab_size=32, hidden_size=d, intermediate_size=n_ff, num_layers=1, num_heads=4,
+                      num_kv_heads=4, head_dim=16)
+    w = FFNWeights(up=decoded["up"], down=decoded["down"], gate=decoded["gate"])
+    fmt, role = ("int8", "q8") if qtype == "Q8_0" else ("int4", {"Q4_0": "q4", "Q4_1": "q4_1"}[qtype])
+    packed = pack_expert(cfg, w, fmt, blocks=blocks)
+    file_bytes = sum(b.data.nbytes for b in blocks.values())
+    assert packed.nbytes == expert_layout_bytes(d, n_ff, True, fmt, file_blocks=role) < file_bytes + 64 * 9
+    views = packed.layout.views(packed.host)
+    assert all(torch.equal(_dequantize(views, n, 32), decoded[n]) for n in ("up", "gate", "down"))
+    assert pack_expert(cfg, w, fmt).nbytes == expert_layout_bytes(d, n_ff, True, fmt)

@@ -171,13 +171,13 @@ class HybridExecutor:
     # --- execution ---------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         split = self.splits[layer]
-        if split is None and self.experts is not None:
-            cfg = self.cfg  # selected experts are computed densely: all their neurons count as active
+        if split is None:  # a MoE layer: its selected experts are computed densely, all their neurons count active
+            cfg = self.cfg
             n = x.shape[0] * (cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size)
             self.counters.ffn_neurons_total += n
             self.counters.ffn_neurons_active += n
-            return self.experts.forward(layer, x)
-        if split is None:
+            if self.experts is not None:
+                return self.experts.forward(layer, x)
             blocks = self.block_moe.get(layer)
             return blocks.forward(x) if blocks is not None else moe_forward(self.cfg, self.float_moe[layer], x)
         start = time.perf_counter()

@@ -71,13 +71,17 @@ def _align(n: int) -> int:
     return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
-def _weight_arrays(prefix: str, w) -> list[tuple[str, np.ndarray]]:
+def _weight_arrays(prefix: str, w, as_file: bool = False) -> list[tuple[str, np.ndarray]]:
+    """A weight's fields; ``as_file``: a GGUF file's blocks at its own bytes (f16 scales, Q4_1's minimum)."""
     if isinstance(w, Fp32Weight):
         return [(f"{prefix}.w", w.w)]
     if isinstance(w, Int8Weight):
         return [(f"{prefix}.q", w.q), (f"{prefix}.scale", w.scale)]
-    if isinstance(w, BlockInt8Weight):  # Q8_0: one scale per 32 inputs, float32 (exact)
-        return [(f"{prefix}.q", w.q), (f"{prefix}.bscale", w.scale.astype(np.float32))]
+    if isinstance(w, BlockInt8Weight):  # Q8_0: one f16 scale per 32 inputs
+        return [(f"{prefix}.q", w.q), (f"{prefix}.bscale", w.scale.astype(np.float16))]
+    if isinstance(w, Int4Weight) and as_file:  # Q4_0: codes, f16 scales; Q4_1: and f16 minimums
+        minimum = [] if w.minimum is None else [(f"{prefix}.minimum", w.minimum.astype(np.float16))]
+        return [(f"{prefix}.packed", w.packed), (f"{prefix}.scale", w.scale.astype(np.float16))] + minimum
     if isinstance(w, Int4Weight):  # float32 scale and minimum: the slot size the planner counts from shapes
         scale = w.scale.astype(np.float32)  # (quantize_int4 keeps f16 only where every value is normal)
         minimum = -8.0 * scale if w.minimum is None else w.minimum.astype(np.float32)
@@ -92,7 +96,7 @@ def _rebuild(prefix: str, w, views: dict[str, np.ndarray]):
         return Int8Weight(views[f"{prefix}.q"], views[f"{prefix}.scale"])
     if isinstance(w, BlockInt8Weight):
         return BlockInt8Weight(views[f"{prefix}.q"], views[f"{prefix}.bscale"])
-    return Int4Weight(views[f"{prefix}.packed"], views[f"{prefix}.scale"], views[f"{prefix}.minimum"], w.group_size)
+    return Int4Weight(views[f"{prefix}.packed"], views[f"{prefix}.scale"], views.get(f"{prefix}.minimum"), w.group_size)
 
 
 @dataclass
@@ -120,26 +124,33 @@ def _float_forward(cfg: ModelConfig, layout: ExpertLayout, v: dict[str, torch.Te
     return ffn_down(w, ffn_hidden(cfg, w, x))  # [T, d], exactly DenseExecutor's arithmetic
 
 
+def dense_down_fits(fmt: str, n_ff: int, group_size: int = 32) -> bool:
+    """Whether a re-quantized int4 / int8 expert keeps its down whole (the row kernels read inputs in 32-wide
+    blocks: they must divide n_ff), as block_experts does; else the down is int8 rows transposed."""
+    return fmt in ("int4", "int8") and n_ff % group_size == 0
+
+
 def expert_blocks(raw: dict | None, layer: int, expert: int, fmt: str) -> dict | None:
     """The GGUF tensors {"up", "gate", "down"} of one expert in a checkpoint's ``raw``, where all three are blocks
     a ``fmt`` buffer keeps (int4: Q4_0 / Q4_1, int8: Q8_0; else None: the expert is quantized from float)."""
     prefix = f"model.layers.{layer}.mlp.experts.{expert}"
     found = {n: (raw or {}).get(f"{prefix}.{n}_proj.weight") for n in ("up", "gate", "down")}
-    ok = all(getattr(t, "qtype", None) in KEPT_BLOCKS.get(fmt, ()) for t in found.values())
-    return found if ok else None
+    kinds = {getattr(t, "qtype", None) for t in found.values()}  # one kind for all three (the planner's role)
+    return found if len(kinds) == 1 and kinds <= set(KEPT_BLOCKS.get(fmt, ())) else None
 
 
 def _dequantize(v: dict[str, torch.Tensor], prefix: str, group_size: int) -> torch.Tensor:
     if f"{prefix}.bscale" in v:  # Q8_0 blocks: a scale per 32 inputs
-        return v[f"{prefix}.q"].float() * v[f"{prefix}.bscale"].repeat_interleave(32, dim=1)  # [out, in]
+        return v[f"{prefix}.q"].float() * v[f"{prefix}.bscale"].float().repeat_interleave(32, dim=1)  # [out, in]
     if f"{prefix}.q" in v:
         return v[f"{prefix}.q"].float() * v[f"{prefix}.scale"][:, None]  # [out, in]
     packed = v[f"{prefix}.packed"]  # [out, in/2] uint8, nibble order of online.kernels.quantize
     rows, cols = packed.shape[0], packed.shape[1] * 2
     p = packed.view(rows, cols // group_size, group_size // 2)  # [out, groups, G/2]
     q = torch.cat([p & 15, p >> 4], dim=-1).float()  # [out, groups, G]
-    w = q * v[f"{prefix}.scale"][:, :, None] + v[f"{prefix}.minimum"][:, :, None]
-    return w.reshape(rows, cols)
+    scale = v[f"{prefix}.scale"].float()  # [out, groups] (f16 where the file's blocks are kept: exact)
+    minimum = v[f"{prefix}.minimum"].float() if f"{prefix}.minimum" in v else -8.0 * scale  # Q4_0: -8 d
+    return (q * scale[:, :, None] + minimum[:, :, None]).reshape(rows, cols)
 
 
 def tier_forward(cfg: ModelConfig, layout: ExpertLayout, buffer: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -177,10 +188,13 @@ def pack_expert(cfg: ModelConfig, w: FFNWeights, fmt: str, threads: int = 2, pin
     elif blocks is not None and w.gate is not None:
         weights = {n: weight_from_gguf(t.data, t.qtype, t.shape) for n, t in blocks.items()}  # up, gate, down
         for name, qw in weights.items():
-            arrays += _weight_arrays(name, qw)
-    else:
-        down_t = np.ascontiguousarray(w.down.detach().float().numpy().T)  # [F, d]
-        weights = {"up": quantize(w.up.detach().float().numpy(), fmt), "down_t": quantize(down_t, "int8")}
+            arrays += _weight_arrays(name, qw, as_file=True)
+    else:  # quantized from float: the down whole in the same format (as block_experts), else int8 rows
+        weights = {"up": quantize(w.up.detach().float().numpy(), fmt)}
+        if dense_down_fits(fmt, w.down.shape[1]):
+            weights["down"] = quantize(w.down.detach().float().numpy(), fmt)  # [d, F]
+        else:
+            weights["down_t"] = quantize(np.ascontiguousarray(w.down.detach().float().numpy().T), "int8")  # [F, d]
         if w.gate is not None:
             weights["gate"] = quantize(w.gate.detach().float().numpy(), fmt)
         for name, qw in weights.items():

@@ -78,33 +78,31 @@ def expert_format_for(bytes_per_weight: float) -> str:
 
 
 def expert_layout_bytes(hidden_size: int, n_ff: int, gated: bool, fmt: str, bias: bool = False,
-                        align_bytes: int = 64, group_size: int = 32, file_blocks: bool = False) -> int:
-    """Bytes of one packed expert buffer, from shapes alone (mirrors ``online.experts.packing.pack_expert``);
-    ``file_blocks``: an expert kept in a GGUF file's blocks (int4: Q4_0 / Q4_1, int8: Q8_0; the down [d, n_ff] too).
+                        align_bytes: int = 64, group_size: int = 32, file_blocks: str | None = None) -> int:
+    """Bytes of one packed expert buffer, from shapes alone (mirrors ``online.experts.packing.pack_expert``).
+    ``file_blocks``: the tier format ("q4", "q4_1", "q8") of a GGUF file's blocks the expert keeps at the file's
+    bytes (f16 scales); else quantized: int4 codes with float32 scales and minimums, int8 rows with a float32
+    scale each, the down projection [d, n_ff] whole where 32-wide blocks divide n_ff (else int8 rows of the
+    transposed down).
 
-    >>> expert_layout_bytes(64, 48, True, "int4"), expert_layout_bytes(64, 48, True, "int4", file_blocks=True)
-    (7872, 6656)
+    >>> expert_layout_bytes(64, 64, True, "int4"), expert_layout_bytes(64, 64, True, "int4", file_blocks="q4")
+    (9216, 6912)
     """
     def aligned(n: int) -> int:
         return (n + align_bytes - 1) // align_bytes * align_bytes
-    n_mats = 3 if gated else 2
+    n_mats, weights, groups = (3 if gated else 2), n_ff * hidden_size, n_ff * hidden_size // group_size
     if fmt == "fp32":
-        fields = [4 * n_ff * hidden_size] * n_mats
+        fields = [4 * weights] * n_mats
+    elif file_blocks is not None:  # codes and f16 scales per 32 weights (Q4_1: f16 minimums too), every matrix
+        codes = weights if file_blocks == "q8" else weights // 2
+        fields = ([codes, 2 * groups] + ([2 * groups] if file_blocks == "q4_1" else [])) * n_mats
     else:
-        if fmt == "int8" and file_blocks:  # Q8_0: codes, a float32 scale per 32 inputs; the down alike
-            first = [n_ff * hidden_size, 4 * n_ff * (hidden_size // 32)]
-        elif fmt == "int8":
-            first = [n_ff * hidden_size, 4 * n_ff]  # codes, per-row scale
-        else:
-            groups = n_ff * (hidden_size // group_size)
-            first = [n_ff * hidden_size // 2, 4 * groups, 4 * groups]  # nibbles, scale, minimum
-        if file_blocks:  # the down as the file stores it: [d, n_ff], blocks along n_ff
-            groups_down = hidden_size * (n_ff // group_size)
-            down = ([n_ff * hidden_size // 2, 4 * groups_down, 4 * groups_down] if fmt == "int4"
-                    else [n_ff * hidden_size, 4 * groups_down])
-            fields = first * (n_mats - 1) + down
-        else:
-            fields = first * (n_mats - 1) + [n_ff * hidden_size, 4 * n_ff]  # down_t as int8 rows
+        rows = [weights, 4 * n_ff] if fmt == "int8" else [weights // 2, 4 * groups, 4 * groups]  # gate / up
+        if n_ff % group_size == 0:  # the down whole: int8 rows (d of them) or int4 groups
+            down = [weights, 4 * hidden_size] if fmt == "int8" else [weights // 2, 4 * groups, 4 * groups]
+        else:  # the down transposed in int8 rows
+            down = [weights, 4 * n_ff]
+        fields = rows * (n_mats - 1) + down
     if bias:
         fields += [4 * n_ff] * (n_mats - 1) + [4 * hidden_size]
     return sum(aligned(n) for n in fields)
