@@ -83,7 +83,8 @@ def pin_float_leftovers(net, executor, ffn_layers: list) -> int:
         if i in getattr(executor, "block_moe", {}):  # packed experts and shared expert: the router, gate vector
             weights += [w.router, w.shared_expert_gate]
             continue
-        ffns = [w.shared_expert] + (list(w.experts) if i in float_moe else [])
+        runtime_shared = getattr(getattr(executor, "experts", None), "cpu_shared", {})
+        ffns = ([] if i in runtime_shared else [w.shared_expert]) + (list(w.experts) if i in float_moe else [])
         weights += [w.router, w.shared_expert_gate] + [t for f in ffns if isinstance(f, FFNWeights)
                                                        for t in vars(f).values()]
     return pin_deferred(weights)

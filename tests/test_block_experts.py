@@ -237,6 +237,11 @@ def test_float_checkpoint_experts_are_packed_in_the_engines_format(float_moe_dir
     modules = Engine.load(str(folder), weight_format=fmt, threads=1, fused_decode=False).step_logits(ids)
     assert _rel(fused, modules) < 3e-2  # the fused step's int8 activations
     assert _rel(modules, ref) < {"int4": 0.2, "int8": 0.02}[fmt]  # random weights at int4: ~0.13 (attention included)
+    cached = Engine.load(str(folder), weight_format=fmt, threads=1, expert_slots=2, gpu_device="cpu")
+    runtime = cached.executor.experts  # an expert cache packs the same experts, and a shared expert alike
+    assert sorted(runtime.cpu_shared) == [i for i in moe_layers if ex.block_moe[i].shared is not None]
+    assert _rel(cached.logits(ids), Engine.load(str(folder), weight_format=fmt, threads=1).logits(ids)) < 1e-5
+    assert _rel(cached.step_logits(ids), fused) < 1e-5
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
     for i in moe_layers:  # each layer against its float experts: the formats' rounding, not a wrong row or axis
         from tandem.core.ffn.dense import moe_forward
@@ -292,3 +297,25 @@ def test_a_cache_slot_is_the_files_bytes_and_the_planners_count(qtype, n_ff):
     views = packed.layout.views(packed.host)
     assert all(torch.equal(_dequantize(views, n, 32), decoded[n]) for n in ("up", "gate", "down"))
     assert pack_expert(cfg, w, fmt).nbytes == expert_layout_bytes(d, n_ff, True, fmt)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_q5_0_experts_read_in_place(moe_gguf, tmp_path_factory, threads):
+    """Experts in Q5_0 blocks (a k-quant-style kind: GGUFBlockWeight rows and a dense down read in place), at one
+    and three threads: the fused step and the modules agree with the float model; step_many = single steps."""
+    from bench.requant_gguf import requantize
+    from tandem.core.kv_cache import KVCache
+    path = tmp_path_factory.mktemp("q5-experts") / "tiny-moe.Q5_0-experts.gguf"
+    assert requantize(moe_gguf, path, "Q5_0", only="exps") == 6  # gate / up / down of 2 layers
+    ref = _engine(path, threads=1).logits(IDS)
+    engine = _engine(path, weight_format="int4", threads=threads)
+    assert sorted(engine.executor.block_moe) == [0, 1] and engine.decode_path == "fused"
+    assert engine.executor.block_moe[0].experts[0].up.qtype == "Q5_0"
+    fused = engine.step_logits(IDS)
+    modules = _engine(path, weight_format="int4", threads=threads, fused_decode=False).step_logits(IDS)
+    for got in (fused, modules):
+        assert _rel(got, ref) < 3e-2 and torch.equal(got.argmax(-1), ref.argmax(-1))
+    step = engine.compiled_decode
+    single = KVCache(engine.model.cfg, 32)
+    want = torch.stack([step(t, i, single) for i, t in enumerate(IDS)])
+    assert torch.equal(step.step_many(IDS, 0, KVCache(engine.model.cfg, 32)), want)

@@ -58,9 +58,10 @@ class BlockExperts:
         return sum(e.nbytes for e in self.experts) + self.weights.router.numel() * 4 + shared
 
 
-def _expert_blocks(raw: dict, layer: int, expert: int | None) -> dict | None:
+def expert_blocks_of(raw: dict | None, layer: int, expert: int | None = None) -> dict | None:
+    """The GGUF tensors {"up", "gate", "down"} of an expert (None: the shared expert), or None."""
     prefix = f"model.layers.{layer}.mlp." + ("shared_expert" if expert is None else f"experts.{expert}")
-    found = {n: raw.get(f"{prefix}.{n}_proj.weight") for n in ("up", "gate", "down")}
+    found = {n: (raw or {}).get(f"{prefix}.{n}_proj.weight") for n in ("up", "gate", "down")}
     return found if all(t is not None for t in found.values()) else None
 
 
@@ -70,13 +71,18 @@ def _readable(blocks: dict, weight_format: str) -> bool:
             and blocks["down"].shape[1] % 32 == 0)
 
 
-def _packed(cfg: ModelConfig, w, blocks: dict | None, settings) -> QuantizedFFN:
-    """One expert: the file's blocks where the kernels read them in the engine's format, else quantized from float
-    (gate / up rows and the dense down [d, n_ff], all in ``settings.weight_format``)."""
-    kw = dict(act=cfg.hidden_act, act_threshold=cfg.act_threshold, threads=settings.threads)
-    if blocks is not None and _readable(blocks, settings.weight_format):
+def packable(w) -> bool:
+    """Whether an expert (FFNWeights) packs here: gated, no biases, 32-wide blocks dividing d and n_ff."""
+    return (w.gate is not None and w.up_bias is None and w.gate_bias is None and w.down_bias is None
+            and w.up.shape[1] % 32 == 0 and w.up.shape[0] % 32 == 0)
+
+
+def pack_ffn(cfg: ModelConfig, w, blocks: dict | None, fmt: str, threads: int) -> QuantizedFFN:
+    """One expert (``packable``): the file's ``blocks`` where the kernels read them in ``fmt`` (int4 / int8), else
+    quantized from float (gate / up rows and the dense down [d, n_ff], all in ``fmt``)."""
+    kw = dict(act=cfg.hidden_act, act_threshold=cfg.act_threshold, threads=threads)
+    if blocks is not None and _readable(blocks, fmt):
         return QuantizedFFN.from_gguf(blocks["up"], blocks["down"], blocks["gate"], dense_down=True, **kw)
-    fmt = settings.weight_format
     q = {n: quantize(getattr(w, n).detach().float().numpy(), fmt) for n in ("up", "gate", "down")}
     return QuantizedFFN(q["up"], None, q["gate"], down=q["down"], **kw)
 
@@ -92,11 +98,11 @@ def block_moe_layers(cfg: ModelConfig, moe_layers: dict[int, MoELayerWeights], r
     threshold = 0.0 if settings.sparse and cfg.ffn_is_relu_sparse else -1.0  # moe.h's: exact zeros skip the down
     for layer, w in moe_layers.items():
         ffns = w.experts + ([w.shared_expert] if w.shared_expert is not None else [])
-        if any(e.gate is None or e.up_bias is not None or e.gate_bias is not None or e.down_bias is not None
-               or e.up.shape[1] % 32 or e.up.shape[0] % 32 for e in ffns):
+        if not all(packable(e) for e in ffns):
             continue
-        experts = [_packed(cfg, e, _expert_blocks(raw or {}, layer, j), settings) for j, e in enumerate(w.experts)]
-        shared = None if w.shared_expert is None else _packed(cfg, w.shared_expert, _expert_blocks(raw or {}, layer,
-                                                                                                   None), settings)
+        fmt, threads = weight_format, settings.threads
+        experts = [pack_ffn(cfg, e, expert_blocks_of(raw, layer, j), fmt, threads) for j, e in enumerate(w.experts)]
+        shared = None if w.shared_expert is None else pack_ffn(cfg, w.shared_expert, expert_blocks_of(raw, layer),
+                                                               fmt, threads)
         out[layer] = BlockExperts(cfg, w, experts, threshold, shared)
     return out

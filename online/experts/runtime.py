@@ -30,6 +30,7 @@ from tandem.core.ffn.weights import MoELayerWeights
 from .cache import ExpertCache
 from .copier import make_copier
 from .cost import MissCostModel
+from .block_experts import expert_blocks_of, pack_ffn, packable
 from .packing import PackedExpert, expert_blocks, pack_expert, tier_forward
 from .prefetch import Guesser, Prefetcher
 
@@ -110,6 +111,7 @@ class ExpertRuntime:
         self.copier = make_copier(tier)
         self.moe: dict[int, MoELayerWeights] = {}
         self.tier_shared: dict = {}  # layer -> shared expert on the GPU tier (tier_units.place_shared_experts)
+        self.cpu_shared: dict = {}  # layer -> the shared expert packed for the CPU (a QuantizedFFN; else float)
         self.packed: dict[int, list[PackedExpert]] = {}
         self.caches: dict[int, ExpertCache] = {}
         gated = cfg.mlp_gated
@@ -123,7 +125,11 @@ class ExpertRuntime:
             self.packed[i] = [pack_expert(cfg, e, weight_format, threads, pin=tier.is_cuda,
                                           blocks=expert_blocks(raw, i, j, weight_format))
                               for j, e in enumerate(w.experts)]
-            self.moe[i] = MoELayerWeights(router=w.router, experts=[], shared_expert=w.shared_expert,
+            shared = w.shared_expert
+            if shared is not None and weight_format in ("int4", "int8") and packable(shared):  # as block_experts
+                self.cpu_shared[i] = pack_ffn(cfg, shared, expert_blocks_of(raw, i), weight_format, threads)
+                shared = None
+            self.moe[i] = MoELayerWeights(router=w.router, experts=[], shared_expert=shared,
                                           shared_expert_gate=w.shared_expert_gate)
         if not self.moe:
             raise TandemError("the expert cache needs a MoE model; this model has no experts")
@@ -208,6 +214,9 @@ class ExpertRuntime:
         out = combine_experts(x, routed, results, weights)  # [T, d]
         if layer in self.tier_shared:  # on the GPU tier (tier_units.TierSharedExpert)
             out = out + self.tier_shared[layer](x)
+        elif layer in self.cpu_shared:
+            y = torch.from_numpy(self.cpu_shared[layer].forward_numpy(x.contiguous().numpy())[0])  # [T, d]
+            out = out + torch.sigmoid(torch.nn.functional.linear(x, moe.shared_expert_gate)) * y
         elif moe.shared_expert is not None:
             out = out + shared_expert_out(self.cfg, moe, x)
         return out
@@ -250,7 +259,7 @@ class ExpertRuntime:
         for w in self.moe.values():
             total += w.router.numel() * w.router.element_size()
             total += w.shared_expert.nbytes if w.shared_expert is not None else 0
-        return total
+        return total + sum(q.nbytes for q in self.cpu_shared.values())
 
 
     def close(self) -> None:
