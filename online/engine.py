@@ -391,10 +391,10 @@ class Engine(LazyModules, Scoring, KVCaches):
 
     @property
     def weight_bytes_per_token(self) -> int:
-        """Weight bytes read per decoded token (attention + FFN + output head; embeddings: one row)."""
+        """Weight bytes read per decoded token (attention + FFN, a MoE layer's top-k experts + output head)."""
+        from .experts.block_experts import unread_expert_bytes
         layers = self.model.layers  # float parameters + packed (parameter-free) projections
         attn = sum(p.numel() * p.element_size() for p in layers.parameters())
         attn += sum(m.nbytes for m in layers.modules() if hasattr(m, "nbytes"))
-        head = self.model.lm_head.weight
-        head_bytes = self.executor.head_nbytes or head.numel() * head.element_size()
-        return attn + self.executor.ffn_nbytes + head_bytes
+        head_bytes = self.executor.head_nbytes or self.model.lm_head.weight.nbytes
+        return attn + self.executor.ffn_nbytes - unread_expert_bytes(self.executor, self.config) + head_bytes

@@ -47,6 +47,12 @@ def test_experts_stay_in_the_files_blocks(moe_gguf):
     assert file_bytes <= ex.ffn_nbytes <= 1.05 * file_bytes
     float_bytes = sum(e.nbytes for i in ex.float_moe for e in ex.float_moe[i].experts)
     assert float_bytes > 6 * file_bytes  # what they took before
+    from online.experts.block_experts import unread_expert_bytes
+    experts = sum(q.nbytes for i in ex.block_moe for q in ex.block_moe[i].experts)
+    assert unread_expert_bytes(ex, engine.config) == experts // 2  # top 2 of 4 read per token
+    dense = _engine(moe_gguf, threads=1)
+    floats = sum(e.nbytes for w in dense.executor.layers for e in w.experts)
+    assert unread_expert_bytes(dense.executor, dense.config) == floats // 2
     modules = _engine(moe_gguf, weight_format="int4", threads=1, fused_decode=False)
     stats = modules.generate(IDS[:4], max_new_tokens=2, ignore_eos=True).stats
     assert stats["ffn_sparsity"] == 0.0  # the selected experts' neurons, all computed (it read 1.0: 0 of 0 counted)

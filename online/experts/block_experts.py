@@ -106,3 +106,25 @@ def block_moe_layers(cfg: ModelConfig, moe_layers: dict[int, MoELayerWeights], r
                                                                fmt, threads)
         out[layer] = BlockExperts(cfg, w, experts, threshold, shared)
     return out
+
+
+def unread_expert_bytes(executor, cfg: ModelConfig) -> int:
+    """Bytes of the experts a decoded token does not read: per MoE layer, all but top_k of its experts (those
+    ``executor.ffn_nbytes`` counts: packed, in a cache's host buffers, or float)."""
+    if not cfg.is_moe:
+        return 0
+    runtime, total, blocks = getattr(executor, "experts", None), 0, getattr(executor, "block_moe", {})
+    floats = getattr(executor, "float_moe", None)
+    if floats is None:  # the dense executor: its float layers
+        floats = {i: w for i, w in enumerate(getattr(executor, "layers", [])) if isinstance(w, MoELayerWeights)}
+    for i in range(cfg.num_layers):
+        if runtime is not None and i in runtime.packed:
+            sizes = [p.nbytes for p in runtime.packed[i]]
+        elif i in blocks:
+            sizes = [q.nbytes for q in blocks[i].experts]
+        elif i in floats:
+            sizes = [e.nbytes for e in floats[i].experts]
+        else:
+            continue
+        total += sum(sizes) * (len(sizes) - cfg.num_experts_per_tok) // max(len(sizes), 1)
+    return total
