@@ -128,6 +128,10 @@ class LazyModules:
         the fused CPU path), with this generation's FFN sparsity."""
         stats = dict(self._cached_facts["run_stats"])
         stats["ffn_sparsity"] = round(1.0 - delta["ffn_neurons_active"] / max(delta["ffn_neurons_total"], 1), 4)
+        if "experts_cpu_per_token" in stats:  # an expert runtime without slots: every token's experts on the CPU
+            cfg = self.config
+            moe_layers = sum(map(cfg.is_moe_layer, range(cfg.num_layers)))
+            stats["experts_cpu_per_token"] = float(cfg.num_experts_per_tok * moe_layers)
         if self._cached_facts.get("plan_dir") is not None:
             stats["plan"] = self._cached_facts["plan_dir"]
         return stats

@@ -165,9 +165,11 @@ def test_expert_slots_keep_the_numbers(fmt_file, slots, kept, moe_gguf, moe_gguf
     ours = _engine(path, weight_format=fmt, threads=1, fused_decode=False, expert_slots=slots,
                    gpu_device="cpu").logits(IDS)
     assert _rel(ours, ref) < 1e-5 and torch.equal(ours.argmax(-1), ref.argmax(-1))
-    fused_ref = _engine(path, weight_format=fmt, threads=1).step_logits(IDS)
-    fused = _engine(path, weight_format=fmt, threads=1, expert_slots=slots, gpu_device="cpu").step_logits(IDS)
-    assert _rel(fused, fused_ref) < 1e-5 and torch.equal(fused.argmax(-1), fused_ref.argmax(-1))
+    cached = _engine(path, weight_format=fmt, threads=1, expert_slots=slots, gpu_device="cpu")
+    assert cached.decode_path == ("fused" if slots == 0 else "modules")  # slots: the cache decides per token
+    steps = cached.step_logits(IDS)  # token by token: hits on the tier in float, misses through the C rows
+    want = _engine(path, weight_format=fmt, threads=1, fused_decode=slots == 0).step_logits(IDS)
+    assert _rel(steps, want) < (1e-5 if slots == 0 else 2e-2) and torch.equal(steps.argmax(-1), want.argmax(-1))
 
 
 def test_plans_count_the_experts_as_the_runtime_keeps_them(fmt_file, tmp_path_factory):
@@ -246,8 +248,9 @@ def test_float_checkpoint_experts_are_packed_in_the_engines_format(float_moe_dir
     cached = Engine.load(str(folder), weight_format=fmt, threads=1, expert_slots=2, gpu_device="cpu")
     runtime = cached.executor.experts  # an expert cache packs the same experts, and a shared expert alike
     assert sorted(runtime.cpu_shared) == [i for i in moe_layers if ex.block_moe[i].shared is not None]
-    assert _rel(cached.logits(ids), Engine.load(str(folder), weight_format=fmt, threads=1).logits(ids)) < 1e-5
-    assert _rel(cached.step_logits(ids), fused) < 1e-5
+    plain = Engine.load(str(folder), weight_format=fmt, threads=1, fused_decode=False)
+    assert _rel(cached.logits(ids), plain.logits(ids)) < 2e-2  # hits in float on the tier, the rest in C rows
+    assert cached.decode_path == "modules" and _rel(cached.step_logits(ids), modules) < 2e-2
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
     for i in moe_layers:  # each layer against its float experts: the formats' rounding, not a wrong row or axis
         from tandem.core.ffn.dense import moe_forward
@@ -325,3 +328,19 @@ def test_q5_0_experts_read_in_place(moe_gguf, tmp_path_factory, threads):
     single = KVCache(engine.model.cfg, 32)
     want = torch.stack([step(t, i, single) for i, t in enumerate(IDS)])
     assert torch.equal(step.step_many(IDS, 0, KVCache(engine.model.cfg, 32)), want)
+
+
+def test_stats_count_the_experts_each_tier_ran(moe_gguf):
+    """Every token runs top_k experts in each MoE layer: on the tier (cache hits, copied misses) or the CPU. A cache
+    with slots keeps the module path, which consults it (the fused step read every expert from RAM, its slots unused
+    and its stats empty); without slots the fused step counts its experts on the CPU."""
+    per_token = 2 * 2  # 2 MoE layers x top 2
+    cached = _engine(moe_gguf, weight_format="int4", threads=1, expert_slots=2, gpu_device="cpu")
+    assert cached.decode_path == "modules" and "expert cache" in cached.decode_path_reason
+    stats = cached.generate(IDS[:4], max_new_tokens=12, ignore_eos=True).stats
+    assert stats["experts_gpu_per_token"] > 0 and stats["expert_hit_rate"] > 0
+    assert stats["experts_gpu_per_token"] + stats["experts_cpu_per_token"] == pytest.approx(per_token, abs=2e-3)
+    in_ram = _engine(moe_gguf, weight_format="int4", threads=1, expert_slots=0, gpu_device="cpu")
+    assert in_ram.decode_path == "fused", in_ram.decode_path_reason
+    stats = in_ram.generate(IDS[:4], max_new_tokens=12, ignore_eos=True).stats
+    assert (stats["experts_cpu_per_token"], stats["experts_gpu_per_token"], stats["expert_hit_rate"]) == (per_token, 0, 0)

@@ -64,6 +64,8 @@ def check_moe(model, executor, unavailable) -> None:
             continue
         if runtime.tier.is_cuda:
             raise unavailable("no fused decode: the MoE expert cache is on a GPU tier")
+        if runtime.caches[i].num_slots or runtime.caches[i].pinned:  # the step reads every expert from RAM
+            raise unavailable(f"no fused decode: layer {i}'s expert cache decides per token where its experts run")
         if i in runtime.tier_shared:
             raise unavailable(f"no fused decode: layer {i}'s shared expert is on the GPU tier")
 
@@ -128,6 +130,13 @@ def _packed_expert(p) -> dict:
     if q.gate is None or q.gate_bias.size:
         raise TandemError("experts without a gate, or with a gate bias")
     return dict(gate=q.gate, up=q.up, down_t=q.down_t, down=q.down, up_bias=q.up_bias, down_bias=q.down_bias)
+
+
+def count_experts(executor, n_tokens: int) -> None:
+    """The experts a fused step ran on the CPU, in the executor's expert runtime (its stats), if it has one."""
+    runtime = getattr(executor, "experts", None)
+    if runtime is not None:
+        runtime.count_fused(n_tokens)
 
 
 def build_moe(cfg, executor, layer: int) -> MoeRef:

@@ -43,7 +43,7 @@ from ..kernels.native.step_calls import StepCalls
 from ..kernels.native.arena import WeightArena
 from ..kernels.native.structs import TdmLayer, TdmModel, WeightRef, addr, describe, interleave, pair_rows
 from tandem.core.kv_cache import KVCache
-from .fused_arch import MoeRef, build_moe, check_moe, expert_width, layer_arrays, model_fields
+from .fused_arch import MoeRef, build_moe, check_moe, count_experts, expert_width, layer_arrays, model_fields
 from .fused_predict import PredictorRef, build_predictor
 from .multi_token import int_list, kv_arrays, kv_key, pack_tables, step_batch_by_token
 from .quantized_linear import describe_qkv
@@ -135,6 +135,7 @@ def _gemma_arrays(model, block) -> dict:
 class FusedDecodeStep:
     """A callable decode step over a packed CPU-only model; ``residual_ratio`` sets which activation
     blocks get a second int8 pass (see decode.c's quantize_q8: 0 every block, < 0 none)."""
+    _draft = False  # with_thresholds' clones (a drafter's steps) leave the expert runtime's counts alone
 
     def __init__(self, model, executor, native, layers: list, keep: list,
                  residual_ratio: float = DEFAULT_RESIDUAL_RATIO) -> None:
@@ -253,11 +254,13 @@ class FusedDecodeStep:
             self._bind(cache)
         # numpy's allocation: a fresh 1 MB torch.empty page-faults on every token (60-370 us for Gemma's 262k logits)
         logits = torch.from_numpy(np.empty(self._desc.vocab, dtype=np.float32))  # [vocab]
-        active = self._calls.decode(token_id, pos, logits.data_ptr())
-        counters = self.executor.counters
-        counters.ffn_neurons_total += self._neurons_per_token
-        counters.ffn_neurons_active += int(active)
+        self._count(1, self._calls.decode(token_id, pos, logits.data_ptr()))
         return logits
+
+    def _count(self, n_tokens: int, active: int) -> None:  # FFN neurons; experts run (fused_arch), not a drafter's
+        self.executor.counters.ffn_neurons_total += self._neurons_per_token * n_tokens
+        self.executor.counters.ffn_neurons_active += int(active)
+        count_experts(self.executor, 0 if self._draft else n_tokens)
 
     def step_many(self, token_ids, start_pos: int, cache: KVCache) -> torch.Tensor:
         """Logits [T, vocab] for ``token_ids`` at positions ``start_pos..start_pos+T-1`` of one sequence
@@ -357,11 +360,9 @@ class FusedDecodeStep:
             self._kv_key = kv_key(keys, values)
             self._bound_cache = None  # the single-token step rebinds its cache next time
         out = torch.empty(sum(want), self._desc.vocab, dtype=torch.float32)  # [sum(want), vocab]
-        active = self._calls.decode_batches(token_ids, positions, tables, block_tokens, keys.shape[2], want,
-                                            out.data_ptr() if out.numel() else None)
-        counters = self.executor.counters
-        counters.ffn_neurons_total += self._neurons_per_token * len(token_ids)
-        counters.ffn_neurons_active += active
+        ptr = out.data_ptr() if out.numel() else None
+        self._count(len(token_ids), self._calls.decode_batches(token_ids, positions, tables, block_tokens,
+                                                               keys.shape[2], want, ptr))
         return out
 
     def predictor_rows(self) -> tuple[int, int]:
@@ -375,8 +376,8 @@ class FusedDecodeStep:
         return any(not layer.moe and not layer.down.data for layer in self._layers)
 
     def with_thresholds(self, thresholds) -> "FusedDecodeStep":
-        """The same packed weights, KV layout and predictors at other per-layer FFN thresholds (the
-        speculative sparse drafter); its own scratch and neuron counters (not the executor's).
+        """The same packed weights, KV layout and predictors at other per-layer FFN thresholds (the speculative
+        sparse drafter); its own scratch and neuron counters (not the executor's, nor its expert runtime's).
 
         Example::
 
@@ -395,5 +396,5 @@ class FusedDecodeStep:
         clone._calls = StepCalls(clone._desc, clone._layers, self.native)  # its own scratch
         clone._bound_cache = None
         clone.executor = copy.copy(self.executor)
-        clone.executor.counters = type(self.executor.counters)()
+        clone.executor.counters, clone._draft = type(self.executor.counters)(), True
         return clone

@@ -222,6 +222,14 @@ class ExpertRuntime:
         return out
 
     # --- accounting ----------------------------------------------------------------------------
+    def count_fused(self, n_tokens: int) -> None:
+        """Experts a fused CPU step ran on ``n_tokens`` tokens (fused_arch.check_moe lets it run only where no
+        expert is on the tier): top_k per token and MoE layer, each a miss computed on the CPU."""
+        per_layer = n_tokens * self.cfg.num_experts_per_tok
+        for cache in self.caches.values():
+            cache.misses += per_layer
+        self.cpu_expert_tokens += per_layer * len(self.caches)
+
     def counters(self) -> dict[str, int]:
         """Cumulative counts (the Engine turns deltas into per-generation stats)."""
         caches = self.caches.values()
