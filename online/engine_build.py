@@ -76,15 +76,14 @@ def pin_float_leftovers(net, executor, ffn_layers: list) -> int:
     packed_head = getattr(executor, "head", None) is not None or getattr(executor, "tier_head", None) is not None
     weights = [m.weight for name, m in net.named_modules()
                if isinstance(m, nn.Linear) and not (name == "lm_head" and packed_head)]
-    float_moe = getattr(executor, "float_moe", {})
+    float_moe, block_moe = getattr(executor, "float_moe", {}), getattr(executor, "block_moe", {})
+    runtime_shared = getattr(getattr(executor, "experts", None), "cpu_shared", {})
     for i, w in enumerate(ffn_layers):
         if not isinstance(w, MoELayerWeights):
             continue
-        if i in getattr(executor, "block_moe", {}):  # packed experts and shared expert: the router, gate vector
-            weights += [w.router, w.shared_expert_gate]
-            continue
-        runtime_shared = getattr(getattr(executor, "experts", None), "cpu_shared", {})
-        ffns = ([] if i in runtime_shared else [w.shared_expert]) + (list(w.experts) if i in float_moe else [])
+        packed_shared = i in block_moe or i in runtime_shared  # (packed experts: only the router, gate vector)
+        ffns = (([] if packed_shared else [w.shared_expert])
+                + (list(w.experts) if i in float_moe and i not in block_moe else []))
         weights += [w.router, w.shared_expert_gate] + [t for f in ffns if isinstance(f, FFNWeights)
                                                        for t in vars(f).values()]
     return pin_deferred(weights)
@@ -130,5 +129,5 @@ def _expert_cache(args: EngineArgs, ckpt, ffn_layers: list, settings, head):
                                     pack_experts=False)  # the runtime below packs them
     executor.attach_experts(ExpertRuntime(cfg, ffn_layers, tier, weight_format=settings.weight_format,
                                           slots=args.expert_slots, prefetch=args.prefetch, threads=settings.threads,
-                                          raw=ckpt.raw))  # Q4_0 / Q4_1 experts kept as they are (int4)
+                                          raw=ckpt.raw))  # Q4_0 / Q4_1 (int4) or Q8_0 (int8) experts kept
     return executor

@@ -22,7 +22,7 @@ import numpy as np
 
 from tandem.core.config import ModelConfig
 from tandem.core.errors import TandemError
-from tandem.core.tier_format import expert_format_for, expert_layout_bytes, tier_matrix_bytes
+from tandem.core.tier_format import expert_file_blocks, expert_format_for, expert_layout_bytes, tier_matrix_bytes
 
 from . import cost_model
 from .expert_cache_model import lru_hit_rate
@@ -242,9 +242,7 @@ def build_problem(config: ModelConfig, stats: ActivationStats, predictors: Predi
             read_weights = rows_total * d * (config.num_experts_per_tok * config.moe_intermediate_size + config.shared_expert_intermediate_size)
             dense_ffn = DenseUnit(math.ceil(ffn_weights * bpw), *_read_seconds(read_weights * bpw, bpw, hw))
             repeat = float(stats.expert_repeat[i]) if stats.expert_repeat is not None else 0.0
-            kept = {"int4": ("q4", "q4_1"), "int8": ("q8",)}.get(expert_format_for(bpw), ())  # the file's blocks
-            in_blocks = settings.explicit_format("experts", i)
-            in_blocks = in_blocks if in_blocks in kept else None
+            in_blocks = expert_file_blocks(expert_format_for(bpw), settings.explicit_format("experts", i))
             options, order = _expert_options(config, hw, bpw, stats.expert_freq[i], repeat, gpu_enabled, in_blocks)
             shared = None
             if config.shared_expert_intermediate_size:  # as the tier stores it: rows, down as it is, fp32 gate vector

@@ -37,7 +37,6 @@ _ROLE_TENSORS = {"attn_q": "model.layers.{i}.self_attn.q_proj.weight", "attn_k":
                  "ffn_up": "model.layers.{i}.mlp.up_proj.weight", "ffn_gate": "model.layers.{i}.mlp.gate_proj.weight",
                  "ffn_down": "model.layers.{i}.mlp.down_proj.weight", "embeddings": "model.embed_tokens.weight",
                  "output": "lm_head.weight", "experts": "model.layers.{i}.mlp.experts.0.{proj}_proj.weight"}
-EXPERT_BLOCKS = ("Q4_0", "Q4_1", "Q8_0")  # online/experts/packing.py's KEPT_BLOCKS: gate, up, down all of one kind
 # GGUF block type -> the tier format that holds it: as it is (F32, F16, Q8_0, Q4_0, Q4_1) or re-encoded at
 # no fewer bits (5/6-bit types in q8; 2/3/4-bit k-quants, whose blocks carry a minimum, in q4_1)
 GGUF_TIER_FORMAT = {"F32": "fp32", "F16": "fp16", "BF16": "fp16", "Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4_1",
@@ -201,7 +200,8 @@ def checkpoint_tensor_formats(checkpoint: Any) -> dict[str, str]:
 
     Example: SmolLM2 Q4_1 (Q4_1 layers, Q8_0 tied embeddings) -> ``{"ffn_up": "q4_1", ..., "output": "q8"}``.
     """
-    from tandem.core.tier_format import TIER_FORMATS
+    from tandem.core.tier_format import EXPERT_FILE_BLOCKS, TIER_FORMATS
+    kept_kinds = {kind for kinds in EXPERT_FILE_BLOCKS.values() for kind in kinds}  # gate, up, down all of one
     types = checkpoint.quant_types or {}
     config = checkpoint.config
     out: dict[str, str] = {}
@@ -212,7 +212,7 @@ def checkpoint_tensor_formats(checkpoint: Any) -> dict[str, str]:
         if role == "experts":  # the blocks where gate, up and down are all Q4_0, all Q4_1 or all Q8_0
             kinds = {i: [types.get(pattern.format(i=i, proj=p), "").upper() for p in ("gate", "up", "down")]
                      for i in layers}
-            found = {i: GGUF_TIER_FORMAT[k[0]] if len(set(k)) == 1 and k[0] in EXPERT_BLOCKS
+            found = {i: GGUF_TIER_FORMAT[k[0]] if len(set(k)) == 1 and k[0] in kept_kinds
                      else "fp32" for i, k in kinds.items() if all(k)}  # fp32: packed from their float values
             if all(f == "fp32" for f in found.values()):
                 continue  # no layer keeps its experts' blocks: no role (as before it existed)

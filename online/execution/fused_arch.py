@@ -152,9 +152,10 @@ def build_moe(cfg, executor, layer: int) -> MoeRef:
         router, gate_vector = moe.router, moe.shared_expert_gate
         experts = ([_packed_expert(p) for p in runtime.packed[layer]] if runtime is not None
                    else [_float_expert(w) for w in moe.experts])
-        shared_weights = None if moe.shared_expert is None else _float_expert(moe.shared_expert)
         if runtime is not None and layer in runtime.cpu_shared:  # packed beside the experts
             shared_weights = _block_expert(runtime.cpu_shared[layer])
+        else:
+            shared_weights = None if moe.shared_expert is None else _float_expert(moe.shared_expert)
     table = (TdmExpert * len(experts))(*[_expert(e, keep) for e in experts])
     router = _f32(router)  # [E, d]
     shared = gate = None

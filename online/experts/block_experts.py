@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tandem.core.config import ModelConfig
-from tandem.core.ffn.dense import moe_forward
+from tandem.core.ffn.dense import gated_shared, moe_forward
 from tandem.core.ffn.weights import MoELayerWeights
 from ..execution.quantized_linear import DENSE_DOWN_EXTRA, EXACT_GGUF_TYPES, IN_PLACE_GGUF_TYPES
 from ..kernels.ffn import QuantizedFFN
@@ -50,7 +50,7 @@ class BlockExperts:
         if self.shared is None:
             return out
         y = torch.from_numpy(self.shared.forward_numpy(np.ascontiguousarray(x.numpy()), self.threshold)[0])  # [T, d]
-        return out + torch.sigmoid(torch.nn.functional.linear(x, self.shared_gate)) * y
+        return out + gated_shared(x, self.shared_gate, y)
 
     @property
     def nbytes(self) -> int:

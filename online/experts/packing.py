@@ -14,9 +14,10 @@ Example::
     y_tier = tier_forward(cfg, packed.layout, slot, x)
 
 An int4 expert of a GGUF file with Q4_0 / Q4_1 blocks, or an int8 one with Q8_0 blocks (``expert_blocks``), keeps
-the file's values: gate / up and the down projection ``[d, n_ff]`` (``down``: its blocks run along n_ff, one dense
-product) as those blocks with float32 scales, which hold f16 exactly. Re-quantizing them (gate / up to int4 codes
-again, the down to per-row int8) moved the output wherever an expert cache was on (``--expert-slots``, MoE plans).
+the file's values at the file's bytes: gate / up and the down projection ``[d, n_ff]`` (``down``: its blocks run
+along n_ff, one dense product) as those blocks with their f16 scales (and Q4_1's f16 minimums). Re-quantizing them
+(gate / up to int4 codes again, the down to per-row int8) moved the output wherever an expert cache was on
+(``--expert-slots``, MoE plans).
 """
 from __future__ import annotations
 
@@ -32,11 +33,12 @@ from tandem.core.ffn.activations import gated_hidden, activate
 from tandem.core.ffn.dense import ffn_down, ffn_hidden
 from tandem.core.ffn.weights import FFNWeights
 from ..kernels.ffn import QuantizedFFN
+from tandem.core.tier_format import _RAW_AS_IS, EXPERT_FILE_BLOCKS
+from .block_experts import expert_blocks_of
 from ..kernels.quantize import BlockInt8Weight, Fp32Weight, Int4Weight, Int8Weight, quantize, weight_from_gguf
 
 ALIGN_BYTES = 64
 EXPERT_FORMATS = ("fp32", "int8", "int4")
-KEPT_BLOCKS = {"int4": ("Q4_0", "Q4_1"), "int8": ("Q8_0",)}  # GGUF blocks an expert buffer holds as they are
 _NP_TO_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16, np.dtype(np.int8): torch.int8,
                 np.dtype(np.uint8): torch.uint8}  # float16: int4 scales (quantize.py keeps them as GGUF does)
 
@@ -133,10 +135,14 @@ def dense_down_fits(fmt: str, n_ff: int, group_size: int = 32) -> bool:
 def expert_blocks(raw: dict | None, layer: int, expert: int, fmt: str) -> dict | None:
     """The GGUF tensors {"up", "gate", "down"} of one expert in a checkpoint's ``raw``, where all three are blocks
     a ``fmt`` buffer keeps (int4: Q4_0 / Q4_1, int8: Q8_0; else None: the expert is quantized from float)."""
-    prefix = f"model.layers.{layer}.mlp.experts.{expert}"
-    found = {n: (raw or {}).get(f"{prefix}.{n}_proj.weight") for n in ("up", "gate", "down")}
-    kinds = {getattr(t, "qtype", None) for t in found.values()}  # one kind for all three (the planner's role)
-    return found if len(kinds) == 1 and kinds <= set(KEPT_BLOCKS.get(fmt, ())) else None
+    found = expert_blocks_of(raw, layer, expert)
+    kinds = {t.qtype for t in found.values()} if found is not None else set()  # one for all three (the planner's role)
+    return found if len(kinds) == 1 and kinds <= set(EXPERT_FILE_BLOCKS.get(fmt, ())) else None
+
+
+def block_format(blocks: dict | None) -> str | None:
+    """The tier format ("q4", "q4_1", "q8") of ``expert_blocks``' kind, the layout expert_layout_bytes counts."""
+    return None if blocks is None else _RAW_AS_IS[blocks["up"].qtype][0]
 
 
 def _dequantize(v: dict[str, torch.Tensor], prefix: str, group_size: int) -> torch.Tensor:

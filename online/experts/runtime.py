@@ -24,14 +24,15 @@ import torch
 from placement.hardware import PRESETS
 from tandem.core.errors import TandemError
 from tandem.core.config import ModelConfig
-from tandem.core.ffn.dense import combine_experts, route, shared_expert_out, tokens_by_expert
+from tandem.core.ffn.dense import combine_experts, gated_shared, route, shared_expert_out, tokens_by_expert
+from tandem.core.tier_format import expert_layout_bytes
 from ..execution.gpu_tier import GpuTier
 from tandem.core.ffn.weights import MoELayerWeights
 from .cache import ExpertCache
 from .copier import make_copier
 from .cost import MissCostModel
 from .block_experts import expert_blocks_of, pack_ffn, packable
-from .packing import PackedExpert, expert_blocks, pack_expert, tier_forward
+from .packing import PackedExpert, block_format, expert_blocks, pack_expert, tier_forward
 from .prefetch import Guesser, Prefetcher
 
 MISS_POLICIES = ("auto", "copy", "cpu")  # cost model | always copy (mixtral-offloading) | always CPU
@@ -68,14 +69,13 @@ def tier_bytes_needed(cfg: ModelConfig, layer_weights: list, weight_format: str,
                       slots: int | Sequence[int] | None, pinned=None, raw: dict | None = None) -> int:
     """GPU-tier bytes an ExpertRuntime with these settings (and the checkpoint's GGUF ``raw``) allocates."""
     slots_per_layer, pinned_per_layer = _per_layer(slots, cfg, "expert cache slots"), _pinned_sets(pinned, cfg)
-    total, sizes = 0, {}  # packed size by the first expert's block types (one packing per kind, not per layer)
+    total = 0
     for i, w in enumerate(layer_weights):
         if isinstance(w, MoELayerWeights):
             blocks = expert_blocks(raw, i, 0, weight_format)
-            key = None if blocks is None else tuple(t.qtype for t in blocks.values())
-            if key not in sizes:
-                sizes[key] = pack_expert(cfg, w.experts[0], weight_format, blocks=blocks).nbytes
-            expert_nbytes = sizes[key]
+            n_ff, d = w.experts[0].up.shape  # the layout pack_expert makes, from shapes (nothing decoded)
+            expert_nbytes = expert_layout_bytes(d, n_ff, w.experts[0].gate is not None, weight_format,
+                                                bias=cfg.mlp_bias, file_blocks=block_format(blocks))
             n_pinned = len(pinned_per_layer[i])
             total += (min(slots_per_layer[i], len(w.experts) - n_pinned) + n_pinned) * expert_nbytes
     return total
@@ -216,7 +216,7 @@ class ExpertRuntime:
             out = out + self.tier_shared[layer](x)
         elif layer in self.cpu_shared:
             y = torch.from_numpy(self.cpu_shared[layer].forward_numpy(x.contiguous().numpy())[0])  # [T, d]
-            out = out + torch.sigmoid(torch.nn.functional.linear(x, moe.shared_expert_gate)) * y
+            out = out + gated_shared(x, moe.shared_expert_gate, y)
         elif moe.shared_expert is not None:
             out = out + shared_expert_out(self.cfg, moe, x)
         return out

@@ -25,6 +25,9 @@ TIER_FORMATS = {"fp32": 4.0, "fp16": 2.0, "q8": 1.0625, "q4_1": 0.625, "q4": 0.5
 BLOCK = 32
 # GGUF block types a tier format holds as they are: (format, bytes of the block head: f16 scale (+ minimum))
 _RAW_AS_IS = {"Q8_0": ("q8", 2), "Q4_0": ("q4", 2), "Q4_1": ("q4_1", 4), "F32": ("fp32", 0), "F16": ("fp16", 0)}
+# GGUF kinds an int4 / int8 expert buffer keeps as they are, gate, up and down all of one kind
+# (online/experts/packing.py packs them; placement.settings' ``experts`` role names their tier format)
+EXPERT_FILE_BLOCKS = {"int4": ("Q4_0", "Q4_1"), "int8": ("Q8_0",)}
 
 
 def format_lookup(pairs, role: str, layer: int | None, default: str) -> str:
@@ -75,6 +78,17 @@ def expert_format_for(bytes_per_weight: float) -> str:
     if bytes_per_weight >= TIER_FORMATS["fp32"]:
         return "fp32"
     return "int8" if bytes_per_weight >= TIER_FORMATS["q8"] else "int4"
+
+
+def expert_file_blocks(fmt: str, role_format: str | None) -> str | None:
+    """The tier format of the file's blocks an expert in ``fmt`` keeps, given the plan's ``experts`` role format
+    for its layer (None where the role names none, or a kind ``fmt`` does not keep).
+
+    >>> expert_file_blocks("int4", "q4_1"), expert_file_blocks("int8", "q4"), expert_file_blocks("int8", "q8")
+    ('q4_1', None, 'q8')
+    """
+    kept = {_RAW_AS_IS[kind][0] for kind in EXPERT_FILE_BLOCKS.get(fmt, ())}
+    return role_format if role_format in kept else None
 
 
 def expert_layout_bytes(hidden_size: int, n_ff: int, gated: bool, fmt: str, bias: bool = False,

@@ -38,9 +38,15 @@ def route(cfg: ModelConfig, moe: MoELayerWeights, x: torch.Tensor) -> tuple[torc
     return expert_ids, weights.to(x.dtype), logits
 
 
+def gated_shared(x: torch.Tensor, shared_gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A shared expert's output ``y`` [T, d] scaled by sigmoid(shared_gate . x) (Qwen2-MoE), however ``y`` was
+    computed (float here, packed rows in online/experts)."""
+    return torch.sigmoid(F.linear(x, shared_gate)) * y
+
+
 def shared_expert_out(cfg: ModelConfig, moe: MoELayerWeights, x: torch.Tensor) -> torch.Tensor:
     y = ffn_down(moe.shared_expert, ffn_hidden(cfg, moe.shared_expert, x))  # [T, d]
-    return torch.sigmoid(F.linear(x, moe.shared_expert_gate)) * y
+    return gated_shared(x, moe.shared_expert_gate, y)
 
 
 def tokens_by_expert(expert_ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
