@@ -41,7 +41,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-peer", action="store_true", help="Tandem only (no bench/peers/venv)")
     args = ap.parse_args()
-    gguf = model_path(args)
+    from tandem.core.errors import TandemError
+    try:
+        gguf = model_path(args)
+        if not Path(gguf).is_file():
+            raise TandemError(f"{gguf} is not a file")
+    except (TandemError, OSError) as exc:  # an unknown shape, a missing file: one line, exit 2
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     timing = ["--threads", str(args.threads), "--runs", str(args.runs), "--decode-tokens", str(args.decode_tokens)]
     tandem = [sys.executable, "-m", "bench.systems.tandem_dense", "--model", gguf, "--weight-format", "int4", *timing]
     rows = [] if args.no_peer else [("llama.cpp", [str(PEER_PYTHON), "bench/systems/llamacpp.py", "--gguf", gguf,

@@ -32,6 +32,8 @@ def requantize(src: Path, dst: Path, qtype: str = "Q8_0", only: str = "") -> int
         if qtype not in FILE_TYPES:
             raise ValueError(f"unknown target type {qtype!r} (choose from {', '.join(FILE_TYPES)})")
         changed = _write(reader, gguf.GGUFWriter(str(tmp), arch), getattr(Q, qtype), FILE_TYPES[qtype], only)
+        if not changed:  # (no copy of the file left behind)
+            raise ValueError(f"no Q4_0 / Q4_1 tensor of {src} has {only!r} in its name")
         os.replace(tmp, dst)
     finally:
         if tmp.exists():
